@@ -1,0 +1,1 @@
+"""distill stage of moe-pipeline (filled by a later issue)."""

@@ -1,0 +1,1 @@
+"""eval stage of moe-pipeline (filled by a later issue)."""

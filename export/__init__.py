@@ -1,0 +1,1 @@
+"""export stage of moe-pipeline (filled by a later issue)."""

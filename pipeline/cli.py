@@ -1,0 +1,106 @@
+"""`moe-pipeline`: the command line. Maps command names to stage functions and does nothing else.
+
+    moe-pipeline teacher recipes/tiny.yaml [--nproc 2] [--set teacher.train.steps=50] [--run-dir DIR] [--redo]
+    moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
+
+With `--nproc N` (or `distributed.nproc` in the recipe) above the number of running ranks, the
+command restarts itself under the DeepSpeed launcher; on many nodes, start it yourself:
+`deepspeed --hostfile HOSTFILE --no_local_rank --module pipeline.cli teacher recipes/1.3b.yaml`.
+Recipe errors print one line naming the key and exit with status 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from pipeline.recipe import RecipeError, load_recipe
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="a recipe YAML, e.g. recipes/tiny.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a recipe value (parsed as YAML), e.g. --set teacher.train.steps=50")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-pipeline", description="PR-MoE teacher -> Mixture-of-Students pipeline")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("teacher", help="train (or load) the recipe's PR-MoE teacher")
+    _recipe_args(p)
+    p.add_argument("--nproc", type=int, default=None, help="ranks on this machine (default: distributed.nproc)")
+    p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
+    p.add_argument("--redo", action="store_true", help="discard a finished or interrupted stage and start over")
+
+    p = sub.add_parser("plan", help="parameter counts, expert-parallel layout and memory per rank")
+    _recipe_args(p)
+    p.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: distributed.nproc)")
+    p.add_argument("--json", action="store_true", help="print one JSON object {teacher: ..., student: ...}")
+    return parser
+
+
+def cmd_plan(args) -> int:
+    from pipeline.plan import format_plan, plan
+
+    recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+    world = args.world_size or recipe.distributed.nproc
+    try:
+        result = plan(recipe, world)
+    except ValueError as err:
+        raise RecipeError("--world-size", world, str(err)) from None
+    print(json.dumps(result) if args.json else format_plan(result, world))
+    return 0
+
+
+def cmd_teacher(args, argv: list[str]) -> int:
+    from pipeline import dist
+
+    running = int(os.environ.get("WORLD_SIZE", "1")) if dist.under_launcher() else None
+    recipe = load_recipe(args.recipe, args.overrides)
+    nproc = args.nproc or recipe.distributed.nproc
+    if running is None and nproc > 1:
+        load_recipe(args.recipe, args.overrides, world_size=nproc)  # fail here, not on every rank
+        return dist.relaunch(nproc, "pipeline.cli", [a for a in _strip_nproc(argv)])
+    recipe = load_recipe(args.recipe, args.overrides, world_size=running or 1)
+
+    from pipeline.runs import RunDir
+    from pipeline.teacher import run_teacher
+
+    ranks = dist.init()
+    run = RunDir(args.run_dir or Path("runs") / recipe.name)
+    run_teacher(recipe, run, ranks, redo=args.redo)
+    return 0
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return cmd_plan(args)
+        if args.command == "teacher":
+            return cmd_teacher(args, argv)
+    except RecipeError as err:
+        print(f"recipe error: {err}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

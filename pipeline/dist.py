@@ -1,0 +1,67 @@
+"""Process set-up: one rank or many, always through DeepSpeed.
+
+`init()` joins the ranks started by the DeepSpeed launcher (or makes a 1-rank group when run
+directly), and `relaunch()` restarts the current command under the launcher when more ranks are
+asked for than are running, as `accelerate launch` / `torchrun` users expect.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+
+def under_launcher() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init() -> Ranks:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU) and size the thread pool."""
+    import deepspeed
+    import torch.distributed as td
+
+    if not under_launcher():  # a 1-rank group, on a free port so concurrent runs never collide
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if not td.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    if not torch.cuda.is_available():
+        # without core binding every rank would use all cores: split them between the local ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return Ranks(td.get_rank(), td.get_world_size(), int(os.environ["LOCAL_RANK"]), local_world)
+
+
+def barrier() -> None:
+    import torch.distributed as td
+
+    if td.is_initialized() and td.get_world_size() > 1:
+        td.barrier()
+
+
+def relaunch(nproc: int, module: str, args: list[str]) -> int:
+    """Run `python -m module args` on `nproc` local ranks through the DeepSpeed launcher."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+           "--master_port", str(free_port()), "--no_local_rank", "--module", module, *args]
+    print(f"launching {nproc} ranks: deepspeed --num_gpus {nproc} --module {module} {' '.join(args)}",
+          file=sys.stderr, flush=True)
+    return subprocess.call(cmd)

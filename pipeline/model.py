@@ -1,0 +1,415 @@
+"""The PR-MoE GPT: one model for teacher, student, evaluation and serving.
+
+A GPT-3-style decoder (pre-LayerNorm, learned positions, GeLU MLPs, optionally tied embeddings)
+whose MLP is replaced by a Mixture-of-Experts on every `moe_every`-th layer. Each MoE layer has
+its own expert count (Pyramid: more experts in the top layers) and may be Residual: a fixed dense
+MLP plus one routed expert, mixed per token by a learned 2-way softmax (DeepSpeed-MoE, 2022).
+
+Two interchangeable MoE implementations with the same parameter names:
+  * "deepspeed": `deepspeed.moe.layer.MoE`, expert parallel across ranks (training, serving);
+  * "reference": plain PyTorch with every expert local, no launcher or process group needed
+    (exported packages, tests). `tests/test_model.py` holds them to the same outputs.
+
+This file imports only torch (DeepSpeed lazily), so it can ship inside an exported package.
+
+    python -m pipeline.model      # build a tiny model, print its size, check cache == full forward
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    seq_len: int  # context length = number of learned positions
+    layers: int
+    hidden: int
+    heads: int
+    experts: tuple[int, ...]  # experts per MoE layer, bottom to top
+    moe_every: int = 2
+    mlp_type: str = "residual"  # "standard" | "residual"
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float | None = None  # None: no token dropping outside training
+    min_capacity: int = 4
+    aux_loss_coef: float = 0.01
+    ffn_mult: int = 4
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        object.__setattr__(self, "experts", tuple(self.experts))
+        assert len(self.experts) == self.layers // self.moe_every, "one experts entry per MoE layer"
+        assert self.hidden % self.heads == 0
+
+    def is_moe(self, layer: int) -> bool:
+        return (layer + 1) % self.moe_every == 0  # 1-indexed layers moe_every, 2*moe_every, ...
+
+    def experts_at(self, layer: int) -> int:
+        return self.experts[(layer + 1) // self.moe_every - 1]
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+def default_ep_size(num_experts: int, world_size: int, override: int | None = None) -> int:
+    """Expert-parallel degree of one layer: min(world, experts) unless set; must divide both."""
+    ep = override if override is not None else min(world_size, num_experts)
+    if num_experts % ep or world_size % ep:
+        raise ValueError(f"expert-parallel degree {ep} must divide the layer's {num_experts} experts "
+                         f"and the world size {world_size}; set distributed.ep_size to a common divisor")
+    return ep
+
+
+# -- attention --------------------------------------------------------------------------------
+
+class KVCache:
+    """Per-layer key/value buffers for incremental decoding: [B, heads, max_len, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
+        shape = (batch, cfg.heads, max_len, cfg.hidden // cfg.heads)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
+        self.length = 0  # tokens already cached (same for every sequence of the batch)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = k.shape[2]
+        end = self.length + T
+        if end > self.k[layer].shape[2]:
+            raise ValueError(f"KV cache holds {self.k[layer].shape[2]} tokens, {end} needed")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        # separate q, k, v projections (not one fused qkv): DeepSpeed's AutoTP can slice them
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, C = x.shape
+        H = self.heads
+        # [B, T, C] -> [B, H, T, C/H]
+        q, k, v = (proj(x).view(B, T, H, -1).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.update(layer, k, v)  # [B, H, past+T, C/H]
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:
+            # new query i (absolute position past+i) sees keys 0..past+i
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, C)  # [B, H, T, C/H] -> [B, T, C]
+        return self.out_proj(y)
+
+
+# -- MLP and Mixture-of-Experts --------------------------------------------------------------
+
+class MLP(nn.Module):
+    """h -> ffn_mult*h -> h with GeLU: the dense MLP, and every expert (8h^2 + 5h parameters at 4x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn_mult * cfg.hidden)
+        self.fc2 = nn.Linear(cfg.ffn_mult * cfg.hidden, cfg.hidden)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc2(F.gelu(self.fc1(x))))
+
+
+class _Gate(nn.Module):
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.wg = nn.Linear(hidden, num_experts, bias=False)  # DeepSpeed's name; always run in fp32
+
+
+class _Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, num_experts: int):
+        super().__init__()
+        self.deepspeed_experts = nn.ModuleList(MLP(cfg) for _ in range(num_experts))
+
+
+class _ReferenceDispatch(nn.Module):
+    """Top-k routing over local experts; module names mirror DeepSpeed's `deepspeed_moe`."""
+
+    def __init__(self, cfg: ModelConfig, num_experts: int):
+        super().__init__()
+        self.cfg, self.num_experts = cfg, num_experts
+        self.gate = _Gate(cfg.hidden, num_experts)
+        self.experts = _Experts(cfg, num_experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg, E = self.cfg, self.num_experts
+        S, C = x.shape  # tokens, hidden
+        logits = F.linear(x.float(), self.gate.wg.weight.float())  # [S, E], fp32 as DeepSpeed's gate
+        probs = logits.softmax(dim=-1)
+        top_p, top_i = probs.topk(cfg.top_k, dim=-1)  # [S, k]
+        if cfg.top_k > 1:  # top-2 mixes the two choices renormalised; top-1 keeps the raw probability
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
+        first = F.one_hot(top_i[:, 0], E).float()  # [S, E]
+        aux = E * (probs.mean(0) * first.mean(0)).sum()  # GShard load-balancing loss
+        counts = F.one_hot(top_i, E).sum(dim=(0, 1))  # [E] tokens routed per expert
+        keep = torch.ones_like(top_p, dtype=torch.bool)  # [S, k]
+        factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
+        if factor is not None:  # drop tokens past an expert's capacity, in token order
+            capacity = max(math.ceil(S / E * factor * cfg.top_k), cfg.min_capacity)
+            onehot = F.one_hot(top_i.t().reshape(-1), E)  # [k*S, E]: all first choices, then second
+            position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # slot of each (choice, token)
+            keep = (position < capacity).view(cfg.top_k, S).t()
+        out = torch.zeros_like(x)
+        for e in range(E):
+            token, choice = ((top_i == e) & keep).nonzero(as_tuple=True)
+            if token.numel():
+                y = self.experts.deepspeed_experts[e](x[token])
+                out.index_add_(0, token, y * top_p[token, choice, None].to(y.dtype))
+        return out, aux, counts
+
+
+class MoE(nn.Module):
+    """One MoE layer. Returns (output, aux loss, tokens per expert)."""
+
+    def __init__(self, cfg: ModelConfig, num_experts: int, impl: str = "reference", ep_size: int = 1):
+        super().__init__()
+        self.cfg, self.num_experts, self.impl, self.ep_size = cfg, num_experts, impl, ep_size
+        residual = cfg.mlp_type == "residual"
+        if impl == "deepspeed":
+            from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+            # DeepSpeed names the parts deepspeed_moe.{gate.wg, experts.deepspeed_experts.i}, mlp, coefficient
+            self.moe = DeepSpeedMoE(cfg.hidden, MLP(cfg), num_experts=num_experts, ep_size=ep_size, k=cfg.top_k,
+                                    capacity_factor=cfg.capacity_factor,
+                                    eval_capacity_factor=cfg.eval_capacity_factor or 1.0,
+                                    min_capacity=cfg.min_capacity, use_residual=residual, drop_tokens=True)
+        elif impl == "reference":
+            assert ep_size == 1, "the reference MoE holds every expert locally"
+            self.moe = nn.Module()
+            self.moe.deepspeed_moe = _ReferenceDispatch(cfg, num_experts)
+            if residual:
+                self.moe.mlp = MLP(cfg)
+                self.moe.coefficient = nn.Linear(cfg.hidden, 2)
+        else:
+            raise ValueError(f"unknown MoE implementation {impl!r}: 'deepspeed' or 'reference'")
+        self.train(True)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.impl == "deepspeed":
+            gate = self.moe.deepspeed_moe.gate
+            drop = mode or self.cfg.eval_capacity_factor is not None
+            gate.drop_tokens = drop
+            # without dropping, capacity is the busiest expert's load: min_capacity only forbids tiny batches
+            gate.min_capacity = self.cfg.min_capacity if drop else 0
+            gate.top2_2nd_expert_sampling = mode  # sample the 2nd expert only while training
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.impl == "deepspeed":
+            return self.moe(x)
+        B, T, C = x.shape
+        out, aux, counts = self.moe.deepspeed_moe(x.reshape(B * T, C))  # [B*T, C]
+        out = out.view(B, T, C)
+        if self.cfg.mlp_type == "residual":
+            coef = self.moe.coefficient(x).softmax(dim=-1)  # [B, T, 2]: expert weight, dense MLP weight
+            out = out * coef[..., 0:1] + self.moe.mlp(x) * coef[..., 1:]
+        return out, aux, counts
+
+
+# -- block and model ---------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, moe_impl: str, ep_size: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.hidden)
+        self.is_moe = cfg.is_moe(layer)
+        self.mlp = MoE(cfg, cfg.experts_at(layer), moe_impl, ep_size) if self.is_moe else MLP(cfg)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cache=None, layer=0):
+        x = x + self.resid_dropout(self.attn(self.ln_1(x), cache, layer))
+        h = self.ln_2(x)
+        if self.is_moe:
+            h, aux, counts = self.mlp(h)
+        else:
+            h, aux, counts = self.mlp(h), None, None
+        return x + h, aux, counts
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor  # [B, T, vocab]
+    loss: torch.Tensor | None = None  # lm_loss + aux_loss (training objective)
+    lm_loss: torch.Tensor | None = None  # masked mean cross-entropy over real tokens
+    aux_loss: torch.Tensor | None = None  # aux_loss_coef * sum of the MoE layers' balancing losses
+    expert_counts: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: [experts] tokens routed
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe_impl: str = "reference", world_size: int = 1,
+                 ep_size: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(
+            Block(cfg, i, moe_impl,
+                  default_ep_size(cfg.experts_at(i), world_size, ep_size) if cfg.is_moe(i) else 1)
+            for i in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.mlp for b in self.blocks if b.is_moe]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None, cache: KVCache | None = None) -> Output:
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        if start + T > self.cfg.seq_len:
+            raise ValueError(f"{start + T} tokens exceed the model's context of {self.cfg.seq_len}")
+        pos = torch.arange(start, start + T, device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(pos))  # [B, T, C]
+        aux_losses, counts = [], []
+        for i, block in enumerate(self.blocks):
+            x, aux, c = block(x, cache, i)
+            if aux is not None:
+                aux_losses.append(aux)
+                counts.append(c)
+        if cache is not None:
+            cache.length += T
+        logits = self.lm_head(self.ln_f(x))  # [B, T, vocab]
+        out = Output(logits=logits, expert_counts=counts)
+        out.aux_loss = self.cfg.aux_loss_coef * torch.stack([a.float() for a in aux_losses]).sum()
+        if labels is not None:
+            out.lm_loss = masked_cross_entropy(logits, labels, loss_mask)
+            out.loss = out.lm_loss + out.aux_loss
+        return out
+
+
+def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean next-token cross-entropy over the tokens the mask keeps (not over B*T)."""
+    nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")  # [B*T]
+    if loss_mask is None:
+        return nll.mean()
+    mask = loss_mask.flatten().float()
+    return (nll * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+# -- parameter names across expert-parallel layouts --------------------------------------------
+
+_EXPERT_KEY = ".deepspeed_experts."
+
+
+def split_expert_key(name: str) -> tuple[str, int, str] | None:
+    """'blocks.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts.3.fc1.weight' -> (prefix, 3, 'fc1.weight')."""
+    if _EXPERT_KEY not in name:
+        return None
+    prefix, rest = name.split(_EXPERT_KEY, 1)
+    index, suffix = rest.split(".", 1)
+    return prefix, int(index), suffix
+
+
+def expert_layer(model: GPT, prefix: str) -> MoE:
+    """The MoE module owning the expert parameters under `prefix` (e.g. 'blocks.1.mlp.moe...experts')."""
+    return model.blocks[int(prefix.split(".")[1])].mlp
+
+
+def global_name(model: GPT, name: str, ep_rank_of) -> str:
+    """A parameter's name with its local expert index replaced by the global expert id."""
+    parts = split_expert_key(name)
+    if parts is None:
+        return name
+    prefix, local, suffix = parts
+    moe = expert_layer(model, prefix)
+    return f"{prefix}{_EXPERT_KEY}{ep_rank_of(moe) * moe.num_local_experts + local}.{suffix}"
+
+
+def init_weights(model: GPT, seed: int, ep_rank_of=lambda moe: 0) -> None:
+    """Initialise every parameter from a generator seeded by (seed, its global name).
+
+    The result does not depend on the expert-parallel layout: expert 5 of layer 3 gets the same
+    weights whether it lives on rank 0 of 1 or rank 1 of 2 (the EP-parity tests rely on this),
+    and the experts start different from each other (DeepSpeed deep-copies one expert).
+    """
+    cfg = model.cfg
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen or p.is_meta:
+            continue
+        seen.add(id(p))
+        gname = global_name(model, name, ep_rank_of)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
+        if name.endswith("bias"):
+            value = torch.zeros(p.shape)
+        elif ".ln_" in name or name.startswith("ln_"):
+            value = torch.ones(p.shape)
+        else:
+            std = cfg.init_std
+            if name.endswith(("out_proj.weight", "fc2.weight")):
+                std /= math.sqrt(2 * cfg.layers)  # residual-branch outputs, as GPT-2/Megatron scale them
+            value = torch.randn(p.shape, generator=g) * std
+        with torch.no_grad():
+            p.copy_(value.to(p.dtype))
+
+
+def param_counts(model: GPT) -> dict[str, int]:
+    """Total parameters and those active per token (one routed expert each for top-1, k for top-k).
+
+    Works on the meta device; expert parameters are counted globally (num_experts x one expert)
+    whatever the expert-parallel layout.
+    """
+    total = active = 0
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        parts = split_expert_key(name)
+        if parts is None:
+            total += p.numel()
+            active += p.numel()
+            continue
+        moe = expert_layer(model, parts[0])
+        if parts[1] == 0:  # count one expert's shape once per layer, scaled to all experts
+            total += p.numel() * moe.num_experts
+            active += p.numel() * moe.cfg.top_k
+    return {"total": total, "active_per_token": active}
+
+
+if __name__ == "__main__":
+    cfg = ModelConfig(vocab_size=512, seq_len=64, layers=4, hidden=64, heads=4, experts=(2, 4))
+    model = GPT(cfg).eval()
+    init_weights(model, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    full = model(ids).logits
+    cache = KVCache(cfg, batch=2, max_len=16)
+    steps = [model(ids[:, :8], cache=cache).logits] + [model(ids[:, t:t + 1], cache=cache).logits for t in range(8, 16)]
+    print(param_counts(model), "cache vs full max diff:", (torch.cat(steps, 1) - full).abs().max().item())

@@ -1,0 +1,85 @@
+"""`moe-pipeline plan`: sizes of the recipe's teacher and student, counted from the model code.
+
+Both models are built on the meta device (no memory), so the paper's 31B-parameter teacher plans
+in a second on a laptop. Memory per rank is an estimate for training: weights, gradients and Adam
+state for the recipe's precision and ZeRO stage, with experts split by expert parallelism and
+their optimizer state by ZeRO over the expert-data-parallel group (activations not included).
+
+    moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.model import GPT, ModelConfig, default_ep_size, param_counts, split_expert_key
+from pipeline.recipe import Recipe, TrainSpec
+from pipeline.teacher import model_config
+
+
+def _bytes_per_param(train: TrainSpec) -> dict[str, int]:
+    if train.precision == "fp32":
+        return {"weights": 4, "gradients": 4, "optimizer": 8}  # Adam m, v
+    return {"weights": 2, "gradients": 2, "optimizer": 12}  # fp32 master copy + Adam m, v
+
+
+def memory_per_rank(cfg: ModelConfig, ep: list[int], train: TrainSpec, world: int) -> dict[str, int]:
+    """Bytes of training state on one rank, split into weights, gradients and optimizer state.
+
+    The rank holds E/ep experts of each MoE layer, replicated over the world/ep ranks of its
+    expert-data-parallel group (ZeRO partitions their gradients/optimizer state over that group);
+    everything else is replicated over all ranks.
+    """
+    per = _bytes_per_param(train)
+    local_cfg = ModelConfig(**{**cfg.to_dict(), "experts": tuple(e // d for e, d in zip(cfg.experts, ep))})
+    with torch.device("meta"):
+        local = GPT(local_cfg, moe_impl="reference")
+    moe_index = {i: n for n, i in enumerate(i for i in range(cfg.layers) if cfg.is_moe(i))}
+    out = {"weights": 0, "gradients": 0, "optimizer": 0}
+    for name, p in local.named_parameters():
+        parts = split_expert_key(name)
+        dp = world if parts is None else world // ep[moe_index[int(parts[0].split(".")[1])]]
+        n = p.numel()
+        out["weights"] += n * per["weights"]
+        out["gradients"] += n * per["gradients"] // (dp if train.zero_stage >= 2 else 1)
+        out["optimizer"] += n * per["optimizer"] // (dp if train.zero_stage >= 1 else 1)
+    out["total"] = sum(out.values())
+    return out
+
+
+def describe(cfg: ModelConfig, train: TrainSpec, world: int, ep_override: int | None) -> dict:
+    ep = [default_ep_size(e, world, ep_override) for e in cfg.experts]
+    with torch.device("meta"):
+        counts = param_counts(GPT(cfg, moe_impl="reference"))
+    mem = memory_per_rank(cfg, ep, train, world)
+    return {
+        "params_total": counts["total"],
+        "params_active_per_token": counts["active_per_token"],
+        "layers": cfg.layers,
+        "experts": list(cfg.experts),
+        "ep_size": ep,
+        "memory_per_rank_bytes": mem["total"],
+        "memory_per_rank_breakdown": {k: v for k, v in mem.items() if k != "total"},
+        "tokens_per_step": train.global_batch_size * cfg.seq_len,
+        "total_steps": train.steps,
+    }
+
+
+def plan(recipe: Recipe, world: int) -> dict:
+    ep = recipe.distributed.ep_size
+    return {
+        "teacher": describe(model_config(recipe), recipe.teacher.train, world, ep),
+        "student": describe(model_config(recipe, recipe.student.layers, recipe.student_experts()),
+                            recipe.student.train, world, ep),
+    }
+
+
+def format_plan(result: dict, world: int) -> str:
+    lines = [f"world size {world}"]
+    for role, d in result.items():
+        lines.append(f"{role}: {d['params_total'] / 1e9:.2f}B parameters ({d['params_active_per_token'] / 1e9:.2f}B "
+                     f"active per token), {d['layers']} layers, experts {d['experts']}, ep {d['ep_size']}")
+        lines.append(f"  memory per rank {d['memory_per_rank_bytes'] / 2**30:.1f} GiB "
+                     + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in d["memory_per_rank_breakdown"].items())
+                     + f"; {d['tokens_per_step']:,} tokens a step x {d['total_steps']:,} steps")
+    return "\n".join(lines)

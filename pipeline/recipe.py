@@ -1,0 +1,279 @@
+"""Recipes: one YAML file per experiment, validated into frozen, typed config objects.
+
+A recipe names everything a run needs: data, the teacher's architecture, how teacher and student
+train, and how many ranks run it. Defaults live here and nowhere else; an unknown key, a wrong
+type, an out-of-range value or an inconsistent combination raises `RecipeError`, whose one-line
+message names the key path, the value and what was expected (the CLI prints it and exits 2).
+
+    python -m pipeline.recipe recipes/tiny.yaml --set teacher.train.steps=50   # print the resolved recipe
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# GPT-2's 50,257 entries padded to 50,304, as Megatron's make-vocab-size-divisible-by 128 does:
+# matmuls over a multiple of 128 are faster, and the paper's parameter counts assume it.
+VOCAB_MULTIPLE = 128
+GPT2_VOCAB = 50257
+
+
+class RecipeError(ValueError):
+    """A recipe problem: the key path, the value found and what was expected."""
+
+    def __init__(self, path: str, value: Any, expected: str):
+        self.path, self.value, self.expected = path, value, expected
+        super().__init__(f"{path} = {value!r}: {expected}")
+
+
+class Section(BaseModel):
+    # strict: a string is not silently turned into a number; frozen: a recipe never changes after loading
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class DataSpec(Section):
+    train: str | list[str] = "bundled"  # "bundled", "hf:NAME[:CONFIG]", or local .txt/.jsonl/.parquet paths or globs
+    text_field: str = "text"  # the text column of .jsonl/.parquet/HF rows
+    validation_fraction: float = Field(0.05, gt=0, lt=0.5)  # of whole documents (books, plays)
+    tokenizer: Literal["gpt2", "bpe"] = "bpe"  # GPT-2's BPE, or a byte-level BPE trained on the train split
+    vocab_size: int = Field(8192, ge=260, le=1_000_000)  # bpe only: small, so the output layer doesn't dominate
+    seq_len: int = Field(256, ge=8)  # tokens per training sequence; also the model's context (learned positions)
+
+
+class ModelSpec(Section):
+    layers: int = Field(ge=1)
+    hidden: int = Field(ge=8)
+    heads: int = Field(ge=1)
+    experts: list[int] = Field(min_length=1)  # one entry per MoE layer, bottom to top (pyramid: grows upwards)
+    moe_every: int = Field(2, ge=1)  # MoE replaces the MLP on layers moe_every, 2*moe_every, ... (1-indexed)
+    mlp_type: Literal["standard", "residual"] = "residual"  # residual: dense MLP + one routed expert, mixed per token
+    top_k: Literal[1, 2] = 1
+    capacity_factor: float = Field(1.0, gt=0)  # training capacity (tokens beyond it are dropped)
+    eval_capacity_factor: float | None = Field(None, gt=0)  # None: no token dropping in eval/inference (the paper)
+    min_capacity: int = Field(4, ge=0)
+    aux_loss_coef: float = Field(0.01, ge=0)  # load-balancing loss weight (paper: 0.01)
+    ffn_mult: int = Field(4, ge=1)  # expert and dense MLP: hidden -> ffn_mult*hidden -> hidden
+    dropout: float = Field(0.0, ge=0, lt=1)
+    tie_embeddings: bool = True
+    init_std: float = Field(0.014, gt=0)  # paper: 0.014; output projections are scaled by 1/sqrt(2*layers)
+
+
+class TrainSpec(Section):
+    steps: int = Field(ge=1)  # optimizer steps
+    micro_batch_size: int = Field(ge=1)  # sequences per rank per forward
+    global_batch_size: int = Field(ge=1)  # sequences per optimizer step over all ranks
+    lr: float = Field(gt=0)
+    min_lr: float = Field(0.0, ge=0)  # cosine decays lr to this over `steps`
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 uses a dynamic loss scale (GPU only)
+    zero_stage: Literal[0, 1, 2] = 0  # DeepSpeed's MoE supports ZeRO 0-2
+    checkpoint_every: int = Field(100, ge=1)
+    checkpoint_keep: int = Field(2, ge=1)  # newest DeepSpeed checkpoints kept on disk
+    eval_every: int = Field(100, ge=1)
+    eval_batches: int = Field(8, ge=1)  # held-out micro-batches per rank per validation
+    log_every: int = Field(10, ge=1)
+
+
+class TeacherSpec(Section):
+    load: str | None = None  # an existing teacher directory (config.json, model.safetensors, tokenizer/) instead of training
+    train: TrainSpec
+
+
+class StudentSpec(Section):
+    layers: int = Field(ge=1)  # the Mixture-of-Students is shallower than its teacher (paper: 24 -> 21)
+    experts: list[int] | None = None  # None: the teacher's list without its lowest MoE layers (the paper's rule)
+    train: TrainSpec
+
+
+class DistributedSpec(Section):
+    nproc: int = Field(1, ge=1)  # ranks on this node when the CLI launches them itself
+    ep_size: int | None = Field(None, ge=1)  # expert-parallel degree; None: per layer min(world size, experts)
+
+
+class Recipe(Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    seed: int = 1234
+    data: DataSpec = DataSpec()
+    model: ModelSpec
+    teacher: TeacherSpec
+    student: StudentSpec
+    distributed: DistributedSpec = DistributedSpec()
+
+    # -- derived facts, computed from the fields above (never stored twice) --
+
+    def moe_layer_count(self, layers: int) -> int:
+        return layers // self.model.moe_every
+
+    def student_experts(self) -> list[int]:
+        if self.student.experts is not None:
+            return list(self.student.experts)
+        drop = len(self.model.experts) - self.moe_layer_count(self.student.layers)
+        return list(self.model.experts[max(drop, 0):])
+
+    def vocab_size(self) -> int:
+        """The model's embedding rows: the tokenizer's size padded to a multiple of VOCAB_MULTIPLE."""
+        n = GPT2_VOCAB if self.data.tokenizer == "gpt2" else self.data.vocab_size
+        return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `3e-4` as a string; recipes mean a float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_value(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`a.b.c=VALUE` with VALUE parsed as YAML; the key path must exist in the schema (checked later)."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError("--set", item, "expected KEY.PATH=VALUE, e.g. teacher.train.steps=50")
+        path, value = item.split("=", 1)
+        keys = path.strip().split(".")
+        node = raw
+        for depth, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(".".join(keys[: depth + 1]), child, "a mapping, so it has no sub-keys")
+            node = child
+        node[keys[-1]] = parse_value(value)
+    return raw
+
+
+def _first_error(err: ValidationError) -> RecipeError:
+    e = err.errors(include_url=False)[0]
+    path = ".".join(str(p) for p in e["loc"]) or "(recipe)"
+    more = f" (and {err.error_count() - 1} more problem(s))" if err.error_count() > 1 else ""
+    expected = e["msg"]
+    if e["type"] == "extra_forbidden":
+        expected = "unknown key; check its spelling against pipeline/recipe.py"
+    elif e["type"] == "missing":
+        expected = "required key is missing"
+    return RecipeError(path, e.get("input"), expected + more)
+
+
+def check_consistency(recipe: Recipe, world_size: int | None = None) -> None:
+    """Cross-field rules that a single field's type cannot express."""
+    m, s = recipe.model, recipe.student
+    if m.hidden % m.heads:
+        raise RecipeError("model.heads", m.heads, f"must divide model.hidden ({m.hidden})")
+    n_moe = recipe.moe_layer_count(m.layers)
+    if n_moe == 0:
+        raise RecipeError("model.moe_every", m.moe_every, f"must be <= model.layers ({m.layers}) so some layer is MoE")
+    if len(m.experts) != n_moe:
+        raise RecipeError("model.experts", m.experts,
+                          f"one entry per MoE layer: {n_moe} entries ({m.layers} layers, MoE every {m.moe_every})")
+    for i, e in enumerate(m.experts):
+        if e < 1:
+            raise RecipeError(f"model.experts.{i}", e, "an expert count >= 1")
+        if e < m.top_k:
+            raise RecipeError(f"model.experts.{i}", e, f"at least model.top_k ({m.top_k}) experts")
+    if s.layers >= m.layers:
+        raise RecipeError("student.layers", s.layers, f"must be < teacher layers ({m.layers})")
+    n_student_moe = recipe.moe_layer_count(s.layers)
+    if n_student_moe == 0:
+        raise RecipeError("student.layers", s.layers, f"at least model.moe_every ({m.moe_every}) so the student keeps an MoE layer")
+    student_experts = recipe.student_experts()
+    if len(student_experts) != n_student_moe:
+        raise RecipeError("student.experts", s.experts,
+                          f"one entry per student MoE layer: {n_student_moe} entries ({s.layers} layers, MoE every {m.moe_every})")
+    for name, train in (("teacher.train", recipe.teacher.train), ("student.train", s.train)):
+        if train.min_lr > train.lr:
+            raise RecipeError(f"{name}.min_lr", train.min_lr, f"<= {name}.lr ({train.lr})")
+        if train.warmup_steps > train.steps:
+            raise RecipeError(f"{name}.warmup_steps", train.warmup_steps, f"<= {name}.steps ({train.steps})")
+        if not all(0 <= b < 1 for b in train.betas):
+            raise RecipeError(f"{name}.betas", train.betas, "two numbers in [0, 1)")
+    if recipe.data.seq_len < 1 or (recipe.data.tokenizer == "bpe" and recipe.data.vocab_size < 260):
+        raise RecipeError("data.vocab_size", recipe.data.vocab_size, ">= 260 (256 bytes + specials)")
+    world = world_size or recipe.distributed.nproc
+    ep = recipe.distributed.ep_size
+    if ep is not None:
+        if world % ep:
+            raise RecipeError("distributed.ep_size", ep, f"must divide the world size ({world})")
+        for key, experts in (("model.experts", m.experts), ("student.experts", student_experts)):
+            for i, e in enumerate(experts):
+                if e % ep:
+                    raise RecipeError(f"{key}.{i}", e, f"divisible by distributed.ep_size ({ep})")
+    for name, train in (("teacher.train", recipe.teacher.train), ("student.train", s.train)):
+        per_step = train.micro_batch_size * world
+        if train.global_batch_size % per_step:
+            raise RecipeError(f"{name}.global_batch_size", train.global_batch_size,
+                              f"a multiple of micro_batch_size x world size ({train.micro_batch_size} x {world} = {per_step})")
+
+
+def load_recipe(path: str | Path, overrides: list[str] = (), world_size: int | None = None) -> Recipe:
+    """Read, override, validate. Raises RecipeError (one line) on any problem; writes nothing."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError("recipe", str(path), "an existing YAML file, e.g. recipes/tiny.yaml")
+    try:
+        raw = yaml.load(path.read_text(), Loader=_Loader)
+    except yaml.YAMLError as err:
+        raise RecipeError("recipe", str(path), f"valid YAML ({err})".replace("\n", " ")) from None
+    if not isinstance(raw, dict):
+        raise RecipeError("recipe", str(path), "a YAML mapping at the top level")
+    raw = apply_overrides(raw, list(overrides))
+    return validate(raw, world_size)
+
+
+def validate(raw: dict, world_size: int | None = None) -> Recipe:
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as err:
+        raise _first_error(err) from None
+    check_consistency(recipe, world_size)
+    return recipe
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def diff_recipes(a: Recipe, b: Recipe) -> list[str]:
+    """Key paths whose values differ, for 'this run directory holds another recipe' errors."""
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(d, dict):
+            out: dict[str, Any] = {}
+            for k, v in d.items():
+                out.update(flat(v, f"{prefix}{k}."))
+            return out
+        return {prefix[:-1]: d}
+    fa, fb = flat(a.model_dump(mode="json")), flat(b.model_dump(mode="json"))
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    try:
+        print(dump_recipe(load_recipe(args.recipe, args.set)), end="")
+    except RecipeError as err:
+        print(f"recipe error: {err}", file=sys.stderr)
+        sys.exit(2)

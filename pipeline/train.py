@@ -1,0 +1,190 @@
+"""The DeepSpeed training loop shared by the teacher and the student stages.
+
+One function, `train_model`: `deepspeed.initialize` with MoE parameter groups, the recipe's
+precision and ZeRO stage; warmup + cosine learning rate; gradient clipping and accumulation;
+the MoE aux loss; a progress bar with loss, lr and tokens/s; `metrics.jsonl`; periodic held-out
+validation; DeepSpeed checkpoints (per-expert files) every N steps that resume exactly (optimizer,
+scheduler, data position, RNG); consolidated safetensors weights at the end.
+
+A stage passes `step_fn` to change what a micro-batch computes (the student's KD loss does).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from pipeline.data import PackedTokens, global_sample_ids
+from pipeline.dist import Ranks, barrier
+from pipeline.model import GPT
+from pipeline.recipe import TrainSpec
+from pipeline.runs import RunDir
+
+CHECKPOINTS = "checkpoints"
+
+
+def deepspeed_config(train: TrainSpec, world: int) -> dict:
+    """The DeepSpeed JSON, generated from the recipe (never templated by hand)."""
+    return {
+        "train_batch_size": train.global_batch_size,
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.global_batch_size // (train.micro_batch_size * world),
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization": {"stage": train.zero_stage},
+        "bf16": {"enabled": train.precision == "bf16"},
+        # loss_scale 0: dynamic loss scaling, as the paper's fp16 runs
+        "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "steps_per_print": 1 << 30,  # our progress bar and metrics.jsonl report instead
+        "wall_clock_breakdown": False,
+    }
+
+
+def lr_lambda(train: TrainSpec) -> Callable[[int], float]:
+    """Multiplier of `train.lr` at a step: linear warmup, then cosine down to `min_lr` at the last step."""
+    floor = train.min_lr / train.lr
+
+    def f(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def param_groups(model: GPT, weight_decay: float) -> list[dict]:
+    """Decay matrices only (not biases or LayerNorm), then split experts into their own groups."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
+def lm_step(engine, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The teacher's micro-batch: LM cross-entropy + MoE aux loss."""
+    out = engine(batch["input_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
+    return out.loss, {"lm_loss": out.lm_loss.detach(), "aux_loss": out.aux_loss.detach()}
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as td
+
+    if td.is_initialized() and td.get_world_size() > 1:
+        td.all_reduce(t)
+    return t
+
+
+@torch.no_grad()
+def evaluate(model: GPT, val: PackedTokens, batches: int, micro: int, ranks: Ranks) -> float:
+    """Mean held-out loss per real token over the first batches*micro*world blocks (fixed, in order)."""
+    was_training = model.training
+    model.eval()  # no token dropping, no dropout
+    total = torch.zeros(2, dtype=torch.float64)
+    for b in range(batches):
+        first = (b * ranks.world + ranks.rank) * micro
+        ids = [(first + i) % val.num_blocks for i in range(micro)]
+        batch = val.batch(ids)
+        out = model(batch["input_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
+        n = batch["loss_mask"].sum()
+        total += torch.stack([out.lm_loss.double() * n, n.double()])
+    model.train(was_training)
+    total = _all_reduce_sum(total)
+    return (total[0] / total[1]).item()
+
+
+def _rng_path(ckpt_dir: Path, tag: str, rank: int) -> Path:
+    return ckpt_dir / tag / f"rng_rank{rank}.pt"
+
+
+def _prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
+    tags = sorted((d for d in ckpt_dir.glob("global_step*") if d.is_dir()),
+                  key=lambda d: int(d.name.removeprefix("global_step")))
+    for d in tags[:-keep]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data: PackedTokens,
+                run: RunDir, stage: str, work_dir: Path, seed: int, ranks: Ranks,
+                step_fn=lm_step, extra_log: Callable[[int], dict] | None = None) -> dict:
+    """Train `model` in place (resuming from `work_dir/checkpoints` if present). Returns a summary."""
+    import deepspeed
+
+    ckpt_dir = work_dir / CHECKPOINTS
+    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr,
+                                  betas=tuple(train.betas), eps=train.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(train, ranks.world))
+
+    start = 0
+    if (ckpt_dir / "latest").is_file():
+        _, client = engine.load_checkpoint(str(ckpt_dir))
+        start = int(client["step"])
+        tag = (ckpt_dir / "latest").read_text().strip()
+        torch.set_rng_state(torch.load(_rng_path(ckpt_dir, tag, ranks.rank), weights_only=True))
+        if ranks.rank == 0:
+            run.truncate_metrics(stage, after_step=start)
+            print(f"[{stage}] resumed from {ckpt_dir / tag} at step {start}", flush=True)
+    else:
+        torch.manual_seed(seed)  # dropout and the gate's random token selection
+
+    micro, world = train.micro_batch_size, ranks.world
+    accum = train.global_batch_size // (micro * world)
+    tokens_per_step = train.global_batch_size * train_data.seq_len
+    bar = tqdm(total=train.steps, initial=start, desc=stage, unit="step", disable=ranks.rank != 0,
+               dynamic_ncols=True)
+    sums: dict[str, torch.Tensor] = {}
+    window_start, window_steps, t0 = time.perf_counter(), 0, time.perf_counter()
+    val_loss = None
+    engine.train()
+    for step in range(start, train.steps):
+        ids = global_sample_ids(train_data.num_blocks, seed, step * train.global_batch_size, train.global_batch_size)
+        for m in range(accum):
+            first = (m * world + ranks.rank) * micro
+            batch = train_data.batch(ids[first:first + micro])
+            loss, parts = step_fn(engine, batch, step)
+            engine.backward(loss)
+            engine.step()
+            for k, v in {"loss": loss.detach(), **parts}.items():
+                sums[k] = sums.get(k, 0) + v.float() / accum
+        window_steps += 1
+        done = step + 1
+        if done % train.log_every == 0 or done == train.steps:
+            names = sorted(sums)
+            values = _all_reduce_sum(torch.stack([sums[k] for k in names]).double()) / (world * window_steps)
+            elapsed = time.perf_counter() - window_start
+            record = {"stage": stage, "step": done, **{k: round(v, 5) for k, v in zip(names, values.tolist())},
+                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": round(tokens_per_step * window_steps / elapsed, 1),
+                      **(extra_log(done) if extra_log else {})}
+            if ranks.rank == 0:
+                run.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                tok_s=f"{record['tokens_per_s']:.0f}")
+            sums, window_start, window_steps = {}, time.perf_counter(), 0
+        if done % train.eval_every == 0 or done == train.steps:
+            val_loss = evaluate(engine.module, val_data, train.eval_batches, micro, ranks)
+            if ranks.rank == 0:
+                run.log({"stage": stage, "step": done, "val_loss": round(val_loss, 5)})
+                bar.write(f"[{stage}] step {done}: validation loss {val_loss:.4f}")
+        if done % train.checkpoint_every == 0 and done < train.steps:
+            tag = f"global_step{done}"
+            engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": done})
+            torch.save(torch.get_rng_state(), _rng_path(ckpt_dir, tag, ranks.rank))
+            barrier()
+            if ranks.rank == 0:
+                _prune_checkpoints(ckpt_dir, train.checkpoint_keep)
+        bar.update(1)
+    bar.close()
+    if val_loss is None:  # resumed at the very end: report the held-out loss anyway
+        val_loss = evaluate(engine.module, val_data, train.eval_batches, micro, ranks)
+    return {"steps": train.steps, "resumed_from_step": start, "val_loss": val_loss,
+            "tokens_per_step": tokens_per_step, "train_seconds": round(time.perf_counter() - t0, 2)}

@@ -1,0 +1,136 @@
+"""Consolidated weights: safetensors files with global expert ids, readable at any expert-parallel degree.
+
+A model trained on N ranks holds each MoE layer's experts spread over its expert-parallel group,
+numbered locally. `save_weights` writes every tensor once under its global name (expert ids
+counted over the whole layer): one `model.safetensors`, or with several writing ranks one shard per
+rank plus `model.safetensors.index.json` (Hugging Face's sharded layout). `load_weights` fills a
+model of any layout, reading only the tensors that rank owns (lazy `safe_open`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pipeline.model import GPT, global_name, split_expert_key
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def ep_rank_of(moe) -> int:
+    """This rank's index inside the layer's expert-parallel group (DeepSpeed groups consecutive ranks)."""
+    import torch.distributed as td
+
+    rank = td.get_rank() if td.is_initialized() else 0
+    return rank % moe.ep_size
+
+
+def unique_params(model: GPT):
+    """(name, tensor) for each parameter once: a tied lm_head is the embedding and is not stored twice."""
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield name, p
+
+
+def _owned(model: GPT, rank: int) -> dict[str, torch.Tensor]:
+    """Tensors this rank writes: its experts if it is in the first expert-parallel group, plus (rank 0) the rest."""
+    out = {}
+    for name, p in unique_params(model):
+        parts = split_expert_key(name)
+        if parts is None:
+            if rank == 0:
+                out[name] = p
+        else:
+            moe = model.blocks[int(parts[0].split(".")[1])].mlp
+            if rank < moe.ep_size:  # ranks 0..ep-1 hold every expert of the layer exactly once
+                out[global_name(model, name, lambda m: rank % m.ep_size)] = p
+    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
+def save_weights(model: GPT, out_dir: Path, metadata: dict[str, str] | None = None) -> list[str]:
+    """Collective: every rank calls it. Returns the file names written (on every rank)."""
+    import torch.distributed as td
+
+    rank = td.get_rank() if td.is_initialized() else 0
+    world = td.get_world_size() if td.is_initialized() else 1
+    writers = max([1] + [m.ep_size for m in model.moe_layers()])
+    out_dir = Path(out_dir)
+    meta = {"format": "pt", **(metadata or {})}
+    if writers == 1:
+        if rank == 0:
+            _atomic_save(_owned(model, 0), out_dir / WEIGHTS, meta)
+        files = [WEIGHTS]
+    else:
+        files = [f"model-{i + 1:05d}-of-{writers:05d}.safetensors" for i in range(writers)]
+        if rank < writers:
+            _atomic_save(_owned(model, rank), out_dir / files[rank], meta)
+    if world > 1:
+        td.barrier()
+    if writers > 1 and rank == 0:
+        weight_map, total = {}, 0
+        for f in files:
+            with safe_open(out_dir / f, framework="pt") as sf:
+                for key in sf.keys():
+                    weight_map[key] = f
+            total += (out_dir / f).stat().st_size
+        _atomic_write_text(out_dir / INDEX, json.dumps(
+            {"metadata": {"total_size": total, **meta}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
+        files.append(INDEX)
+    if world > 1:
+        td.barrier()
+    return files
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def weight_files(src: Path) -> dict[str, str]:
+    """Global tensor name -> file name inside `src` (single file or sharded with an index)."""
+    src = Path(src)
+    if (src / INDEX).is_file():
+        return json.loads((src / INDEX).read_text())["weight_map"]
+    if (src / WEIGHTS).is_file():
+        with safe_open(src / WEIGHTS, framework="pt") as sf:
+            return {k: WEIGHTS for k in sf.keys()}
+    raise FileNotFoundError(f"{src} has no {WEIGHTS} or {INDEX}: train or export a model there first "
+                            f"(moe-pipeline teacher RECIPE)")
+
+
+def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of) -> None:
+    """Fill `model` (any expert-parallel layout) from consolidated weights, reading only its own tensors."""
+    src = Path(src)
+    where = weight_files(src)
+    wanted = {global_name(model, name, ep_rank_of): p for name, p in unique_params(model)}
+    missing = sorted(set(wanted) - set(where))
+    if missing:
+        raise ValueError(f"{src} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[0]}: "
+                         f"the weights belong to a different architecture (check config.json)")
+    by_file: dict[str, list[str]] = {}
+    for key in wanted:
+        by_file.setdefault(where[key], []).append(key)
+    with torch.no_grad():
+        for f, keys in by_file.items():
+            with safe_open(src / f, framework="pt") as sf:
+                for key in keys:
+                    t = sf.get_tensor(key)
+                    p = wanted[key]
+                    if t.shape != p.shape:
+                        raise ValueError(f"{src / f}: {key} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}")
+                    p.copy_(t.to(p.dtype))

@@ -1,0 +1,48 @@
+"""Shared test set-up: offline hubs, one data cache per session, helpers to run the real CLI."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A small teacher for stage tests: same code paths as recipes/tiny.yaml, seconds instead of minutes.
+SMALL = [
+    "model.layers=4", "model.hidden=64", "model.heads=4", "model.experts=[2,4]", "data.seq_len=64",
+    "teacher.train.micro_batch_size=4", "teacher.train.global_batch_size=8", "teacher.train.warmup_steps=2",
+    "teacher.train.log_every=2", "teacher.train.eval_batches=2", "student.layers=3",
+    "student.train.micro_batch_size=4", "student.train.global_batch_size=8",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """Tokenize the bundled corpus once per session, shared by every test and subprocess."""
+    path = os.environ.get("MOE_PIPELINE_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
+    os.environ["MOE_PIPELINE_CACHE"] = path
+    return Path(path)
+
+
+def cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `moe-pipeline ARGS` as a user would (a real process, from the repository root)."""
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=os.environ.copy())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"moe-pipeline {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def sets(*items: str) -> list[str]:
+    out = []
+    for item in items:
+        out += ["--set", item]
+    return out

@@ -1,0 +1,156 @@
+"""The model's spec, as parity tests: reference MoE == DeepSpeed MoE, cache == full forward,
+one expert == the dense MLP, residual mixing == its definition, init independent of the layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.model import GPT, MLP, KVCache, ModelConfig, MoE, init_weights, masked_cross_entropy, param_counts
+
+
+def config(**kw) -> ModelConfig:
+    base = dict(vocab_size=256, seq_len=32, layers=4, hidden=32, heads=4, experts=(2, 4))
+    return ModelConfig(**{**base, **kw})
+
+
+def pair(cfg: ModelConfig, seed: int = 0) -> tuple[GPT, GPT]:
+    ref, ds = GPT(cfg, moe_impl="reference"), GPT(cfg, moe_impl="deepspeed")
+    init_weights(ref, seed)
+    init_weights(ds, seed)
+    return ref, ds
+
+
+def test_reference_and_deepspeed_share_parameter_names():
+    ref, ds = pair(config())
+    assert list(ref.state_dict()) == list(ds.state_dict())
+
+
+@pytest.mark.parametrize("mlp_type", ["standard", "residual"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_reference_moe_equals_deepspeed_moe(mlp_type, top_k):
+    ref, ds = pair(config(mlp_type=mlp_type, top_k=top_k))
+    ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(1))
+    a, b = ref.eval()(ids, labels=ids), ds.eval()(ids, labels=ids)
+    torch.testing.assert_close(a.logits, b.logits, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)
+    for ca, cb in zip(a.expert_counts, b.expert_counts):
+        assert ca.tolist() == cb.tolist()
+
+
+def test_training_capacity_drops_tokens_and_eval_does_not():
+    cfg = config(mlp_type="standard", capacity_factor=0.25, min_capacity=0)
+    ref, ds = pair(cfg)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
+    for model in (ref, ds):
+        moe = model.moe_layers()[1]
+        moe.train()
+        dropped = (moe(x)[0].abs().sum(-1) == 0).sum().item()  # a dropped token gets a zero MoE output
+        moe.eval()
+        kept = (moe(x)[0].abs().sum(-1) == 0).sum().item()
+        assert dropped >= 32 - 4 * 2  # 32 tokens, 4 experts, capacity ceil(32/4 * 0.25) = 2 each
+        assert kept == 0
+
+
+def test_one_expert_equals_the_dense_mlp():
+    cfg = config(experts=(1, 1), mlp_type="standard")
+    moe = MoE(cfg, num_experts=1, impl="deepspeed").eval()
+    mlp = MLP(cfg)
+    mlp.load_state_dict(moe.moe.deepspeed_moe.experts.deepspeed_experts[0].state_dict())
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(moe(x)[0], mlp(x))  # a single expert gets every token with gate weight 1
+
+
+def test_residual_mixing_matches_its_definition():
+    cfg = config(mlp_type="residual", top_k=1)
+    for impl in ("reference", "deepspeed"):
+        moe = MoE(cfg, num_experts=4, impl=impl).eval()
+        torch.manual_seed(0)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        x = torch.randn(2, 8, 32)
+        out = moe(x)[0]
+        tokens = x.reshape(-1, 32)
+        probs = F.linear(tokens, moe.moe.deepspeed_moe.gate.wg.weight).softmax(-1)
+        p1, e1 = probs.max(-1)
+        experts = moe.moe.deepspeed_moe.experts.deepspeed_experts
+        routed = torch.stack([p1[i] * experts[int(e1[i])](tokens[i]) for i in range(len(tokens))])
+        c = moe.moe.coefficient(tokens).softmax(-1)  # (c0, c1) per token
+        expected = routed * c[:, :1] + moe.moe.mlp(tokens) * c[:, 1:]
+        torch.testing.assert_close(out.reshape(-1, 32), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "deepspeed"])
+def test_kv_cache_decoding_equals_full_forward(impl):
+    cfg = config(top_k=2)
+    model = GPT(cfg, moe_impl=impl).eval()
+    init_weights(model, 3)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = KVCache(cfg, batch=2, max_len=20)
+        parts = [model(ids[:, :7], cache=cache).logits, model(ids[:, 7:12], cache=cache).logits]
+        parts += [model(ids[:, t:t + 1], cache=cache).logits for t in range(12, 20)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_context_overflow_is_an_error():
+    model = GPT(config())
+    with pytest.raises(ValueError, match="exceed the model's context of 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_init_does_not_depend_on_expert_layout():
+    """Expert e of a layer gets the same weights as global expert e on any rank of any EP degree."""
+    cfg = config()
+    whole = GPT(cfg)
+    init_weights(whole, 7)
+    half = GPT(cfg)  # pretend this is rank 1 of 2: its local expert 0 is global expert 2 of layer 2
+    for moe in half.moe_layers():
+        moe.ep_size = 2
+    init_weights(half, 7, ep_rank_of=lambda moe: 1)
+    w = whole.blocks[3].mlp.moe.deepspeed_moe.experts.deepspeed_experts
+    h = half.blocks[3].mlp.moe.deepspeed_moe.experts.deepspeed_experts
+    torch.testing.assert_close(h[0].fc1.weight, w[2].fc1.weight)
+    assert not torch.equal(w[0].fc1.weight, w[1].fc1.weight)  # experts start different
+    torch.testing.assert_close(half.wte.weight, whole.wte.weight)
+
+
+def test_masked_loss_averages_over_real_tokens():
+    logits = torch.randn(2, 5, 11)
+    labels = torch.randint(0, 11, (2, 5))
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float)
+    nll = F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), reduction="none").reshape(2, 5)
+    expected = (nll[0, 0] + nll[0, 1] + nll[1, 0]) / 3
+    torch.testing.assert_close(masked_cross_entropy(logits, labels, mask), expected)
+
+
+def test_aux_loss_is_the_balancing_loss_times_its_coefficient():
+    cfg = config(mlp_type="standard", aux_loss_coef=0.5)
+    model = GPT(cfg).eval()
+    init_weights(model, 0)
+    ids = torch.randint(0, 256, (2, 16))
+    out = model(ids)
+    # recompute the GShard loss E * sum(mean gate prob * fraction routed) from the gates' inputs
+    captured = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: captured.append(args[0])) for m in model.moe_layers()]
+    model(ids)
+    for h in hooks:
+        h.remove()
+    total = 0.0
+    for moe, x in zip(model.moe_layers(), captured):
+        probs = F.linear(x.reshape(-1, 32), moe.moe.deepspeed_moe.gate.wg.weight).softmax(-1)
+        frac = F.one_hot(probs.argmax(-1), moe.num_experts).float().mean(0)
+        total += moe.num_experts * (probs.mean(0) * frac).sum()
+    torch.testing.assert_close(out.aux_loss, 0.5 * total)
+
+
+def test_param_counts_count_every_expert_and_active_ones():
+    cfg = config(mlp_type="residual", experts=(2, 4), tie_embeddings=True)
+    counts = param_counts(GPT(cfg))
+    h = 32
+    expert = 8 * h * h + 5 * h
+    dense_part = sum(p.numel() for n, p in GPT(cfg).named_parameters() if "deepspeed_experts" not in n)
+    assert counts["total"] == dense_part + 6 * expert
+    assert counts["active_per_token"] == dense_part + 2 * expert  # one routed expert per MoE layer (top-1)

@@ -1,0 +1,51 @@
+"""`moe-pipeline plan`: counts come from the model code and match the paper's reference counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT, cli
+from pipeline.plan import plan
+from pipeline.recipe import load_recipe
+
+# PAPER.md: a GPT-2-style count reproduces the paper's sizes (4B/3.5B, 31B/27B) to its rounding
+# (reference teacher, reference student, paper's teacher label, its student label, decimals in the labels)
+REFERENCE = {"350m": (4.12e9, 3.54e9, 4, 3.5, (0, 1)), "1.3b": (31.39e9, 26.94e9, 31, 27, (0, 0))}
+
+
+@pytest.mark.parametrize("name", ["350m", "1.3b"])
+def test_paper_sizes(name):
+    result = plan(load_recipe(ROOT / "recipes" / f"{name}.yaml"), world=128)
+    teacher_ref, student_ref, teacher_b, student_b, (t_digits, s_digits) = REFERENCE[name]
+    t, s = result["teacher"]["params_total"], result["student"]["params_total"]
+    assert abs(t - teacher_ref) / teacher_ref < 0.01 and abs(s - student_ref) / student_ref < 0.01
+    assert round(t / 1e9, t_digits) == teacher_b and round(s / 1e9, s_digits) == student_b
+    assert result["teacher"]["layers"] == 24 and result["student"]["layers"] == 21
+    assert len(result["student"]["experts"]) == 10
+
+
+def test_memory_shrinks_with_expert_parallelism_and_zero():
+    recipe = load_recipe(ROOT / "recipes" / "1.3b.yaml")
+    small = plan(recipe, world=8)["teacher"]
+    big = plan(recipe, world=128)["teacher"]
+    assert big["ep_size"] == [64] * 10 + [128] * 2 and small["ep_size"] == [8] * 12
+    assert big["memory_per_rank_bytes"] < small["memory_per_rank_bytes"]
+    zero1 = plan(load_recipe(ROOT / "recipes" / "1.3b.yaml", ["teacher.train.zero_stage=1"]), world=128)["teacher"]
+    assert zero1["memory_per_rank_breakdown"]["optimizer"] < big["memory_per_rank_breakdown"]["optimizer"]
+
+
+def test_plan_json_cli():
+    proc = cli("plan", "recipes/1.3b.yaml", "--world-size", "128", "--json")
+    result = json.loads(proc.stdout)  # exactly one JSON object on stdout
+    assert set(result) == {"teacher", "student"}
+    keys = {"params_total", "params_active_per_token", "layers", "experts", "ep_size", "memory_per_rank_bytes",
+            "tokens_per_step", "total_steps"}
+    assert keys <= set(result["teacher"]) and keys <= set(result["student"])
+    assert result["teacher"]["tokens_per_step"] == 512 * 2048 and result["teacher"]["total_steps"] == 286103
+
+
+def test_plan_rejects_world_size_that_experts_cannot_split():
+    proc = cli("plan", "recipes/tiny.yaml", "--world-size", "3", check=False)
+    assert proc.returncode == 2 and "recipe error:" in proc.stderr
