@@ -89,6 +89,9 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipeline.dist import quiet_cpu_accelerator
+
+    quiet_cpu_accelerator()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:

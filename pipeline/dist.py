@@ -34,8 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def quiet_cpu_accelerator() -> None:
+    """Name DeepSpeed's CPU accelerator on a machine without GPUs, instead of a warning per rank."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def init() -> Ranks:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU) and size the thread pool."""
+    quiet_cpu_accelerator()
     import deepspeed
     import torch.distributed as td
 

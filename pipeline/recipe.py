@@ -31,6 +31,15 @@ class RecipeError(ValueError):
         self.path, self.value, self.expected = path, value, expected
         super().__init__(f"{path} = {value!r}: {expected}")
 
+    @classmethod
+    def from_message(cls, message: str) -> "RecipeError":
+        """Wrap a message that already starts with its key (as pipeline.data's errors do)."""
+        err = cls.__new__(cls)
+        ValueError.__init__(err, message)
+        err.path = re.split(r"[:= ]", message, maxsplit=1)[0]
+        err.value, err.expected = None, message
+        return err
+
 
 class Section(BaseModel):
     # strict: a string is not silently turned into a number; frozen: a recipe never changes after loading

@@ -60,7 +60,7 @@ def prepare(recipe: Recipe, ranks: Ranks) -> data_lib.PreparedData:
         if ranks.local_rank != 0:
             prepared = data_lib.prepare_data(recipe.data, cache_root())
     except ValueError as err:  # data errors name their recipe key
-        raise RecipeError("data", recipe.data.train, str(err)) from None
+        raise RecipeError.from_message(str(err)) from None
     if prepared.vocab_size > recipe.vocab_size():
         raise RecipeError("data.vocab_size", prepared.vocab_size,
                           f"<= the model's vocabulary ({recipe.vocab_size()})")
@@ -77,17 +77,15 @@ def write_stage_files(work: Path, cfg: ModelConfig, prepared: data_lib.PreparedD
 def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -> Path:
     """Train (or load) the teacher; returns the finished stage directory. Collective over all ranks."""
     t0 = time.time()
-    if ranks.rank == 0:
-        run.check_recipe(recipe, redo)
-        run.write_recipe(recipe)
-    barrier()
+    run.check_recipe(recipe, redo)
     if run.done(STAGE) and not redo:
         if ranks.rank == 0:
             print(f"[teacher] already done: {run.stage(STAGE)} (pass --redo to train again)", flush=True)
         return run.stage(STAGE)
-    prepared = prepare(recipe, ranks)
+    prepared = prepare(recipe, ranks)  # data errors stop us here, before anything is written
     if ranks.rank == 0:
-        work = run.start(STAGE, redo)
+        run.write_recipe(recipe)
+        run.start(STAGE, redo)
     barrier()
     work = run.partial(STAGE)
     cfg = model_config(recipe)

@@ -82,3 +82,12 @@ def test_cli_recipe_error_exits_2_with_one_line_and_writes_nothing(tmp_path):
 def test_cli_missing_recipe_file(tmp_path):
     proc = cli("plan", str(tmp_path / "nope.yaml"), check=False)
     assert proc.returncode == 2 and "recipe = " in proc.stderr
+
+
+def test_cli_data_error_exits_2_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli("teacher", "recipes/tiny.yaml", *sets(f"data.train={tmp_path}/missing/*.txt"), "--run-dir", str(run_dir),
+               check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("recipe error: data.train: the pattern")
+    assert not run_dir.exists()

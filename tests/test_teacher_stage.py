@@ -1,0 +1,98 @@
+"""The teacher stage end to end on the real bundled corpus: files, skip on re-run, load, and resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, SMALL, cli, sets
+
+pytestmark = pytest.mark.slow
+
+RUN = SMALL + ["teacher.train.steps=16", "teacher.train.checkpoint_every=4", "teacher.train.eval_every=8"]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("runs") / "a"
+    cli("teacher", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN))
+    return run
+
+
+def test_stage_writes_exactly_its_files(finished):
+    stage = finished / "teacher"
+    assert sorted(p.name for p in finished.iterdir()) == ["metrics.jsonl", "recipe.yaml", "teacher"]
+    top = sorted(p.name for p in stage.iterdir())
+    assert top == ["DONE.json", "checkpoints", "config.json", "model.safetensors", "tokenizer"]
+    ckpts = sorted(p.name for p in (stage / "checkpoints").iterdir())
+    assert ckpts == ["global_step12", "global_step8", "latest"]  # checkpoint_keep: 2
+    assert (stage / "tokenizer" / "tokenizer.json").is_file()
+    done = json.loads((stage / "DONE.json").read_text())
+    assert done["steps"] == 16 and done["world_size"] == 1
+    assert set(done["outputs"]) >= {"config.json", "model.safetensors", "tokenizer/tokenizer.json"}
+    assert done["params"]["total"] > done["params"]["active_per_token"] > 0
+    records = [json.loads(line) for line in (finished / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(2, 17, 2))
+    assert all({"lm_loss", "aux_loss", "lr", "tokens_per_s"} <= set(r) for r in train)
+    assert [r["step"] for r in records if "val_loss" in r] == [8, 16]
+    assert train[-1]["lm_loss"] < train[0]["lm_loss"]  # it learns
+
+
+def test_rerun_skips_a_finished_stage(finished):
+    before = (finished / "teacher" / "DONE.json").stat().st_mtime_ns
+    proc = cli("teacher", "recipes/tiny.yaml", "--run-dir", str(finished), *sets(*RUN))
+    assert "already done" in proc.stdout
+    assert (finished / "teacher" / "DONE.json").stat().st_mtime_ns == before
+
+
+def test_another_recipe_in_the_same_run_dir_is_refused(finished):
+    proc = cli("teacher", "recipes/tiny.yaml", "--run-dir", str(finished), *sets(*RUN, "seed=7"), check=False)
+    assert proc.returncode == 2
+    assert "holds a run of another recipe (seed: 1234 -> 7)" in proc.stderr
+
+
+def test_teacher_load_uses_an_existing_teacher(finished, tmp_path):
+    run = tmp_path / "loaded"
+    cli("teacher", "recipes/tiny.yaml", "--run-dir", str(run),
+        *sets(*RUN, f"teacher.load={finished / 'teacher'}"))
+    done = json.loads((run / "teacher" / "DONE.json").read_text())
+    original = json.loads((finished / "teacher" / "DONE.json").read_text())
+    assert done["loaded_from"] == str((finished / "teacher").resolve())
+    assert done["val_loss"] == pytest.approx(original["val_loss"], rel=1e-5)
+    a = load_file(run / "teacher" / "model.safetensors")
+    b = load_file(finished / "teacher" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_sigkill_then_rerun_resumes_to_the_same_weights(finished, tmp_path):
+    run = tmp_path / "killed"
+    args = [sys.executable, "-m", "pipeline.cli", "teacher", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    latest = run / "teacher.partial" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (run / "teacher").exists() and (run / "teacher.partial").exists()
+
+    out = cli("teacher", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN))
+    assert "resumed from" in out.stdout
+    resumed = load_file(run / "teacher" / "model.safetensors")
+    straight = load_file(finished / "teacher" / "model.safetensors")
+    assert resumed.keys() == straight.keys()
+    for k in straight:
+        assert (resumed[k] == straight[k]).all(), f"{k} differs after resume"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(2, 17, 2))  # no step logged twice
