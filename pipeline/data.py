@@ -39,6 +39,7 @@ Run ``python -m pipeline.data`` to print a summary of the bundled corpus
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import hashlib
 import importlib.metadata
@@ -674,6 +675,13 @@ class PackedTokens:
         }
 
 
+@functools.lru_cache(maxsize=2)  # the current epoch and the next: a step reads a few ids, not a new permutation
+def _epoch_order(num_blocks: int, seed: int, epoch: int) -> np.ndarray:
+    order = np.random.default_rng([seed, epoch]).permutation(num_blocks)
+    order.flags.writeable = False
+    return order
+
+
 def global_sample_ids(num_blocks: int, seed: int, start: int, count: int) -> np.ndarray:
     """Block ids of global samples ``start .. start+count-1``.
 
@@ -690,8 +698,7 @@ def global_sample_ids(num_blocks: int, seed: int, start: int, count: int) -> np.
     while s < end:
         epoch, offset = divmod(s, num_blocks)
         take = min(num_blocks - offset, end - s)
-        perm = np.random.default_rng([seed, epoch]).permutation(num_blocks)
-        out.append(perm[offset : offset + take])
+        out.append(_epoch_order(num_blocks, seed, epoch)[offset : offset + take])
         s += take
     return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
 

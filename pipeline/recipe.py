@@ -89,7 +89,7 @@ class TrainSpec(Section):
     checkpoint_every: int = Field(100, ge=1)
     checkpoint_keep: int = Field(2, ge=1)  # newest DeepSpeed checkpoints kept on disk
     eval_every: int = Field(100, ge=1)
-    eval_batches: int = Field(8, ge=1)  # held-out micro-batches per rank per validation
+    eval_batches: int | None = Field(8, ge=1)  # held-out micro-batches per validation (all ranks); None: the whole split
     log_every: int = Field(10, ge=1)
 
 

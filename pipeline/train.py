@@ -24,7 +24,7 @@ from pipeline.data import PackedTokens, global_sample_ids
 from pipeline.dist import Ranks, barrier
 from pipeline.model import GPT
 from pipeline.recipe import TrainSpec
-from pipeline.runs import RunDir
+from pipeline.runs import RunDir, atomic_write_text
 
 CHECKPOINTS = "checkpoints"
 
@@ -84,18 +84,26 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, val: PackedTokens, batches: int, micro: int, ranks: Ranks) -> float:
-    """Mean held-out loss per real token over the first batches*micro*world blocks (fixed, in order)."""
+def evaluate(model: GPT, val: PackedTokens, batches: int | None, micro: int, ranks: Ranks) -> float:
+    """Mean held-out loss per real token over the first `batches` x `micro` blocks (None: all of them).
+
+    The blocks are the same whatever the world size: rank r takes batches r, r+world, ...
+    Every rank runs the same number of forwards, since the expert all-to-all needs all of them;
+    a rank with no batch left repeats one and does not count it.
+    """
     was_training = model.training
     model.eval()  # no token dropping, no dropout
+    if batches is None:
+        batches = -(-val.num_blocks // micro)
     total = torch.zeros(2, dtype=torch.float64)
-    for b in range(batches):
-        first = (b * ranks.world + ranks.rank) * micro
-        ids = [(first + i) % val.num_blocks for i in range(micro)]
+    for i in range(-(-batches // ranks.world)):
+        b = i * ranks.world + ranks.rank
+        ids = [((b if b < batches else 0) * micro + j) % val.num_blocks for j in range(micro)]
         batch = val.batch(ids)
         out = model(batch["input_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
-        n = batch["loss_mask"].sum()
-        total += torch.stack([out.lm_loss.double() * n, n.double()])
+        if b < batches:
+            n = batch["loss_mask"].sum()
+            total += torch.stack([out.lm_loss.double() * n, n.double()])
     model.train(was_training)
     total = _all_reduce_sum(total)
     return (total[0] / total[1]).item()
@@ -169,7 +177,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
                 run.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
                                 tok_s=f"{record['tokens_per_s']:.0f}")
-            sums, window_start, window_steps = {}, time.perf_counter(), 0
+            sums, window_steps = {}, 0
         if done % train.eval_every == 0 or done == train.steps:
             val_loss = evaluate(engine.module, val_data, train.eval_batches, micro, ranks)
             if ranks.rank == 0:
@@ -177,11 +185,17 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
                 bar.write(f"[{stage}] step {done}: validation loss {val_loss:.4f}")
         if done % train.checkpoint_every == 0 and done < train.steps:
             tag = f"global_step{done}"
-            engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": done})
+            _rng_path(ckpt_dir, tag, ranks.rank).parent.mkdir(parents=True, exist_ok=True)
             torch.save(torch.get_rng_state(), _rng_path(ckpt_dir, tag, ranks.rank))
+            engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": done}, save_latest=False)
             barrier()
             if ranks.rank == 0:
+                # `latest` names a checkpoint only once every rank has written all of it, and is
+                # replaced atomically: a kill at any moment leaves a resumable directory
+                atomic_write_text(ckpt_dir / "latest", tag)
                 _prune_checkpoints(ckpt_dir, train.checkpoint_keep)
+        if window_steps == 0:  # a new tokens/s window starts after this step's logging, eval and checkpoint
+            window_start = time.perf_counter()
         bar.update(1)
     bar.close()
     if val_loss is None:  # resumed at the very end: report the held-out loss anyway
