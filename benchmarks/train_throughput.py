@@ -148,7 +148,9 @@ def layer_overhead(hiddens: list[int], experts: list[int], tokens: int, warmup: 
     for h in hiddens:
         def cfg(ffn_mult=4, mlp_type="standard", e=8):
             return ModelConfig(vocab_size=256, seq_len=seq, layers=2, hidden=h, heads=4, experts=(e,), moe_every=2,
-                               mlp_type=mlp_type, top_k=1, capacity_factor=1.0, min_capacity=4, ffn_mult=ffn_mult)
+                               mlp_type=mlp_type, top_k=1, capacity_factor=1.0, eval_capacity_factor=None,
+                               min_capacity=4, aux_loss_coef=0.01, ffn_mult=ffn_mult, dropout=0.0,
+                               tie_embeddings=True, init_std=0.02)
 
         layers: dict[str, torch.nn.Module] = {"dense x4": MLP(cfg(4)), "dense x8": MLP(cfg(8))}
         for mlp_type in ("standard", "residual"):

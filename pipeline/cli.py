@@ -20,6 +20,13 @@ from pathlib import Path
 from pipeline.recipe import RecipeError, load_recipe
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="a recipe YAML, e.g. recipes/tiny.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -32,13 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("teacher", help="train (or load) the recipe's PR-MoE teacher")
     _recipe_args(p)
-    p.add_argument("--nproc", type=int, default=None, help="ranks on this machine (default: distributed.nproc)")
+    p.add_argument("--nproc", type=_positive_int, default=None, help="ranks on this machine (default: distributed.nproc)")
     p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
     p.add_argument("--redo", action="store_true", help="discard a finished or interrupted stage and start over")
 
     p = sub.add_parser("plan", help="parameter counts, expert-parallel layout and memory per rank")
     _recipe_args(p)
-    p.add_argument("--world-size", type=int, default=None, help="ranks to plan for (default: distributed.nproc)")
+    p.add_argument("--world-size", type=_positive_int, default=None, help="ranks to plan for (default: distributed.nproc)")
     p.add_argument("--json", action="store_true", help="print one JSON object {teacher: ..., student: ...}")
     return parser
 
@@ -58,14 +65,18 @@ def cmd_plan(args) -> int:
 
 def cmd_teacher(args, argv: list[str]) -> int:
     from pipeline import dist
+    from pipeline.teacher import check_hardware
 
-    running = int(os.environ.get("WORLD_SIZE", "1")) if dist.under_launcher() else None
-    recipe = load_recipe(args.recipe, args.overrides)
+    running = int(os.environ["WORLD_SIZE"]) if dist.under_launcher() else None
+    if running is not None and args.nproc not in (None, running):
+        raise RecipeError("--nproc", args.nproc, f"the launcher started {running} ranks: drop --nproc, "
+                          f"or launch {args.nproc}")
+    # world size: the running ranks, else --nproc, else the recipe's distributed.nproc
+    recipe = load_recipe(args.recipe, args.overrides, world_size=running or args.nproc)
+    check_hardware(recipe)
     nproc = args.nproc or recipe.distributed.nproc
-    if running is None and nproc > 1:
-        load_recipe(args.recipe, args.overrides, world_size=nproc)  # fail here, not on every rank
-        return dist.relaunch(nproc, "pipeline.cli", [a for a in _strip_nproc(argv)])
-    recipe = load_recipe(args.recipe, args.overrides, world_size=running or 1)
+    if running is None and nproc > 1:  # validated above, so errors show once, not on every rank
+        return dist.relaunch(nproc, "pipeline.cli", _strip_nproc(argv))
 
     from pipeline.runs import RunDir
     from pipeline.teacher import run_teacher

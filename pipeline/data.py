@@ -719,17 +719,7 @@ def unigram_entropy(tokens: np.ndarray, eod_id: int | None = None) -> float:
 # --------------------------------------------------------------------------- CLI summary
 
 
-@dataclass(frozen=True)
-class _CliConfig:
-    train: str | list[str] = "bundled"
-    text_field: str = "text"
-    validation_fraction: float = 0.05
-    tokenizer: Literal["gpt2", "bpe"] = "gpt2"
-    vocab_size: int = 8192
-    seq_len: int = 1024
-
-
-def _summary(cfg: _CliConfig, cache_root: Path | None) -> str:
+def _summary(cfg: DataConfig, cache_root: Path | None) -> str:
     started = time.perf_counter()
     if cache_root is None:
         with tempfile.TemporaryDirectory(prefix="moe-data-") as tmp:
@@ -768,23 +758,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("train", nargs="*", default=["bundled"],
                         help="'bundled' (default), 'hf:NAME[:CONFIG]', "
                              "or .txt/.jsonl/.parquet files or globs")
-    parser.add_argument("--tokenizer", choices=["gpt2", "bpe"], default="gpt2")
-    parser.add_argument("--vocab-size", type=int, default=8192, help="for --tokenizer bpe")
-    parser.add_argument("--validation-fraction", type=float, default=0.05)
-    parser.add_argument("--text-field", default="text")
+    # defaults come from the recipe schema (DataSpec): one place
+    parser.add_argument("--tokenizer", choices=["gpt2", "bpe"], default=None)
+    parser.add_argument("--vocab-size", type=int, default=None, help="for --tokenizer bpe")
+    parser.add_argument("--validation-fraction", type=float, default=None)
+    parser.add_argument("--text-field", default=None)
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="keep the tokenized data here (default: a temporary directory)")
     args = parser.parse_args(argv)
-    cfg = _CliConfig(
-        train=args.train[0] if len(args.train) == 1 else list(args.train),
-        text_field=args.text_field,
-        validation_fraction=args.validation_fraction,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-    )
+    from pipeline.recipe import DataSpec
+
+    given = {"text_field": args.text_field, "validation_fraction": args.validation_fraction,
+             "tokenizer": args.tokenizer, "vocab_size": args.vocab_size}
     try:
+        cfg = DataSpec(train=args.train[0] if len(args.train) == 1 else list(args.train),
+                       **{k: v for k, v in given.items() if v is not None})
         print(_summary(cfg, args.cache_dir))
-    except ValueError as err:
+    except ValueError as err:  # pydantic's ValidationError is a ValueError too
         parser.exit(2, f"error: {err}\n")
     return 0
 

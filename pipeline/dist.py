@@ -52,10 +52,38 @@ def init() -> Ranks:
     if not td.is_initialized():
         deepspeed.init_distributed(verbose=False)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-    if not torch.cuda.is_available():
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per local rank
+    else:
         # without core binding every rank would use all cores: split them between the local ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return Ranks(td.get_rank(), td.get_world_size(), int(os.environ["LOCAL_RANK"]), local_world)
+
+
+def device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This rank's random state: CPU, and the accelerator's (dropout and the gate's draws run there)."""
+    from deepspeed.accelerator import get_accelerator
+
+    state = {"cpu": torch.get_rng_state()}
+    if get_accelerator().device_name() != "cpu":
+        state["accelerator"] = get_accelerator().get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    torch.set_rng_state(state["cpu"])
+    if "accelerator" in state:
+        get_accelerator().set_rng_state(state["accelerator"])
 
 
 def barrier() -> None:

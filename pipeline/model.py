@@ -8,7 +8,10 @@ MLP plus one routed expert, mixed per token by a learned 2-way softmax (DeepSpee
 Two interchangeable MoE implementations with the same parameter names:
   * "deepspeed": `deepspeed.moe.layer.MoE`, expert parallel across ranks (training, serving);
   * "reference": plain PyTorch with every expert local, no launcher or process group needed
-    (exported packages, tests). `tests/test_model.py` holds them to the same outputs.
+    (exported packages, tests). `tests/test_model.py` holds them to the same outputs whenever
+    no token is dropped (inference, the paper's setting) and for top-2 with dropping; top-1
+    dropping differs by design: DeepSpeed picks the dropped tokens at random (random token
+    selection), the reference drops the last ones in token order.
 
 This file imports only torch (DeepSpeed lazily), so it can ship inside an exported package.
 
@@ -28,23 +31,26 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """Every field is required: the defaults and their reasons live in one place, the recipe schema
+    (pipeline/recipe.py, ModelSpec); a saved model carries all of them in its config.json."""
+
     vocab_size: int
     seq_len: int  # context length = number of learned positions
     layers: int
     hidden: int
     heads: int
     experts: tuple[int, ...]  # experts per MoE layer, bottom to top
-    moe_every: int = 2
-    mlp_type: str = "residual"  # "standard" | "residual"
-    top_k: int = 1
-    capacity_factor: float = 1.0
-    eval_capacity_factor: float | None = None  # None: no token dropping outside training
-    min_capacity: int = 4
-    aux_loss_coef: float = 0.01
-    ffn_mult: int = 4
-    dropout: float = 0.0
-    tie_embeddings: bool = True
-    init_std: float = 0.02
+    moe_every: int
+    mlp_type: str  # "standard" | "residual"
+    top_k: int
+    capacity_factor: float
+    eval_capacity_factor: float | None  # None: no token dropping outside training
+    min_capacity: int
+    aux_loss_coef: float
+    ffn_mult: int
+    dropout: float
+    tie_embeddings: bool
+    init_std: float
 
     def __post_init__(self):
         object.__setattr__(self, "experts", tuple(self.experts))
@@ -164,8 +170,6 @@ class _ReferenceDispatch(nn.Module):
         logits = F.linear(x.float(), self.gate.wg.weight.float())  # [S, E], fp32 as DeepSpeed's gate
         probs = logits.softmax(dim=-1)
         top_p, top_i = probs.topk(cfg.top_k, dim=-1)  # [S, k]
-        if cfg.top_k > 1:  # top-2 mixes the two choices renormalised; top-1 keeps the raw probability
-            top_p = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
         first = F.one_hot(top_i[:, 0], E).float()  # [S, E]
         aux = E * (probs.mean(0) * first.mean(0)).sum()  # GShard load-balancing loss
         counts = F.one_hot(top_i, E).sum(dim=(0, 1))  # [E] tokens routed per expert
@@ -176,6 +180,9 @@ class _ReferenceDispatch(nn.Module):
             onehot = F.one_hot(top_i.t().reshape(-1), E)  # [k*S, E]: all first choices, then second
             position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # slot of each (choice, token)
             keep = (position < capacity).view(cfg.top_k, S).t()
+        if cfg.top_k > 1:  # top-2 mixes the kept choices renormalised (as DeepSpeed); top-1 keeps the raw probability
+            top_p = top_p * keep
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
         out = torch.zeros_like(x)
         for e in range(E):
             token, choice = ((top_i == e) & keep).nonzero(as_tuple=True)
@@ -198,7 +205,8 @@ class MoE(nn.Module):
             # DeepSpeed names the parts deepspeed_moe.{gate.wg, experts.deepspeed_experts.i}, mlp, coefficient
             self.moe = DeepSpeedMoE(cfg.hidden, MLP(cfg), num_experts=num_experts, ep_size=ep_size, k=cfg.top_k,
                                     capacity_factor=cfg.capacity_factor,
-                                    eval_capacity_factor=cfg.eval_capacity_factor or 1.0,
+                                    # unused when None: train(False) then turns token dropping off
+                                    eval_capacity_factor=cfg.eval_capacity_factor or cfg.capacity_factor,
                                     min_capacity=cfg.min_capacity, use_residual=residual, drop_tokens=True)
         elif impl == "reference":
             assert ep_size == 1, "the reference MoE holds every expert locally"
@@ -224,6 +232,9 @@ class MoE(nn.Module):
             # without dropping, capacity is the busiest expert's load: min_capacity only forbids tiny batches
             gate.min_capacity = self.cfg.min_capacity if drop else 0
             gate.top2_2nd_expert_sampling = mode  # sample the 2nd expert only while training
+            # random token selection only while training: evaluation must neither be random nor
+            # advance the training RNG (so eval_every cannot change the trained weights)
+            gate.use_rts = mode
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -405,7 +416,9 @@ def param_counts(model: GPT) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    cfg = ModelConfig(vocab_size=512, seq_len=64, layers=4, hidden=64, heads=4, experts=(2, 4))
+    cfg = ModelConfig(vocab_size=512, seq_len=64, layers=4, hidden=64, heads=4, experts=(2, 4), moe_every=2,
+                      mlp_type="residual", top_k=1, capacity_factor=1.0, eval_capacity_factor=None, min_capacity=4,
+                      aux_loss_coef=0.01, ffn_mult=4, dropout=0.0, tie_embeddings=True, init_std=0.02)
     model = GPT(cfg).eval()
     init_weights(model, seed=0)
     ids = torch.randint(0, cfg.vocab_size, (2, 16))

@@ -194,11 +194,6 @@ def check_consistency(recipe: Recipe, world_size: int | None = None) -> None:
     if len(m.experts) != n_moe:
         raise RecipeError("model.experts", m.experts,
                           f"one entry per MoE layer: {n_moe} entries ({m.layers} layers, MoE every {m.moe_every})")
-    for i, e in enumerate(m.experts):
-        if e < 1:
-            raise RecipeError(f"model.experts.{i}", e, "an expert count >= 1")
-        if e < m.top_k:
-            raise RecipeError(f"model.experts.{i}", e, f"at least model.top_k ({m.top_k}) experts")
     if s.layers >= m.layers:
         raise RecipeError("student.layers", s.layers, f"must be < teacher layers ({m.layers})")
     n_student_moe = recipe.moe_layer_count(s.layers)
@@ -219,13 +214,19 @@ def check_consistency(recipe: Recipe, world_size: int | None = None) -> None:
         raise RecipeError("data.vocab_size", recipe.data.vocab_size, ">= 260 (256 bytes + specials)")
     world = world_size or recipe.distributed.nproc
     ep = recipe.distributed.ep_size
-    if ep is not None:
-        if world % ep:
-            raise RecipeError("distributed.ep_size", ep, f"must divide the world size ({world})")
-        for key, experts in (("model.experts", m.experts), ("student.experts", student_experts)):
-            for i, e in enumerate(experts):
-                if e % ep:
-                    raise RecipeError(f"{key}.{i}", e, f"divisible by distributed.ep_size ({ep})")
+    if ep is not None and world % ep:
+        raise RecipeError("distributed.ep_size", ep, f"must divide the world size ({world})")
+    for key, experts in (("model.experts", m.experts), ("student.experts", student_experts)):
+        for i, e in enumerate(experts):
+            if e < max(1, m.top_k):
+                raise RecipeError(f"{key}.{i}", e, f"at least model.top_k ({m.top_k}) experts")
+            if ep is not None and e % ep:
+                raise RecipeError(f"{key}.{i}", e, f"divisible by distributed.ep_size ({ep})")
+            degree = ep or min(world, e)  # the default: as many ranks as experts, at most the world
+            if ep is None and (e % degree or world % degree):
+                raise RecipeError(f"{key}.{i}", e, f"experts split evenly over {world} ranks (expert-parallel "
+                                  f"degree min(world, experts) = {degree}); set distributed.ep_size to a common "
+                                  f"divisor of the expert counts and the world size")
     for name, train in (("teacher.train", recipe.teacher.train), ("student.train", s.train)):
         per_step = train.micro_batch_size * world
         if train.global_batch_size % per_step:

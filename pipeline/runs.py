@@ -110,7 +110,10 @@ class RunDir:
             return
         keep = []
         for line in self.metrics_path.read_text().splitlines():
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by a kill mid-write
+                continue
             if not (rec.get("stage") == stage and rec.get("step", -1) > after_step):
                 keep.append(line)
         atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline import data as data_lib
+from pipeline import dist
 from pipeline.dist import Ranks, barrier
 from pipeline.model import GPT, ModelConfig, init_weights, param_counts
 from pipeline.recipe import Recipe, RecipeError
@@ -74,6 +75,36 @@ def write_stage_files(work: Path, cfg: ModelConfig, prepared: data_lib.PreparedD
     data_lib.save_tokenizer(prepared.tokenizer, work / TOKENIZER)
 
 
+# the fields that make two models the same network (the rest are training settings)
+ARCHITECTURE = ("vocab_size", "seq_len", "layers", "hidden", "heads", "experts", "moe_every", "mlp_type", "top_k",
+                "ffn_mult", "tie_embeddings")
+
+
+def check_loadable(recipe: Recipe, src: Path) -> ModelConfig:
+    """The config of `teacher.load`, if it is the network the recipe describes; else a RecipeError."""
+    try:
+        loaded = read_model_config(src)
+    except FileNotFoundError:
+        raise RecipeError("teacher.load", str(src), "a teacher directory with config.json, model.safetensors and "
+                          "tokenizer/ (one made by `moe-pipeline teacher`)") from None
+    want = model_config(recipe)
+    diff = [f"{k} {getattr(loaded, k)} (recipe: {getattr(want, k)})" for k in ARCHITECTURE
+            if getattr(loaded, k) != getattr(want, k)]
+    if diff:
+        raise RecipeError("teacher.load", str(src), "a teacher matching the recipe's model and data; it differs in "
+                          + ", ".join(diff) + ": set model.* / data.* to the teacher's values")
+    return loaded
+
+
+def check_hardware(recipe: Recipe) -> None:
+    import torch
+
+    for name, train in (("teacher.train", recipe.teacher.train), ("student.train", recipe.student.train)):
+        if train.precision == "fp16" and not torch.cuda.is_available():
+            raise RecipeError(f"{name}.precision", "fp16", "bf16 or fp32 on a machine without GPUs "
+                              "(DeepSpeed's fp16 loss scaling is for GPUs), e.g. --set " + f"{name}.precision=bf16")
+
+
 def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -> Path:
     """Train (or load) the teacher; returns the finished stage directory. Collective over all ranks."""
     t0 = time.time()
@@ -82,29 +113,30 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
         if ranks.rank == 0:
             print(f"[teacher] already done: {run.stage(STAGE)} (pass --redo to train again)", flush=True)
         return run.stage(STAGE)
+    check_hardware(recipe)
+    src = Path(recipe.teacher.load) if recipe.teacher.load else None
+    cfg = check_loadable(recipe, src) if src else model_config(recipe)
     prepared = prepare(recipe, ranks)  # data errors stop us here, before anything is written
+    if src and data_lib.load_tokenizer(src / TOKENIZER).get_vocab() != prepared.tokenizer.get_vocab():
+        raise RecipeError("teacher.load", str(src), "a teacher whose tokenizer is the one data.* builds "
+                          "(same data.tokenizer, data.vocab_size and data.train as when it was trained)")
     if ranks.rank == 0:
         run.write_recipe(recipe)
         run.start(STAGE, redo)
     barrier()
     work = run.partial(STAGE)
-    cfg = model_config(recipe)
+    check_world_size(work, ranks)
     val = data_lib.PackedTokens(prepared.val, recipe.data.seq_len, prepared.eod_id)
     info: dict = {"inputs": {"recipe_sha256": run.recipe_sha256(), "data_cache": prepared.cache_dir.name}}
 
-    if recipe.teacher.load:
-        src = Path(recipe.teacher.load)
-        loaded = read_model_config(src)
-        if loaded.vocab_size != cfg.vocab_size:
-            raise RecipeError("teacher.load", str(src), f"a teacher with vocabulary {cfg.vocab_size} "
-                              f"(data.tokenizer {recipe.data.tokenizer}); it has {loaded.vocab_size}")
-        model = GPT(loaded, moe_impl="deepspeed", world_size=ranks.world, ep_size=recipe.distributed.ep_size)
-        _set_groups(model, ranks)
+    if src:
+        model = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world, ep_size=recipe.distributed.ep_size)
+        model.to(dist.device())
+        _set_groups(model)
         load_weights(model, src)
         summary = {"loaded_from": str(src.resolve()),
                    "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
                                         recipe.teacher.train.micro_batch_size, ranks)}
-        cfg = loaded
         if ranks.rank == 0:
             for name in [WEIGHTS, INDEX] + [p.name for p in src.glob("model-*.safetensors")]:
                 if (src / name).is_file():
@@ -117,15 +149,28 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
         save_weights(model, work, {"stage": STAGE, "recipe": recipe.name})
     if ranks.rank == 0:
         write_stage_files(work, cfg, prepared)
-        counts = _meta_counts(cfg)
-        info.update(summary, params=counts, world_size=ranks.world, wall_seconds=round(time.time() - t0, 1),
-                    val_unigram_entropy=data_lib.unigram_entropy(prepared.val, prepared.eod_id))
+        info.update(summary, params=_meta_counts(cfg), world_size=ranks.world,
+                    wall_seconds=round(time.time() - t0, 1),
+                    # the same tokens val_loss scores (EOD included): the loss a unigram model would get
+                    val_unigram_entropy=data_lib.unigram_entropy(prepared.val))
         run.finish(STAGE, info)
         print(f"[teacher] done in {info['wall_seconds']:.0f}s: validation loss {summary['val_loss']:.4f} "
               f"(unigram entropy of the held-out text {info['val_unigram_entropy']:.4f}) -> {run.stage(STAGE)}",
               flush=True)
     barrier()
     return run.stage(STAGE)
+
+
+def check_world_size(work: Path, ranks: Ranks) -> None:
+    """A stage resumes only at the world size it started with (its checkpoints are split that way)."""
+    path = work / "world_size"
+    if path.is_file() and int(path.read_text()) != ranks.world:
+        started = int(path.read_text())
+        raise RecipeError("--nproc", ranks.world, f"{work} was started with {started} ranks and resumes only with "
+                          f"--nproc {started}; or pass --redo to start over")
+    barrier()
+    if ranks.rank == 0:
+        atomic_write_text(path, str(ranks.world))
 
 
 def _meta_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -135,7 +180,7 @@ def _meta_counts(cfg: ModelConfig) -> dict[str, int]:
         return param_counts(GPT(cfg, moe_impl="reference"))
 
 
-def _set_groups(model: GPT, ranks: Ranks) -> None:
+def _set_groups(model: GPT) -> None:
     """Outside deepspeed.initialize, DeepSpeed's MoE layers need their expert-parallel groups made by hand."""
     for moe in model.moe_layers():
         moe.moe.set_deepspeed_parallelism()

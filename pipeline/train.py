@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.data import PackedTokens, global_sample_ids
-from pipeline.dist import Ranks, barrier
+from pipeline.dist import Ranks, barrier, rng_state, set_rng_state
 from pipeline.model import GPT
 from pipeline.recipe import TrainSpec
 from pipeline.runs import RunDir, atomic_write_text
@@ -93,17 +93,21 @@ def evaluate(model: GPT, val: PackedTokens, batches: int | None, micro: int, ran
     """
     was_training = model.training
     model.eval()  # no token dropping, no dropout
-    if batches is None:
-        batches = -(-val.num_blocks // micro)
-    total = torch.zeros(2, dtype=torch.float64)
+    device = next(model.parameters()).device
+    blocks = val.num_blocks if batches is None else batches * micro
+    batches = -(-blocks // micro)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(-(-batches // ranks.world)):
         b = i * ranks.world + ranks.rank
-        ids = [((b if b < batches else 0) * micro + j) % val.num_blocks for j in range(micro)]
-        batch = val.batch(ids)
-        out = model(batch["input_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
-        if b < batches:
-            n = batch["loss_mask"].sum()
-            total += torch.stack([out.lm_loss.double() * n, n.double()])
+        first = b * micro if b < batches else 0
+        ids = [(first + j) % val.num_blocks for j in range(micro)]
+        batch = {k: v.to(device) for k, v in val.batch(ids).items()}
+        # count each block once: a short last batch is padded, a spare rank's batch not counted at all
+        weight = torch.tensor([1.0 if b < batches and first + j < blocks else 0.0 for j in range(micro)], device=device)
+        mask = batch["loss_mask"] * weight[:, None]
+        out = model(batch["input_ids"], labels=batch["labels"], loss_mask=mask)
+        n = mask.sum()
+        total += torch.stack([out.lm_loss.double() * n, n.double()])
     model.train(was_training)
     total = _all_reduce_sum(total)
     return (total[0] / total[1]).item()
@@ -138,7 +142,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
         _, client = engine.load_checkpoint(str(ckpt_dir))
         start = int(client["step"])
         tag = (ckpt_dir / "latest").read_text().strip()
-        torch.set_rng_state(torch.load(_rng_path(ckpt_dir, tag, ranks.rank), weights_only=True))
+        set_rng_state(torch.load(_rng_path(ckpt_dir, tag, ranks.rank), weights_only=True))
         if ranks.rank == 0:
             run.truncate_metrics(stage, after_step=start)
             print(f"[{stage}] resumed from {ckpt_dir / tag} at step {start}", flush=True)
@@ -155,10 +159,11 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
     val_loss = None
     engine.train()
     for step in range(start, train.steps):
+        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
         ids = global_sample_ids(train_data.num_blocks, seed, step * train.global_batch_size, train.global_batch_size)
         for m in range(accum):
             first = (m * world + ranks.rank) * micro
-            batch = train_data.batch(ids[first:first + micro])
+            batch = {k: v.to(engine.device) for k, v in train_data.batch(ids[first:first + micro]).items()}
             loss, parts = step_fn(engine, batch, step)
             engine.backward(loss)
             engine.step()
@@ -171,7 +176,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
             values = _all_reduce_sum(torch.stack([sums[k] for k in names]).double()) / (world * window_steps)
             elapsed = time.perf_counter() - window_start
             record = {"stage": stage, "step": done, **{k: round(v, 5) for k, v in zip(names, values.tolist())},
-                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": round(tokens_per_step * window_steps / elapsed, 1),
+                      "lr": lr, "tokens_per_s": round(tokens_per_step * window_steps / elapsed, 1),
                       **(extra_log(done) if extra_log else {})}
             if ranks.rank == 0:
                 run.log(record)
@@ -186,7 +191,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
         if done % train.checkpoint_every == 0 and done < train.steps:
             tag = f"global_step{done}"
             _rng_path(ckpt_dir, tag, ranks.rank).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(torch.get_rng_state(), _rng_path(ckpt_dir, tag, ranks.rank))
+            torch.save(rng_state(), _rng_path(ckpt_dir, tag, ranks.rank))
             engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": done}, save_latest=False)
             barrier()
             if ranks.rank == 0:

@@ -24,11 +24,24 @@ INDEX = "model.safetensors.index.json"
 
 
 def ep_rank_of(moe) -> int:
-    """This rank's index inside the layer's expert-parallel group (DeepSpeed groups consecutive ranks)."""
+    """This rank's index inside the layer's expert-parallel group.
+
+    DeepSpeed's default layout puts consecutive ranks in one expert-parallel group, so the index is
+    known before the groups exist (weights are initialised before deepspeed.initialize makes them);
+    once they exist, DeepSpeed's own answer must agree.
+    """
     import torch.distributed as td
 
     rank = td.get_rank() if td.is_initialized() else 0
-    return rank % moe.ep_size
+    ep_rank = rank % moe.ep_size
+    if moe.impl == "deepspeed" and moe.moe.deepspeed_moe.ep_group is not None:
+        from deepspeed.utils import groups
+
+        actual = groups._get_expert_parallel_rank(moe.moe.expert_group_name)
+        if actual != ep_rank:
+            raise RuntimeError(f"expert-parallel rank {actual} of rank {rank} is not the consecutive layout's "
+                               f"{ep_rank}: global expert ids would be wrong")
+    return ep_rank
 
 
 def unique_params(model: GPT):
@@ -50,8 +63,8 @@ def _owned(model: GPT, rank: int) -> dict[str, torch.Tensor]:
                 out[name] = p
         else:
             moe = model.blocks[int(parts[0].split(".")[1])].mlp
-            if rank < moe.ep_size:  # ranks 0..ep-1 hold every expert of the layer exactly once
-                out[global_name(model, name, lambda m: rank % m.ep_size)] = p
+            if rank < moe.ep_size:  # ranks 0..ep-1 (the first group) hold every expert of the layer once
+                out[global_name(model, name, ep_rank_of)] = p
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 

@@ -10,9 +10,7 @@ import torch.nn.functional as F
 from pipeline.model import GPT, MLP, KVCache, ModelConfig, MoE, init_weights, masked_cross_entropy, param_counts
 
 
-def config(**kw) -> ModelConfig:
-    base = dict(vocab_size=256, seq_len=32, layers=4, hidden=32, heads=4, experts=(2, 4))
-    return ModelConfig(**{**base, **kw})
+from conftest import model_config as config
 
 
 def pair(cfg: ModelConfig, seed: int = 0) -> tuple[GPT, GPT]:
@@ -37,6 +35,25 @@ def test_reference_moe_equals_deepspeed_moe(mlp_type, top_k):
     torch.testing.assert_close(a.aux_loss, b.aux_loss)
     for ca, cb in zip(a.expert_counts, b.expert_counts):
         assert ca.tolist() == cb.tolist()
+
+
+def test_top2_token_dropping_matches_deepspeed():
+    """With an eval capacity both implementations drop the same (choice, token) slots and renormalise alike."""
+    ref, ds = pair(config(mlp_type="standard", top_k=2, eval_capacity_factor=0.5, min_capacity=0))
+    ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(1))
+    a, b = ref.eval()(ids), ds.eval()(ids)
+    torch.testing.assert_close(a.logits, b.logits, atol=2e-5, rtol=1e-5)
+
+
+def test_evaluation_does_not_draw_random_numbers():
+    """Random token selection is a training-time device: eval must not consume the RNG."""
+    _, ds = pair(config(mlp_type="standard", eval_capacity_factor=0.5))
+    ids = torch.randint(0, 256, (2, 16))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    first = ds.eval()(ids).logits
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.testing.assert_close(ds(ids).logits, first)
 
 
 def test_training_capacity_drops_tokens_and_eval_does_not():

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, cli, sets
+from conftest import ROOT, SMALL, cli, model_config, sets
 from pipeline.dist import free_port
-from pipeline.model import GPT, ModelConfig, init_weights
+from pipeline.model import GPT, init_weights
 from pipeline.teacher import read_model_config
 from pipeline.weights import load_weights
 
@@ -31,8 +31,7 @@ def test_same_weights_same_logits_at_ep1_and_ep2(tmp_path, mlp_type, top_k):
     out = tmp_path / "logits.pt"
     launch("tests/workers/ep_parity.py", str(out), mlp_type, str(top_k))
     ep2 = torch.load(out, weights_only=True)
-    cfg = ModelConfig(vocab_size=256, seq_len=32, layers=4, hidden=32, heads=4, experts=(2, 4),
-                      mlp_type=mlp_type, top_k=top_k)
+    cfg = model_config(mlp_type=mlp_type, top_k=top_k)
     model = GPT(cfg, moe_impl="reference")
     init_weights(model, 11)
     ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(5))

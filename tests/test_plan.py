@@ -47,5 +47,20 @@ def test_plan_json_cli():
 
 
 def test_plan_rejects_world_size_that_experts_cannot_split():
-    proc = cli("plan", "recipes/tiny.yaml", "--world-size", "3", check=False)
-    assert proc.returncode == 2 and "recipe error:" in proc.stderr
+    proc = cli("plan", "recipes/tiny.yaml", "--world-size", "3", "--set", "teacher.train.global_batch_size=24",
+               "--set", "student.train.global_batch_size=24", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "recipe error: model.experts.0 = 4: experts split evenly over 3 ranks")
+    assert "distributed.ep_size" in proc.stderr
+
+
+def test_fp16_needs_a_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = cli("teacher", "recipes/tiny.yaml", "--set", "teacher.train.precision=fp16", "--run-dir", str(tmp_path / "r"),
+               check=False)
+    assert proc.returncode == 2 and "teacher.train.precision = 'fp16': bf16 or fp32" in proc.stderr
+    assert not (tmp_path / "r").exists()

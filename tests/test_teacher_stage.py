@@ -31,7 +31,7 @@ def test_stage_writes_exactly_its_files(finished):
     stage = finished / "teacher"
     assert sorted(p.name for p in finished.iterdir()) == ["metrics.jsonl", "recipe.yaml", "teacher"]
     top = sorted(p.name for p in stage.iterdir())
-    assert top == ["DONE.json", "checkpoints", "config.json", "model.safetensors", "tokenizer"]
+    assert top == ["DONE.json", "checkpoints", "config.json", "model.safetensors", "tokenizer", "world_size"]
     ckpts = sorted(p.name for p in (stage / "checkpoints").iterdir())
     assert ckpts == ["global_step12", "global_step8", "latest"]  # checkpoint_keep: 2
     assert (stage / "tokenizer" / "tokenizer.json").is_file()
@@ -73,6 +73,15 @@ def test_teacher_load_uses_an_existing_teacher(finished, tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
+def test_teacher_load_of_another_architecture_is_refused(finished, tmp_path):
+    run = tmp_path / "mismatch"
+    proc = cli("teacher", "recipes/tiny.yaml", "--run-dir", str(run),
+               *sets(*RUN, "model.hidden=128", f"teacher.load={finished / 'teacher'}"), check=False)
+    assert proc.returncode == 2
+    assert "differs in hidden 64 (recipe: 128)" in proc.stderr.splitlines()[-1]
+    assert not run.exists()
+
+
 def test_sigkill_then_rerun_resumes_to_the_same_weights(finished, tmp_path):
     run = tmp_path / "killed"
     args = [sys.executable, "-m", "pipeline.cli", "teacher", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN)]
@@ -85,6 +94,9 @@ def test_sigkill_then_rerun_resumes_to_the_same_weights(finished, tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (run / "teacher").exists() and (run / "teacher.partial").exists()
+
+    other = cli("teacher", "recipes/tiny.yaml", "--run-dir", str(run), "--nproc", "2", *sets(*RUN), check=False)
+    assert other.returncode == 2 and "resumes only with --nproc 1" in other.stderr
 
     out = cli("teacher", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN))
     assert "resumed from" in out.stdout

@@ -9,12 +9,14 @@ import sys
 import torch
 
 from pipeline import dist
-from pipeline.model import GPT, ModelConfig, init_weights
+from pipeline.model import GPT, init_weights
 from pipeline.weights import ep_rank_of
 
 ranks = dist.init()
-cfg = ModelConfig(**{"vocab_size": 256, "seq_len": 32, "layers": 4, "hidden": 32, "heads": 4, "experts": (2, 4),
-                     "mlp_type": sys.argv[2], "top_k": int(sys.argv[3])})
+sys.path.insert(0, "tests")
+from conftest import model_config  # noqa: E402  (the tests' tiny config, shared with the 1-rank side)
+
+cfg = model_config(mlp_type=sys.argv[2], top_k=int(sys.argv[3]))
 model = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world)
 for moe in model.moe_layers():
     moe.moe.set_deepspeed_parallelism()
