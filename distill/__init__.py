@@ -1,1 +1,1 @@
-"""distill stage of moe-pipeline (filled by a later issue)."""
+"""Mixture-of-Students: a shallower PR-MoE student trained with staged knowledge distillation."""

@@ -104,6 +104,19 @@ class StudentSpec(Section):
     train: TrainSpec
 
 
+class KDSpec(Section):
+    """total = alpha*CE + beta(step)*T^2*D(p_teacher(T) || p_student(T)) + aux_loss_coef*aux."""
+
+    alpha: float = Field(1.0, ge=0)  # weight of the student's cross-entropy with the labels
+    beta: float = Field(1.0, ge=0)  # weight of the distillation term (paper: 1); 0 = no KD at all
+    temperature: float = Field(1.0, gt=0)  # T (paper: 1)
+    divergence: Literal["kl", "reverse_kl", "jsd"] = "kl"  # kl: forward KL(teacher || student), the paper's
+    # staged KD: after this step (an int) or fraction of student.train.steps (a float in (0, 1]), beta = 0 and
+    # the teacher no longer runs; None: KD all the way. Paper: stop for the last ~40% of training.
+    stop_at: int | float | None = 0.6
+    decay_steps: int = Field(0, ge=0)  # ramp beta linearly to 0 over this many steps before stop_at (0: a cut)
+
+
 class DistributedSpec(Section):
     nproc: int = Field(1, ge=1)  # ranks on this node when the CLI launches them itself
     ep_size: int | None = Field(None, ge=1)  # expert-parallel degree; None: per layer min(world size, experts)
@@ -116,6 +129,7 @@ class Recipe(Section):
     model: ModelSpec
     teacher: TeacherSpec
     student: StudentSpec
+    kd: KDSpec = KDSpec()
     distributed: DistributedSpec = DistributedSpec()
 
     # -- derived facts, computed from the fields above (never stored twice) --
@@ -124,10 +138,18 @@ class Recipe(Section):
         return layers // self.model.moe_every
 
     def student_experts(self) -> list[int]:
+        """The student's experts per MoE layer: given, or the teacher's top ones (the paper's rule)."""
         if self.student.experts is not None:
             return list(self.student.experts)
         drop = len(self.model.experts) - self.moe_layer_count(self.student.layers)
         return list(self.model.experts[max(drop, 0):])
+
+    def kd_stop_step(self) -> int | None:
+        """The first student step without KD, or None for KD all the way."""
+        stop, steps = self.kd.stop_at, self.student.train.steps
+        if stop is None:
+            return None
+        return round(stop * steps) if isinstance(stop, float) else stop
 
     def vocab_size(self) -> int:
         """The model's embedding rows: the tokenizer's size padded to a multiple of VOCAB_MULTIPLE."""
@@ -210,6 +232,13 @@ def check_consistency(recipe: Recipe, world_size: int | None = None) -> None:
             raise RecipeError(f"{name}.warmup_steps", train.warmup_steps, f"<= {name}.steps ({train.steps})")
         if not all(0 <= b < 1 for b in train.betas):
             raise RecipeError(f"{name}.betas", train.betas, "two numbers in [0, 1)")
+    stop = recipe.kd.stop_at
+    if isinstance(stop, float) and not 0 < stop <= 1:
+        raise RecipeError("kd.stop_at", stop, "a step (an integer) or a fraction of student.train.steps in (0, 1]")
+    if isinstance(stop, int) and not 0 <= stop <= s.train.steps:
+        raise RecipeError("kd.stop_at", stop, f"a step between 0 and student.train.steps ({s.train.steps})")
+    if recipe.kd.decay_steps and recipe.kd_stop_step() is not None and recipe.kd.decay_steps > recipe.kd_stop_step():
+        raise RecipeError("kd.decay_steps", recipe.kd.decay_steps, f"<= the kd.stop_at step ({recipe.kd_stop_step()})")
     if recipe.data.seq_len < 1 or (recipe.data.tokenizer == "bpe" and recipe.data.vocab_size < 260):
         raise RecipeError("data.vocab_size", recipe.data.vocab_size, ">= 260 (256 bytes + specials)")
     world = world_size or recipe.distributed.nproc

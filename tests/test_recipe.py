@@ -91,3 +91,14 @@ def test_cli_data_error_exits_2_and_writes_nothing(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("recipe error: data.train: the pattern")
     assert not run_dir.exists()
+
+
+def test_kd_stop_at_is_a_step_or_a_fraction():
+    tiny = ROOT / "recipes" / "tiny.yaml"
+    assert load_recipe(tiny, ["kd.stop_at=0.6", "student.train.steps=300"]).kd_stop_step() == 180
+    assert load_recipe(tiny, ["kd.stop_at=120"]).kd_stop_step() == 120
+    assert load_recipe(tiny, ["kd.stop_at=null"]).kd_stop_step() is None
+    with pytest.raises(RecipeError, match="kd.stop_at = 1.5"):
+        load_recipe(tiny, ["kd.stop_at=1.5"])
+    with pytest.raises(RecipeError, match="kd.decay_steps"):
+        load_recipe(tiny, ["kd.stop_at=10", "kd.decay_steps=20"])

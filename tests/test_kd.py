@@ -1,0 +1,64 @@
+"""KD loss and staged schedule, against small hand-computed references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distill.kd import beta_at, divergence, kd_loss
+from pipeline.recipe import KDSpec
+
+
+def softmax(row, t):
+    e = [math.exp(x / t) for x in row]
+    return [x / sum(e) for x in e]
+
+
+def test_loss_matches_a_hand_computed_reference():
+    torch.manual_seed(0)
+    s = torch.randn(2, 3, 4)
+    t = torch.randn(2, 3, 4)
+    labels = torch.tensor([[1, 2, 3], [0, 1, 2]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # 3 real tokens of 6
+    kd = KDSpec(alpha=0.7, beta=0.5, temperature=2.0, divergence="kl")
+    out = kd_loss(s, labels, mask, t, kd, beta=0.5)
+
+    ce_sum = kl_sum = 0.0
+    for b, i in [(0, 0), (0, 1), (1, 0)]:
+        ps = softmax(s[b, i].tolist(), 1.0)
+        ce_sum += -math.log(ps[labels[b, i]])
+        pt_T, ps_T = softmax(t[b, i].tolist(), 2.0), softmax(s[b, i].tolist(), 2.0)
+        kl_sum += sum(p * (math.log(p) - math.log(q)) for p, q in zip(pt_T, ps_T))
+    ce, kl = ce_sum / 3, kl_sum / 3  # averaged over the 3 real tokens, not over 6 positions
+    assert out["ce"].item() == pytest.approx(ce, rel=1e-5)
+    assert out["kd"].item() == pytest.approx(kl, rel=1e-5)
+    assert out["loss"].item() == pytest.approx(0.7 * ce + 0.5 * 4.0 * kl, rel=1e-5)  # alpha, beta, T^2
+
+
+def test_divergences_vanish_on_equal_inputs_and_differ_otherwise():
+    t = torch.randn(2, 5, 7)
+    for kind in ("kl", "reverse_kl", "jsd"):
+        assert divergence(t, t, 1.5, kind).abs().max().item() < 1e-6  # KL(t, t) == 0
+    s = torch.randn(2, 5, 7)
+    kl, rkl, jsd = (divergence(s, t, 1.0, k) for k in ("kl", "reverse_kl", "jsd"))
+    torch.testing.assert_close(rkl, divergence(t, s, 1.0, "kl"))  # reverse KL is KL with the roles swapped
+    assert (kl > 0).all() and (jsd > 0).all() and (jsd <= math.log(2) + 1e-6).all()
+
+
+def test_without_teacher_or_beta_the_loss_is_alpha_ce():
+    s, labels = torch.randn(1, 4, 5), torch.randint(0, 5, (1, 4))
+    kd = KDSpec(alpha=2.0)
+    a = kd_loss(s, labels, None, None, kd, beta=1.0)
+    b = kd_loss(s, labels, None, torch.randn(1, 4, 5), kd, beta=0.0)
+    torch.testing.assert_close(a["loss"], 2.0 * a["ce"])
+    torch.testing.assert_close(b["loss"], a["loss"])
+
+
+def test_schedule_cut_and_linear_decay():
+    cut = KDSpec(beta=1.0, stop_at=6)
+    assert [beta_at(s, cut, 6) for s in range(8)] == [1, 1, 1, 1, 1, 1, 0, 0]
+    ramp = KDSpec(beta=2.0, stop_at=6, decay_steps=4)
+    assert [beta_at(s, ramp, 6) for s in range(8)] == [2, 2, 2.0, 1.5, 1.0, 0.5, 0, 0]
+    assert beta_at(10**6, KDSpec(stop_at=None), None) == 1.0  # KD all the way
