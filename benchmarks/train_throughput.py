@@ -147,7 +147,7 @@ def layer_overhead(hiddens: list[int], experts: list[int], tokens: int, warmup: 
     rows = []
     for h in hiddens:
         def cfg(ffn_mult=4, mlp_type="standard", e=8):
-            return ModelConfig(vocab_size=256, seq_len=seq, layers=2, hidden=h, heads=4, experts=(e,), moe_every=2,
+            return ModelConfig(vocab_size=256, seq_len=seq, layers=2, hidden=h, heads=4, experts=(e,), moe_layers=(1,),
                                mlp_type=mlp_type, top_k=1, capacity_factor=1.0, eval_capacity_factor=None,
                                min_capacity=4, aux_loss_coef=0.01, ffn_mult=ffn_mult, dropout=0.0,
                                tie_embeddings=True, init_std=0.02)

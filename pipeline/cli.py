@@ -1,6 +1,7 @@
 """`moe-pipeline`: the command line. Maps command names to stage functions and does nothing else.
 
     moe-pipeline teacher recipes/tiny.yaml [--nproc 2] [--set teacher.train.steps=50] [--run-dir DIR] [--redo]
+    moe-pipeline distill recipes/tiny.yaml [--nproc 2] ...     # teacher (skipped when done), then the student
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
 
 With `--nproc N` (or `distributed.nproc` in the recipe) above the number of running ranks, the
@@ -37,11 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-pipeline", description="PR-MoE teacher -> Mixture-of-Students pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("teacher", help="train (or load) the recipe's PR-MoE teacher")
-    _recipe_args(p)
-    p.add_argument("--nproc", type=_positive_int, default=None, help="ranks on this machine (default: distributed.nproc)")
-    p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
-    p.add_argument("--redo", action="store_true", help="discard a finished or interrupted stage and start over")
+    for name, text in (("teacher", "train (or load) the recipe's PR-MoE teacher"),
+                       ("distill", "the teacher stage (skipped when done), then the Mixture-of-Students student")):
+        p = sub.add_parser(name, help=text)
+        _recipe_args(p)
+        p.add_argument("--nproc", type=_positive_int, default=None,
+                       help="ranks on this machine (default: distributed.nproc)")
+        p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
+        p.add_argument("--redo", action="store_true",
+                       help=f"discard the finished or interrupted {'student' if name == 'distill' else 'teacher'} "
+                            "stage and start it over")
 
     p = sub.add_parser("plan", help="parameter counts, expert-parallel layout and memory per rank")
     _recipe_args(p)
@@ -63,7 +69,8 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def cmd_teacher(args, argv: list[str]) -> int:
+def cmd_stages(args, argv: list[str]) -> int:
+    """`teacher` runs the teacher stage; `distill` runs it (skipped when done) and then the student stage."""
     from pipeline import dist
     from pipeline.teacher import check_hardware
 
@@ -83,7 +90,13 @@ def cmd_teacher(args, argv: list[str]) -> int:
 
     ranks = dist.init()
     run = RunDir(args.run_dir or Path("runs") / recipe.name)
-    run_teacher(recipe, run, ranks, redo=args.redo)
+    if args.command == "teacher":
+        run_teacher(recipe, run, ranks, redo=args.redo)
+    else:
+        from distill.stage import run_student
+
+        run_teacher(recipe, run, ranks)
+        run_student(recipe, run, ranks, redo=args.redo)
     return 0
 
 
@@ -108,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return cmd_plan(args)
-        if args.command == "teacher":
-            return cmd_teacher(args, argv)
+        if args.command in ("teacher", "distill"):
+            return cmd_stages(args, argv)
     except RecipeError as err:
         print(f"recipe error: {err}", file=sys.stderr)
         return 2

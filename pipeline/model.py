@@ -1,7 +1,8 @@
 """The PR-MoE GPT: one model for teacher, student, evaluation and serving.
 
 A GPT-3-style decoder (pre-LayerNorm, learned positions, GeLU MLPs, optionally tied embeddings)
-whose MLP is replaced by a Mixture-of-Experts on every `moe_every`-th layer. Each MoE layer has
+whose MLP is replaced by a Mixture-of-Experts on some layers (the teacher: every other one; a
+student keeps the layers it was built from, so its layout is a list). Each MoE layer has
 its own expert count (Pyramid: more experts in the top layers) and may be Residual: a fixed dense
 MLP plus one routed expert, mixed per token by a learned 2-way softmax (DeepSpeed-MoE, 2022).
 
@@ -40,7 +41,7 @@ class ModelConfig:
     hidden: int
     heads: int
     experts: tuple[int, ...]  # experts per MoE layer, bottom to top
-    moe_every: int
+    moe_layers: tuple[int, ...]  # 0-indexed layers whose MLP is an MoE (teacher: 1, 3, 5, ... for MoE every other layer)
     mlp_type: str  # "standard" | "residual"
     top_k: int
     capacity_factor: float
@@ -54,14 +55,16 @@ class ModelConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "experts", tuple(self.experts))
-        assert len(self.experts) == self.layers // self.moe_every, "one experts entry per MoE layer"
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        assert len(self.experts) == len(self.moe_layers), "one experts entry per MoE layer"
+        assert list(self.moe_layers) == sorted(set(self.moe_layers)) and all(0 <= i < self.layers for i in self.moe_layers)
         assert self.hidden % self.heads == 0
 
     def is_moe(self, layer: int) -> bool:
-        return (layer + 1) % self.moe_every == 0  # 1-indexed layers moe_every, 2*moe_every, ...
+        return layer in self.moe_layers
 
     def experts_at(self, layer: int) -> int:
-        return self.experts[(layer + 1) // self.moe_every - 1]
+        return self.experts[self.moe_layers.index(layer)]
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -416,7 +419,7 @@ def param_counts(model: GPT) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    cfg = ModelConfig(vocab_size=512, seq_len=64, layers=4, hidden=64, heads=4, experts=(2, 4), moe_every=2,
+    cfg = ModelConfig(vocab_size=512, seq_len=64, layers=4, hidden=64, heads=4, experts=(2, 4), moe_layers=(1, 3),
                       mlp_type="residual", top_k=1, capacity_factor=1.0, eval_capacity_factor=None, min_capacity=4,
                       aux_loss_coef=0.01, ffn_mult=4, dropout=0.0, tie_embeddings=True, init_std=0.02)
     model = GPT(cfg).eval()

@@ -66,11 +66,17 @@ def describe(cfg: ModelConfig, train: TrainSpec, world: int, ep_override: int | 
 
 
 def plan(recipe: Recipe, world: int) -> dict:
+    """Teacher and student sizes. The student is the one `student.layer_selection` builds; `importance`
+    depends on calibration data, so it is planned with the paper's rule (same counts per layer type)."""
+    from distill.student import select_layers, student_config
+
     ep = recipe.distributed.ep_size
+    teacher = model_config(recipe)
+    method = "paper" if recipe.student.layer_selection == "importance" else recipe.student.layer_selection
+    kept = select_layers(teacher, recipe.student.layers, recipe.moe_layer_count(recipe.student.layers), method)
     return {
-        "teacher": describe(model_config(recipe), recipe.teacher.train, world, ep),
-        "student": describe(model_config(recipe, recipe.student.layers, recipe.student_experts()),
-                            recipe.student.train, world, ep),
+        "teacher": describe(teacher, recipe.teacher.train, world, ep),
+        "student": describe(student_config(teacher, kept), recipe.student.train, world, ep),
     }
 
 

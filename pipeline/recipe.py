@@ -100,7 +100,14 @@ class TeacherSpec(Section):
 
 class StudentSpec(Section):
     layers: int = Field(ge=1)  # the Mixture-of-Students is shallower than its teacher (paper: 24 -> 21)
-    experts: list[int] | None = None  # None: the teacher's list without its lowest MoE layers (the paper's rule)
+    experts: list[int] | None = None  # None: the experts of the teacher layers kept (checked against them if set)
+    # which teacher layers the student keeps, within each type (MoE, dense): the paper's rule (drop the
+    # lowest MoE layers and the dense ones between them), evenly spaced, or the most influential on
+    # calibration batches (Minitron's depth pruning: 1 - cosine(block input, block output))
+    layer_selection: Literal["paper", "uniform", "importance"] = "paper"
+    calibration_batches: int = Field(8, ge=1)  # importance: training micro-batches (per rank) to score blocks on
+    # teacher: start from the kept layers' weights; random: from scratch, as the paper's reference code did
+    init: Literal["teacher", "random"] = "teacher"
     train: TrainSpec
 
 

@@ -34,12 +34,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOE_PIPELINE_CACHE", Path.home() / ".cache" / "moe-pipeline"))
 
 
-def model_config(recipe: Recipe, layers: int | None = None, experts: list[int] | None = None) -> ModelConfig:
-    """The teacher's ModelConfig, or a shallower one (the student) with its own experts list."""
+def model_config(recipe: Recipe) -> ModelConfig:
+    """The teacher's ModelConfig: MoE on layers moe_every, 2*moe_every, ... (1-indexed). A student's comes
+    from the teacher's and the layers it keeps (distill.student.student_config)."""
     m = recipe.model
     return ModelConfig(vocab_size=recipe.vocab_size(), seq_len=recipe.data.seq_len,
-                       layers=layers or m.layers, hidden=m.hidden, heads=m.heads,
-                       experts=tuple(experts or m.experts), moe_every=m.moe_every, mlp_type=m.mlp_type,
+                       layers=m.layers, hidden=m.hidden, heads=m.heads, experts=tuple(m.experts),
+                       moe_layers=tuple(range(m.moe_every - 1, m.layers, m.moe_every)),
+                       mlp_type=m.mlp_type,
                        top_k=m.top_k, capacity_factor=m.capacity_factor,
                        eval_capacity_factor=m.eval_capacity_factor, min_capacity=m.min_capacity,
                        aux_loss_coef=m.aux_loss_coef, ffn_mult=m.ffn_mult, dropout=m.dropout,
@@ -77,7 +79,7 @@ def write_stage_files(work: Path, cfg: ModelConfig, prepared: data_lib.PreparedD
 
 
 # the fields that make two models the same network (the rest are training settings)
-ARCHITECTURE = ("vocab_size", "seq_len", "layers", "hidden", "heads", "experts", "moe_every", "mlp_type", "top_k",
+ARCHITECTURE = ("vocab_size", "seq_len", "layers", "hidden", "heads", "experts", "moe_layers", "mlp_type", "top_k",
                 "ffn_mult", "tie_embeddings")
 
 

@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from pipeline.data import PackedTokens, global_sample_ids
 from pipeline.dist import Ranks, barrier, rng_state, set_rng_state
+from pipeline.files import atomic_write_text
 from pipeline.model import GPT
 from pipeline.recipe import TrainSpec
-from pipeline.files import atomic_write_text
 from pipeline.runs import RunDir
 
 CHECKPOINTS = "checkpoints"
@@ -127,8 +127,12 @@ def _prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
 
 def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data: PackedTokens,
                 run: RunDir, stage: str, work_dir: Path, seed: int, ranks: Ranks,
-                step_fn=lm_step, extra_log: Callable[[int], dict] | None = None) -> dict:
-    """Train `model` in place (resuming from `work_dir/checkpoints` if present). Returns a summary."""
+                step_fn=lm_step, val_extra: dict | None = None) -> dict:
+    """Train `model` in place (resuming from `work_dir/checkpoints` if present). Returns a summary.
+
+    `step_fn(engine, batch, step) -> (loss, {name: scalar tensor})` computes one micro-batch; the
+    named values are averaged into metrics.jsonl. `val_extra` is logged next to each validation loss.
+    """
     import deepspeed
 
     ckpt_dir = work_dir / CHECKPOINTS
@@ -177,8 +181,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
             values = _all_reduce_sum(torch.stack([sums[k] for k in names]).double()) / (world * window_steps)
             elapsed = time.perf_counter() - window_start
             record = {"stage": stage, "step": done, **{k: round(v, 5) for k, v in zip(names, values.tolist())},
-                      "lr": lr, "tokens_per_s": round(tokens_per_step * window_steps / elapsed, 1),
-                      **(extra_log(done) if extra_log else {})}
+                      "lr": lr, "tokens_per_s": round(tokens_per_step * window_steps / elapsed, 1)}
             if ranks.rank == 0:
                 run.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
@@ -187,8 +190,9 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
         if done % train.eval_every == 0 or done == train.steps:
             val_loss = evaluate(engine.module, val_data, train.eval_batches, micro, ranks)
             if ranks.rank == 0:
-                run.log({"stage": stage, "step": done, "val_loss": round(val_loss, 5)})
-                bar.write(f"[{stage}] step {done}: validation loss {val_loss:.4f}")
+                run.log({"stage": stage, "step": done, "val_loss": round(val_loss, 5), **(val_extra or {})})
+                extra = "".join(f", {k} {v:.4f}" for k, v in (val_extra or {}).items())
+                bar.write(f"[{stage}] step {done}: validation loss {val_loss:.4f}{extra}")
         if done % train.checkpoint_every == 0 and done < train.steps:
             tag = f"global_step{done}"
             _rng_path(ckpt_dir, tag, ranks.rank).parent.mkdir(parents=True, exist_ok=True)

@@ -121,11 +121,16 @@ def weight_files(src: Path) -> dict[str, str]:
                             f"(moe-pipeline teacher RECIPE)")
 
 
-def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of) -> None:
-    """Fill `model` (any expert-parallel layout) from consolidated weights, reading only its own tensors."""
+def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> None:
+    """Fill `model` (any expert-parallel layout) from consolidated weights, reading only its own tensors.
+
+    `rename` maps a global parameter name of `model` to the name it has in `src` (a student takes
+    teacher block 5 as its block 2, say); by default the names are the same.
+    """
     src = Path(src)
     where = weight_files(src)
-    wanted = {global_name(model, name, ep_rank_of): p for name, p in unique_params(model)}
+    rename = rename or (lambda name: name)
+    wanted = {rename(global_name(model, name, ep_rank_of)): p for name, p in unique_params(model)}
     missing = sorted(set(wanted) - set(where))
     if missing:
         raise ValueError(f"{src} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[0]}: "

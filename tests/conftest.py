@@ -28,7 +28,7 @@ def model_config(**kw):
     """A tiny ModelConfig (hidden 32, 4 layers, experts 2 and 4), with any field overridden."""
     from pipeline.model import ModelConfig
 
-    base = dict(vocab_size=256, seq_len=32, layers=4, hidden=32, heads=4, experts=(2, 4), moe_every=2,
+    base = dict(vocab_size=256, seq_len=32, layers=4, hidden=32, heads=4, experts=(2, 4), moe_layers=(1, 3),
                 mlp_type="residual", top_k=1, capacity_factor=1.0, eval_capacity_factor=None, min_capacity=4,
                 aux_loss_coef=0.01, ffn_mult=4, dropout=0.0, tie_embeddings=True, init_std=0.02)
     return ModelConfig(**{**base, **kw})

@@ -1,0 +1,94 @@
+"""`moe-pipeline distill` end to end on the real corpus: staged KD, files, and a 2-rank run that resumes after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, SMALL, cli, sets
+
+pytestmark = pytest.mark.slow
+
+RUN = SMALL + ["teacher.train.steps=8", "teacher.train.checkpoint_every=4", "teacher.train.eval_every=8",
+               "student.train.steps=12", "student.train.warmup_steps=2", "student.train.log_every=2",
+               "student.train.checkpoint_every=4", "student.train.eval_every=6", "student.train.eval_batches=2",
+               "kd.stop_at=0.5"]
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("runs") / "d"
+    cli("distill", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN))
+    return run
+
+
+def records(run: Path, stage: str) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["stage"] == stage]
+
+
+def test_distill_runs_both_stages_and_writes_the_student(distilled):
+    stage = distilled / "student"
+    assert sorted(p.name for p in stage.iterdir()) == ["DONE.json", "checkpoints", "config.json", "model.safetensors",
+                                                      "selection.json", "tokenizer", "world_size"]
+    selection = json.loads((stage / "selection.json").read_text())
+    assert selection["kept_teacher_layers"] == [0, 2, 3] and selection["experts"] == [4]  # 4 -> 3 layers, paper rule
+    config = json.loads((stage / "config.json").read_text())
+    assert config["layers"] == 3 and config["moe_layers"] == [2]
+    done = json.loads((stage / "DONE.json").read_text())
+    assert done["kd_stop_step"] == 6 and done["params"]["total"] < done["teacher_params"]["total"]
+
+
+def test_staged_kd_is_logged_and_stops(distilled):
+    train = [r for r in records(distilled, "student") if "loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
+    assert [r["beta"] for r in train] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]  # steps 0-5 distil, 6-11 do not
+    assert all(r["kd_loss"] > 0 for r in train[:3]) and all(r["kd_loss"] == 0 for r in train[3:])
+    assert all({"lm_loss", "aux_loss", "lr", "tokens_per_s"} <= set(r) for r in train)
+    val = [r for r in records(distilled, "student") if "val_loss" in r]
+    assert [r["step"] for r in val] == [6, 12] and all("teacher_val_loss" in r for r in val)
+
+
+def test_rerun_skips_both_stages(distilled):
+    out = cli("distill", "recipes/tiny.yaml", "--run-dir", str(distilled), *sets(*RUN))
+    assert "[teacher] already done" in out.stdout and "[student] already done" in out.stdout
+
+
+def test_two_rank_distill_finishes_and_resumes_after_sigkill(tmp_path):
+    straight = tmp_path / "straight"
+    cli("distill", "recipes/tiny.yaml", "--nproc", "2", "--run-dir", str(straight), *sets(*RUN))
+    assert json.loads((straight / "student" / "DONE.json").read_text())["world_size"] == 2
+
+    killed = tmp_path / "killed"  # same teacher, student stage interrupted
+    killed.mkdir()
+    shutil.copy(straight / "recipe.yaml", killed / "recipe.yaml")
+    shutil.copytree(straight / "teacher", killed / "teacher")
+    args = [sys.executable, "-m", "pipeline.cli", "distill", "recipes/tiny.yaml", "--nproc", "2",
+            "--run-dir", str(killed), *sets(*RUN)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=os.environ.copy(), start_new_session=True)
+    latest = killed / "student.partial" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "student").exists()
+
+    out = cli("distill", "recipes/tiny.yaml", "--nproc", "2", "--run-dir", str(killed), *sets(*RUN))
+    assert "resumed from" in out.stdout + out.stderr
+    a = json.loads((straight / "student" / "model.safetensors.index.json").read_text())["weight_map"]
+    for f in sorted(set(a.values())):
+        resumed, uninterrupted = load_file(killed / "student" / f), load_file(straight / "student" / f)
+        for k in uninterrupted:
+            assert (resumed[k] == uninterrupted[k]).all(), f"{k} differs after resume"
