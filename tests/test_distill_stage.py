@@ -92,3 +92,12 @@ def test_two_rank_distill_finishes_and_resumes_after_sigkill(tmp_path):
         resumed, uninterrupted = load_file(killed / "student" / f), load_file(straight / "student" / f)
         for k in uninterrupted:
             assert (resumed[k] == uninterrupted[k]).all(), f"{k} differs after resume"
+
+
+def test_student_experts_that_do_not_fit_the_kept_layers_stop_before_training(distilled, tmp_path):
+    run = tmp_path / "bad"
+    proc = cli("distill", "recipes/tiny.yaml", "--run-dir", str(run),
+               *sets(*RUN, "student.experts=[2]", f"teacher.load={distilled / 'teacher'}"), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("recipe error: student.experts = [2]: the experts of the kept")
+    assert not (run / "metrics.jsonl").exists() or "student" not in (run / "metrics.jsonl").read_text()

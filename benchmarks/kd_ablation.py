@@ -1,0 +1,336 @@
+"""KD ablation on the tiny recipe: does staged KD (Mixture-of-Students) beat no KD and KD all the way?
+
+    .venv/bin/python benchmarks/kd_ablation.py                      # ~30-40 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/kd_ablation.py --steps 20 --teacher-steps 20 --out /tmp/kd   # a quick check
+    .venv/bin/python benchmarks/kd_ablation.py --teacher-run runs/tiny   # reuse a finished teacher run
+
+The paper's small-scale claim (DeepSpeed-MoE, "Mixture-of-Students and staged KD"): a 21-layer
+student distilled with KD for the first ~60% of its steps and then on the LM loss alone ends at
+least as good as one distilled all the way, which beats one trained without KD, and lands within
+a few percent of its teacher. Here with our own code path (`moe-pipeline`), on `recipes/tiny.yaml`:
+
+  1. ONE teacher: `moe-pipeline teacher recipes/tiny.yaml --run-dir <out>/teacher_run` (skipped when
+     that run is finished; or `--teacher-run DIR` names an existing finished run instead).
+  2. For each variant a run directory `<out>/runs/<variant>_s<steps>` with its own resolved recipe,
+     made by `moe-pipeline distill recipes/tiny.yaml --run-dir ... --set teacher.load=<teacher>`:
+     the teacher stage links the finished teacher's weights (and evaluates it), the student stage
+     then trains the student. The variants (everything else is the recipe's):
+
+       no_kd_scratch              student.init=random, kd.beta=0 (no KD; the teacher never runs)
+       kd_all_scratch             student.init=random, kd.stop_at=null (KD all the way)
+       staged_scratch             student.init=random, kd.stop_at=0.6 (the paper's MoS)
+       staged_teacher_paper       student.init=teacher, layer_selection=paper, kd.stop_at=0.6
+       staged_teacher_importance  student.init=teacher, layer_selection=importance, kd.stop_at=0.6
+
+All variants train the same number of student steps (`student.train.steps`, or `--steps`) on the
+same data order (the recipe's seed), and the three from-scratch ones start from the same random
+weights (seed + 1): they differ only in the KD schedule. Each validates on the whole held-out split
+`--evals` times (`student.train.eval_every = steps // evals`), so it logs a short curve.
+
+A finished variant (its `student/DONE.json` exists) is not trained again: a killed run, restarted
+with the same arguments, resumes (an interrupted stage resumes from its last DeepSpeed checkpoint).
+
+Read back: the final held-out loss (`val_loss`) and the teacher's (`teacher_val_loss`) from each
+`student/DONE.json`, the validation curve from `metrics.jsonl` (records with stage "student" and
+`val_loss`), the training CE/KD curves likewise. Results: one table on stdout, `kd_ablation.json` and
+`kd_ablation.png` (final held-out loss per variant with the teacher as a line; validation curves)
+under `--out` (default `benchmarks/results/kd_ablation/`, git-ignored, which also holds the runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/tiny.yaml"
+# set by a launcher or by pipeline.dist.init(); a child that inherits them thinks it is a rank already
+_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "CROSS_RANK", "CROSS_SIZE")
+
+# name -> (--set overrides, one-line description)
+VARIANTS: dict[str, tuple[dict[str, str], str]] = {
+    "no_kd_scratch": ({"student.init": "random", "kd.beta": "0.0", "kd.stop_at": "null"},
+                      "random init, no KD"),
+    "kd_all_scratch": ({"student.init": "random", "kd.stop_at": "null"},
+                       "random init, KD all the way"),
+    "staged_scratch": ({"student.init": "random", "kd.stop_at": "0.6"},
+                       "random init, KD for 60% (MoS)"),
+    "staged_teacher_paper": ({"student.init": "teacher", "student.layer_selection": "paper", "kd.stop_at": "0.6"},
+                             "teacher init (paper layers), KD 60%"),
+    "staged_teacher_importance": ({"student.init": "teacher", "student.layer_selection": "importance",
+                                   "kd.stop_at": "0.6"},
+                                  "teacher init (importance layers), KD 60%"),
+}
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).parent / "moe-pipeline"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "pipeline.cli"]
+
+
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _run(cmd: list[str], log: Path, timeout: float | None) -> float:
+    """Run a CLI command with its output in `log`; the wall seconds, or RuntimeError with the log's tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-25:]
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({rc}); last lines of {log}:\n" + "\n".join(tail))
+    return wall
+
+
+def _sets(overrides: dict[str, object]) -> list[str]:
+    out = []
+    for key, value in overrides.items():
+        out += ["--set", f"{key}={value}"]
+    return out
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line torn by a kill
+            continue
+    return out
+
+
+def _done(stage_dir: Path) -> dict | None:
+    path = stage_dir / "DONE.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+# -- the runs ------------------------------------------------------------------------------------
+
+def ensure_teacher(args) -> tuple[Path, dict]:
+    """The finished teacher run directory (trained here unless --teacher-run) and its DONE.json."""
+    if args.teacher_run is not None:
+        run = args.teacher_run.resolve()
+        done = _done(run / "teacher")
+        if done is None:
+            raise SystemExit(f"--teacher-run {run}: {run}/teacher/DONE.json is missing (not a finished teacher run)")
+        print(f"[teacher] reusing {run}/teacher (held-out loss {done['val_loss']:.4f})", flush=True)
+        return run, {**done, "bench_wall_s": None, "reused": True}
+    overrides = {}
+    name = "teacher_run"
+    if args.teacher_steps is not None:
+        overrides = {"teacher.train.steps": args.teacher_steps,
+                     "teacher.train.warmup_steps": _scaled_warmup(args.recipe_teacher_warmup, args.teacher_steps,
+                                                                  args.recipe_teacher_steps)}
+        name = f"teacher_run_s{args.teacher_steps}"
+    run = (args.out / name).resolve()
+    if _done(run / "teacher") is not None:
+        done = _done(run / "teacher")
+        print(f"[teacher] already finished: {run}/teacher (held-out loss {done['val_loss']:.4f})", flush=True)
+        return run, {**done, "bench_wall_s": None, "reused": True}
+    print(f"[teacher] training {RECIPE} into {run} ...", flush=True)
+    wall = _run([*_cli(), "teacher", RECIPE, "--run-dir", str(run), *_sets(overrides)], run.parent / f"{name}.log",
+                args.timeout)
+    done = _done(run / "teacher")
+    print(f"[teacher] done in {wall:.0f}s: held-out loss {done['val_loss']:.4f}", flush=True)
+    return run, {**done, "bench_wall_s": round(wall, 1), "reused": False}
+
+
+def _scaled_warmup(warmup: int, steps: int, recipe_steps: int) -> int:
+    """The recipe's warmup, scaled with the step budget (and never more than the steps)."""
+    return min(steps, max(1, round(warmup * steps / recipe_steps))) if warmup else 0
+
+
+def run_variant(name: str, args, teacher_run: Path) -> dict:
+    overrides, text = VARIANTS[name]
+    run = (args.out / "runs" / f"{name}_s{args.steps}").resolve()
+    sets = {"teacher.load": str(teacher_run / "teacher"),
+            "student.train.steps": args.steps,
+            "student.train.warmup_steps": _scaled_warmup(args.recipe_student_warmup, args.steps,
+                                                         args.recipe_student_steps),
+            "student.train.eval_every": max(1, args.steps // args.evals),
+            **overrides}
+    wall = None
+    if _done(run / "student") is None:
+        print(f"[{name}] {text}: {args.steps} steps into {run} ...", flush=True)
+        wall = _run([*_cli(), "distill", RECIPE, "--run-dir", str(run), *_sets(sets)], run.parent / f"{name}.log",
+                    args.timeout)
+    else:
+        print(f"[{name}] already finished: {run}/student", flush=True)
+    done = _done(run / "student")
+    recs = [r for r in _records(run) if r.get("stage") == "student"]
+    val_curve = [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]
+    train_curve = [{k: r[k] for k in ("step", "loss", "lm_loss", "kd_loss", "beta") if k in r}
+                   for r in recs if "lm_loss" in r]
+    selection = json.loads((run / "student" / "selection.json").read_text())
+    row = {"variant": name, "description": text, "run_dir": str(run), "overrides": sets,
+           "val_loss": done["val_loss"], "teacher_val_loss": done["teacher_val_loss"],
+           "gap": done["val_loss"] - done["teacher_val_loss"],
+           "gap_pct": 100 * (done["val_loss"] / done["teacher_val_loss"] - 1),
+           "kd_stop_step": done.get("kd_stop_step"), "kept_teacher_layers": done.get("kept_teacher_layers"),
+           "selection_scores": selection.get("scores"),
+           "student_wall_s": done.get("wall_seconds"), "student_train_s": done.get("train_seconds"),
+           "resumed_from_step": done.get("resumed_from_step"), "bench_wall_s": None if wall is None else round(wall, 1),
+           "val_curve": val_curve, "train_curve": train_curve}
+    print(f"[{name}] held-out loss {row['val_loss']:.4f} (teacher {row['teacher_val_loss']:.4f}, "
+          f"gap {row['gap']:+.4f}), student stage {row['student_wall_s']:.0f}s", flush=True)
+    return row
+
+
+# -- report --------------------------------------------------------------------------------------
+
+def print_table(teacher: dict, rows: list[dict], failed: dict[str, str], steps: int) -> None:
+    print()
+    print(f"== KD ablation, {RECIPE}: {steps} student steps each (16 x 128 tokens/step), one teacher, "
+          "held-out loss on the whole validation split (nats/token) ==")
+    print(f"{'variant':<27} {'setup':<41} {'held-out':>8} {'gap':>8} {'gap %':>6} {'stage s':>7} {'train s':>7}")
+    print(f"{'teacher (6 layers)':<27} {'PR-MoE teacher, ' + str(teacher.get('steps')) + ' steps':<41} "
+          f"{teacher['val_loss']:>8.4f} {'':>8} {'':>6} {teacher.get('wall_seconds', float('nan')):>7.0f} "
+          f"{teacher.get('train_seconds', float('nan')):>7.0f}")
+    for r in rows:
+        print(f"{r['variant']:<27} {r['description']:<41} {r['val_loss']:>8.4f} {r['gap']:>+8.4f} {r['gap_pct']:>+5.1f}% "
+              f"{r['student_wall_s']:>7.0f} {r['student_train_s']:>7.0f}")
+    for name, err in failed.items():
+        print(f"{name:<27} FAILED: {err.splitlines()[0]}")
+    if rows:
+        best = min(rows, key=lambda r: r["val_loss"])
+        print(f"best: {best['variant']} ({best['val_loss']:.4f}). gap = student - teacher held-out loss; "
+              "'stage s' = the student stage's wall time (teacher evaluation, layer choice, training, evaluations, "
+              "checkpoints), 'train s' = its training loop")
+        by = {r["variant"]: r["val_loss"] for r in rows}
+        if all(k in by for k in ("no_kd_scratch", "kd_all_scratch", "staged_scratch")):
+            order = sorted(("no_kd_scratch", "kd_all_scratch", "staged_scratch"), key=by.get)
+            print("from scratch, best to worst: " + " < ".join(f"{k} ({by[k]:.4f})" for k in order)
+                  + "   (paper's shape: staged <= KD all the way <= no KD)")
+
+
+def save(out: Path, result: dict) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / "kd_ablation.json", out / "kd_ablation.png"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, teacher = result["variants"], result["teacher"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=80)
+    ax = axes[0]
+    if rows:
+        losses = [r["val_loss"] for r in rows]
+        ax.bar(range(len(rows)), losses, color=[f"C{i}" for i in range(len(rows))])
+        for i, v in enumerate(losses):
+            ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+        ax.axhline(teacher["val_loss"], color="k", ls="--", lw=1, label=f"teacher {teacher['val_loss']:.3f}")
+        ax.set_xticks(range(len(rows)), [r["variant"].replace("_", "\n", 1) for r in rows], fontsize=7)
+        lo = min(losses + [teacher["val_loss"]])
+        hi = max(losses + [teacher["val_loss"]])
+        ax.set_ylim(lo - 0.15 * (hi - lo + 0.05), hi + 0.15 * (hi - lo + 0.05))
+        ax.legend(fontsize=8)
+    ax.set_ylabel("held-out loss (nats/token)", fontsize=9)
+    ax.set_title(f"final held-out loss, {result['steps']} student steps", fontsize=9)
+    ax.tick_params(axis="y", labelsize=8)
+    ax = axes[1]
+    for i, r in enumerate(rows):
+        if r["val_curve"]:
+            steps, vals = zip(*r["val_curve"])
+            ax.plot(steps, vals, "o-", color=f"C{i}", ms=3, label=r["variant"])
+    ax.axhline(teacher["val_loss"], color="k", ls="--", lw=1, label="teacher")
+    stops = {r["kd_stop_step"] for r in rows if r.get("kd_stop_step") is not None}
+    for s in stops:
+        ax.axvline(s, color="gray", ls=":", lw=1)
+        ax.text(s, ax.get_ylim()[1], " KD off", fontsize=7, va="top", color="gray")
+    ax.set_xlabel("student step", fontsize=9)
+    ax.set_title("held-out loss during student training", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return json_path, png_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kd_ablation",
+                   help="JSON, PNG, logs and the run directories (default benchmarks/results/kd_ablation)")
+    p.add_argument("--steps", type=int, default=None, help="student steps per variant (default: the recipe's)")
+    p.add_argument("--teacher-run", type=Path, default=None,
+                   help="a finished teacher run directory to reuse (holds teacher/DONE.json)")
+    p.add_argument("--teacher-steps", type=int, default=None,
+                   help="teacher steps when training it here (default: the recipe's)")
+    p.add_argument("--evals", type=int, default=3, help="held-out evaluations per student run (curve points)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--timeout", type=float, default=None, help="seconds per CLI command (default: none)")
+    args = p.parse_args(argv)
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))
+    from pipeline.recipe import load_recipe
+
+    recipe = load_recipe(RECIPE)
+    args.recipe_student_steps = recipe.student.train.steps
+    args.recipe_student_warmup = recipe.student.train.warmup_steps
+    args.recipe_teacher_steps = recipe.teacher.train.steps
+    args.recipe_teacher_warmup = recipe.teacher.train.warmup_steps
+    args.steps = args.steps or args.recipe_student_steps
+    if args.steps < 1 or args.evals < 1:
+        p.error("--steps and --evals must be positive")
+    args.out = args.out.resolve()
+    t0 = time.perf_counter()
+
+    teacher_run, teacher = ensure_teacher(args)
+    rows, failed = [], {}
+    for name in args.variants:
+        try:
+            rows.append(run_variant(name, args, teacher_run))
+        except RuntimeError as err:  # report it and go on with the others
+            print(f"[{name}] FAILED: {err}", file=sys.stderr, flush=True)
+            failed[name] = str(err)
+
+    total = time.perf_counter() - t0
+    import torch
+
+    teacher_info = {k: teacher.get(k) for k in ("val_loss", "steps", "train_seconds", "wall_seconds",
+                                                 "val_unigram_entropy", "params", "bench_wall_s", "reused")}
+    teacher_info["run_dir"] = str(teacher_run)
+    result = {
+        "meta": {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+                 "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                 "recipe": RECIPE, "seed": recipe.seed,
+                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                 "total_seconds": round(total, 1)},
+        "steps": args.steps,
+        "teacher": teacher_info,
+        "variants": rows,
+        "failed": failed,
+    }
+    print_table(teacher_info, rows, failed, args.steps)
+    json_path, png_path = save(args.out, result)
+    print(f"\nwrote {json_path} and {png_path}; total {total:.0f}s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
