@@ -244,7 +244,7 @@ def save(out: Path, result: dict) -> tuple[Path, Path]:
         for i, v in enumerate(losses):
             ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
         ax.axhline(teacher["val_loss"], color="k", ls="--", lw=1, label=f"teacher {teacher['val_loss']:.3f}")
-        ax.set_xticks(range(len(rows)), [r["variant"].replace("_", "\n", 1) for r in rows], fontsize=7)
+        ax.set_xticks(range(len(rows)), ["\n".join(r["variant"].rsplit("_", 1)) for r in rows], fontsize=7)
         lo = min(losses + [teacher["val_loss"]])
         hi = max(losses + [teacher["val_loss"]])
         ax.set_ylim(lo - 0.15 * (hi - lo + 0.05), hi + 0.15 * (hi - lo + 0.05))

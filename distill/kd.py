@@ -29,10 +29,11 @@ def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempe
     """
     log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # [B, T, V]
     log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    # F.kl_div(input, target) is sum target * (log target - input), fused (one pass, no temporaries)
     if kind == "kl":
-        return (log_t.exp() * (log_t - log_s)).sum(-1)
+        return F.kl_div(log_s, log_t, reduction="none", log_target=True).sum(-1)
     if kind == "reverse_kl":
-        return (log_s.exp() * (log_s - log_t)).sum(-1)
+        return F.kl_div(log_t, log_s, reduction="none", log_target=True).sum(-1)
     if kind == "jsd":
         log_m = torch.logaddexp(log_s, log_t) - torch.log(torch.tensor(2.0))  # log of the mixture
         return 0.5 * (log_t.exp() * (log_t - log_m)).sum(-1) + 0.5 * (log_s.exp() * (log_s - log_m)).sum(-1)
