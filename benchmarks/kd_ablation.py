@@ -49,11 +49,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, child_env, cli_command  # noqa: E402
+
 RECIPE = "recipes/tiny.yaml"
-# set by a launcher or by pipeline.dist.init(); a child that inherits them thinks it is a rank already
-_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "CROSS_RANK", "CROSS_SIZE")
 
 # name -> (--set overrides, one-line description)
 VARIANTS: dict[str, tuple[dict[str, str], str]] = {
@@ -71,17 +70,6 @@ VARIANTS: dict[str, tuple[dict[str, str], str]] = {
 }
 
 
-def _cli() -> list[str]:
-    script = Path(sys.executable).parent / "moe-pipeline"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "pipeline.cli"]
-
-
-def _child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    return env
-
-
 def _run(cmd: list[str], log: Path, timeout: float | None) -> float:
     """Run a CLI command with its output in `log`; the wall seconds, or RuntimeError with the log's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +78,7 @@ def _run(cmd: list[str], log: Path, timeout: float | None) -> float:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), stdout=f, stderr=subprocess.STDOUT,
+            rc = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
                                 timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -150,7 +138,7 @@ def ensure_teacher(args) -> tuple[Path, dict]:
         print(f"[teacher] already finished: {run}/teacher (held-out loss {done['val_loss']:.4f})", flush=True)
         return run, {**done, "bench_wall_s": None, "reused": True}
     print(f"[teacher] training {RECIPE} into {run} ...", flush=True)
-    wall = _run([*_cli(), "teacher", RECIPE, "--run-dir", str(run), *_sets(overrides)], run.parent / f"{name}.log",
+    wall = _run([*cli_command(), "teacher", RECIPE, "--run-dir", str(run), *_sets(overrides)], run.parent / f"{name}.log",
                 args.timeout)
     done = _done(run / "teacher")
     print(f"[teacher] done in {wall:.0f}s: held-out loss {done['val_loss']:.4f}", flush=True)
@@ -174,7 +162,7 @@ def run_variant(name: str, args, teacher_run: Path) -> dict:
     wall = None
     if _done(run / "student") is None:
         print(f"[{name}] {text}: {args.steps} steps into {run} ...", flush=True)
-        wall = _run([*_cli(), "distill", RECIPE, "--run-dir", str(run), *_sets(sets)], run.parent / f"{name}.log",
+        wall = _run([*cli_command(), "distill", RECIPE, "--run-dir", str(run), *_sets(sets)], run.parent / f"{name}.log",
                     args.timeout)
     else:
         print(f"[{name}] already finished: {run}/student", flush=True)

@@ -52,25 +52,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, child_env, cli_command  # noqa: E402
+
 RECIPE = "recipes/tiny.yaml"
-# set by a launcher or by pipeline.dist.init(); a child that inherits them thinks it is a rank already
-_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "CROSS_RANK", "CROSS_SIZE")
 
 
 # -- part 1: end-to-end training throughput ------------------------------------------------------
-
-def _cli() -> list[str]:
-    script = Path(sys.executable).parent / "moe-pipeline"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "pipeline.cli"]
-
-
-def _child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    return env
-
 
 def train_throughput(nproc: int, steps: int, log_every: int, tmp: Path, timeout: float) -> dict:
     """Train the tiny teacher for `steps` steps on `nproc` ranks; tokens/s from metrics.jsonl."""
@@ -83,7 +71,7 @@ def train_throughput(nproc: int, steps: int, log_every: int, tmp: Path, timeout:
         "teacher.train.eval_every": 10**9,        # validation only once, after the last step
         "teacher.train.eval_batches": 1,
     }
-    cmd = [*_cli(), "teacher", RECIPE, "--nproc", str(nproc), "--run-dir", str(run_dir)]
+    cmd = [*cli_command(), "teacher", RECIPE, "--nproc", str(nproc), "--run-dir", str(run_dir)]
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={value}"]
     log = tmp / f"teacher-{nproc}rank.log"
@@ -91,7 +79,7 @@ def train_throughput(nproc: int, steps: int, log_every: int, tmp: Path, timeout:
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), stdout=f, stderr=subprocess.STDOUT,
+            rc = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
                                 timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
