@@ -40,6 +40,33 @@ def quiet_cpu_accelerator() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+MALLOC_TUNING_ENV = "MOE_PIPELINE_MALLOC_TUNING"
+
+
+def tune_cpu_allocator() -> bool:
+    """Keep freed tensor memory in the process heap instead of returning it to the OS (glibc only).
+
+    PyTorch's CPU allocator calls malloc/free for every tensor, and glibc serves blocks above its
+    mmap threshold (128 KiB to 32 MiB, adaptive) with fresh mmap()s, so every large activation or
+    logits tensor of every step is page-faulted in anew: on the tiny recipe that was most of the KD
+    divergence's time and a good part of a plain step's (benchmarks/kd_step_time.py). Raising the
+    mmap and trim thresholds makes such blocks come from, and go back to, the heap, as jemalloc or
+    tcmalloc (which Intel's PyTorch CPU guide preloads) would. The price: up to 1 GiB of freed memory
+    stays resident. Set MOE_PIPELINE_MALLOC_TUNING=0 to leave malloc alone. Returns True if applied.
+    """
+    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    return all(mallopt(k, v) == 1 for k, v in ((m_mmap_threshold, 1 << 30), (m_trim_threshold, 1 << 30),
+                                               (m_top_pad, 64 << 20)))
+
+
 def init() -> Ranks:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU) and size the thread pool."""
     quiet_cpu_accelerator()
@@ -59,6 +86,7 @@ def init() -> Ranks:
     else:
         # without core binding every rank would use all cores: split them between the local ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        tune_cpu_allocator()
     return Ranks(td.get_rank(), td.get_world_size(), int(os.environ["LOCAL_RANK"]), local_world)
 
 

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from distill.kd import beta_at, divergence, kd_loss
+import distill.kd as kd_module
+from distill.kd import beta_at, divergence, fused_kd_loss, kd_loss
+from pipeline.model import masked_cross_entropy
 from pipeline.recipe import KDSpec
 
 
@@ -62,3 +64,48 @@ def test_schedule_cut_and_linear_decay():
     ramp = KDSpec(beta=2.0, stop_at=6, decay_steps=4)
     assert [beta_at(s, ramp, 6) for s in range(8)] == [2, 2, 2.0, 1.5, 1.0, 0.5, 0, 0]
     assert beta_at(10**6, KDSpec(stop_at=None), None) == 1.0  # KD all the way
+
+
+@pytest.mark.parametrize("kind", ["kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_fused_loss_equals_autograd_composition_in_value_and_gradient(kind, temperature):
+    """kd_loss's one-pass fused objective == alpha*masked CE + beta*T^2*masked mean of `divergence`, by autograd."""
+    torch.manual_seed(1)
+    shape, vocab = (3, 70), 300  # 210 tokens: several chunks of the fused loop when CHUNK_ELEMENTS is small
+    s = torch.randn(*shape, vocab, requires_grad=True)
+    t = torch.randn(*shape, vocab) * 2
+    labels = torch.randint(0, vocab, shape)
+    mask = (torch.rand(shape) > 0.3).float()
+    kd = KDSpec(alpha=0.7, beta=0.5, temperature=temperature, divergence=kind)
+
+    out = kd_loss(s, labels, mask, t, kd, beta=0.4)
+    out["loss"].backward()
+    fused_grad, s.grad = s.grad, None
+
+    ce = masked_cross_entropy(s, labels, mask)
+    soft = (divergence(s, t, temperature, kind) * mask).sum() / mask.sum()
+    ref = 0.7 * ce + 0.4 * temperature ** 2 * soft
+    ref.backward()
+    torch.testing.assert_close(out["loss"], ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["ce"], ce.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["kd"], soft.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_grad, s.grad, rtol=1e-4, atol=1e-8)
+    assert fused_grad[mask == 0].abs().max() == 0  # masked positions get no gradient
+
+
+def test_fused_loss_chunking_does_not_change_the_result(monkeypatch):
+    torch.manual_seed(2)
+    s, t = torch.randn(2, 33, 50), torch.randn(2, 33, 50)
+    labels, w = torch.randint(0, 50, (2, 33)), torch.rand(2, 33)
+    whole = fused_kd_loss(s, labels, w, t, 2 * w, 1.5, "jsd")
+    monkeypatch.setattr(kd_module, "CHUNK_ELEMENTS", 50 * 7)  # 7 rows per chunk, the last one short
+    chunked = fused_kd_loss(s, labels, w, t, 2 * w, 1.5, "jsd")
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b)
+
+
+def test_bf16_student_logits_get_a_bf16_gradient():
+    s = torch.randn(2, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    out = kd_loss(s, torch.randint(0, 16, (2, 4)), None, torch.randn(2, 4, 16), KDSpec(), beta=1.0)
+    out["loss"].backward()
+    assert s.grad.dtype == torch.bfloat16 and torch.isfinite(s.grad.float()).all()
