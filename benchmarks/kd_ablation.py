@@ -44,6 +44,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -169,8 +170,11 @@ def run_variant(name: str, args, teacher_run: Path) -> dict:
     done = _done(run / "student")
     recs = [r for r in _records(run) if r.get("stage") == "student"]
     val_curve = [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]
-    train_curve = [{k: r[k] for k in ("step", "loss", "lm_loss", "kd_loss", "beta") if k in r}
+    train_curve = [{k: r[k] for k in ("step", "loss", "lm_loss", "kd_loss", "beta", "tokens_per_s") if k in r}
                    for r in recs if "lm_loss" in r]
+    # real training throughput while the teacher runs (beta > 0) and after the stop (beta = 0)
+    speed = {phase: [r["tokens_per_s"] for r in train_curve if "tokens_per_s" in r and (r.get("beta", 0) > 0) == kd_on]
+             for phase, kd_on in (("kd", True), ("lm", False))}
     selection = json.loads((run / "student" / "selection.json").read_text())
     row = {"variant": name, "description": text, "run_dir": str(run), "overrides": sets,
            "val_loss": done["val_loss"], "teacher_val_loss": done["teacher_val_loss"],
@@ -179,6 +183,8 @@ def run_variant(name: str, args, teacher_run: Path) -> dict:
            "kd_stop_step": done.get("kd_stop_step"), "kept_teacher_layers": done.get("kept_teacher_layers"),
            "selection_scores": selection.get("scores"),
            "student_wall_s": done.get("wall_seconds"), "student_train_s": done.get("train_seconds"),
+           "tokens_per_s_kd": statistics.median(speed["kd"]) if speed["kd"] else None,
+           "tokens_per_s_lm": statistics.median(speed["lm"]) if speed["lm"] else None,
            "resumed_from_step": done.get("resumed_from_step"), "bench_wall_s": None if wall is None else round(wall, 1),
            "val_curve": val_curve, "train_curve": train_curve}
     print(f"[{name}] held-out loss {row['val_loss']:.4f} (teacher {row['teacher_val_loss']:.4f}, "
@@ -192,20 +198,23 @@ def print_table(teacher: dict, rows: list[dict], failed: dict[str, str], steps: 
     print()
     print(f"== KD ablation, {RECIPE}: {steps} student steps each (16 x 128 tokens/step), one teacher, "
           "held-out loss on the whole validation split (nats/token) ==")
-    print(f"{'variant':<27} {'setup':<41} {'held-out':>8} {'gap':>8} {'gap %':>6} {'stage s':>7} {'train s':>7}")
+    print(f"{'variant':<27} {'setup':<41} {'held-out':>8} {'gap':>8} {'gap %':>6} {'stage s':>7} {'train s':>7} "
+          f"{'tok/s KD':>8} {'tok/s LM':>8}")
     print(f"{'teacher (6 layers)':<27} {'PR-MoE teacher, ' + str(teacher.get('steps')) + ' steps':<41} "
           f"{teacher['val_loss']:>8.4f} {'':>8} {'':>6} {teacher.get('wall_seconds', float('nan')):>7.0f} "
           f"{teacher.get('train_seconds', float('nan')):>7.0f}")
     for r in rows:
+        tok = [f"{v:>8.0f}" if v else f"{'-':>8}" for v in (r["tokens_per_s_kd"], r["tokens_per_s_lm"])]
         print(f"{r['variant']:<27} {r['description']:<41} {r['val_loss']:>8.4f} {r['gap']:>+8.4f} {r['gap_pct']:>+5.1f}% "
-              f"{r['student_wall_s']:>7.0f} {r['student_train_s']:>7.0f}")
+              f"{r['student_wall_s']:>7.0f} {r['student_train_s']:>7.0f} {tok[0]} {tok[1]}")
     for name, err in failed.items():
         print(f"{name:<27} FAILED: {err.splitlines()[0]}")
     if rows:
         best = min(rows, key=lambda r: r["val_loss"])
         print(f"best: {best['variant']} ({best['val_loss']:.4f}). gap = student - teacher held-out loss; "
               "'stage s' = the student stage's wall time (teacher evaluation, layer choice, training, evaluations, "
-              "checkpoints), 'train s' = its training loop")
+              "checkpoints), 'train s' = its training loop; tok/s KD / LM = median training tokens/s of the logged "
+              "windows with the teacher running (beta > 0) / without it")
         by = {r["variant"]: r["val_loss"] for r in rows}
         if all(k in by for k in ("no_kd_scratch", "kd_all_scratch", "staged_scratch")):
             order = sorted(("no_kd_scratch", "kd_all_scratch", "staged_scratch"), key=by.get)
