@@ -3,6 +3,7 @@
     moe-pipeline teacher recipes/tiny.yaml [--nproc 2] [--set teacher.train.steps=50] [--run-dir DIR] [--redo]
     moe-pipeline distill recipes/tiny.yaml [--nproc 2] ...     # teacher (skipped when done), then the student
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
+    moe-pipeline eval runs/tiny [more models] [--tasks a,b] [--batch-size 32] [--out DIR] [--nproc 2]
 
 With `--nproc N` (or `distributed.nproc` in the recipe) above the number of running ranks, the
 command restarts itself under the DeepSpeed launcher; on many nodes, start it yourself:
@@ -53,7 +54,49 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--world-size", type=_positive_int, default=None, help="ranks to plan for (default: distributed.nproc)")
     p.add_argument("--json", action="store_true", help="print one JSON object {teacher: ..., student: ...}")
+
+    p = sub.add_parser("eval", help="zero-shot evaluation with lm-evaluation-harness: models x tasks, resumable")
+    p.add_argument("models", nargs="+", help="run directories (their teacher and student), stage directories or packages")
+    p.add_argument("--tasks", default=None,
+                   help="comma-separated lm-eval task or group names (default: the bundled offline tasks)")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="requests per forward pass")
+    p.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if below 1)")
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a folder of extra task YAMLs (repeatable)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default: RUN/eval for one run directory, else evals/<models>)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--nproc", type=_positive_int, default=None, help="ranks on this machine (expert parallel)")
+    p.add_argument("--ep-size", type=_positive_int, default=None, help="expert-parallel degree (default: all ranks)")
+    p.add_argument("--bootstrap-iters", type=int, default=1000, help="lm-eval's bootstrap for non-mean stderrs")
     return parser
+
+
+def cmd_eval(args, argv: list[str]) -> int:
+    from pipeline import dist
+
+    running = int(os.environ["WORLD_SIZE"]) if dist.under_launcher() else None
+    if running is None and (args.nproc or 1) > 1:
+        return dist.relaunch(args.nproc, "pipeline.cli", _strip_nproc(argv))
+    from eval.jobs import run_eval
+    from eval.models import resolve
+
+    try:
+        for spec in args.models:
+            resolve(spec)
+        out = args.out
+        if out is None:
+            first = Path(args.models[0])
+            out = first / "eval" if len(args.models) == 1 and (first / "recipe.yaml").is_file() else \
+                Path("evals") / "+".join(Path(m).resolve().name for m in args.models)
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+        run_eval(args.models, tasks, out, batch_size=args.batch_size, limit=args.limit,
+                 include_path=args.include_path, dtype=args.dtype, ep_size=args.ep_size,
+                 bootstrap_iters=args.bootstrap_iters)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"eval error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def cmd_plan(args) -> int:
@@ -123,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(args)
         if args.command in ("teacher", "distill"):
             return cmd_stages(args, argv)
+        if args.command == "eval":
+            return cmd_eval(args, argv)
     except RecipeError as err:
         print(f"recipe error: {err}", file=sys.stderr)
         return 2

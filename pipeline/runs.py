@@ -24,13 +24,16 @@ from pipeline.files import atomic_write_text, sha256_file
 from pipeline.recipe import Recipe, RecipeError, diff_recipes, dump_recipe, validate
 
 
+RECIPE_FILE = "recipe.yaml"
+
+
 class RunDir:
     def __init__(self, root: Path):
         self.root = Path(root)
 
     @property
     def recipe_path(self) -> Path:
-        return self.root / "recipe.yaml"
+        return self.root / RECIPE_FILE
 
     @property
     def metrics_path(self) -> Path:

@@ -23,6 +23,12 @@ SMALL = [
     "student.train.micro_batch_size=4", "student.train.global_batch_size=8",
 ]
 
+# SMALL plus a few steps of each stage: a finished run (teacher and student) in about half a minute
+SMALL_RUN = SMALL + ["teacher.train.steps=8", "teacher.train.checkpoint_every=4", "teacher.train.eval_every=8",
+                     "student.train.steps=12", "student.train.warmup_steps=2", "student.train.log_every=2",
+                     "student.train.checkpoint_every=4", "student.train.eval_every=6", "student.train.eval_batches=2",
+                     "kd.stop_at=0.5"]
+
 
 def model_config(**kw):
     """A tiny ModelConfig (hidden 32, 4 layers, experts 2 and 4), with any field overridden."""
@@ -40,6 +46,14 @@ def data_cache(tmp_path_factory):
     path = os.environ.get("MOE_PIPELINE_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
     os.environ["MOE_PIPELINE_CACHE"] = path
     return Path(path)
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory) -> Path:
+    """`moe-pipeline distill recipes/tiny.yaml --set SMALL_RUN...`: a finished run shared by the session's tests."""
+    run = tmp_path_factory.mktemp("runs") / "small"
+    cli("distill", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*SMALL_RUN))
+    return run
 
 
 def cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:

@@ -14,21 +14,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SMALL, cli, sets
+from conftest import ROOT, SMALL_RUN, cli, sets
 
 pytestmark = pytest.mark.slow
 
-RUN = SMALL + ["teacher.train.steps=8", "teacher.train.checkpoint_every=4", "teacher.train.eval_every=8",
-               "student.train.steps=12", "student.train.warmup_steps=2", "student.train.log_every=2",
-               "student.train.checkpoint_every=4", "student.train.eval_every=6", "student.train.eval_batches=2",
-               "kd.stop_at=0.5"]
+RUN = SMALL_RUN
 
 
 @pytest.fixture(scope="module")
-def distilled(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("runs") / "d"
-    cli("distill", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN))
-    return run
+def distilled(small_run) -> Path:
+    return small_run
 
 
 def records(run: Path, stage: str) -> list[dict]:

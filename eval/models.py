@@ -1,0 +1,96 @@
+"""Which models an eval job means, and loading one for inference on this rank.
+
+A model argument of `moe-pipeline eval` (or `path=` of the lm-eval adapter) is one of:
+
+  * a run directory (`runs/tiny`: holds `recipe.yaml` and stage directories): its finished
+    `teacher` and `student` stages, in that order;
+  * a stage directory (`runs/tiny/student`: `config.json`, `model.safetensors` or a sharded index,
+    `tokenizer/`), finished (`DONE.json`) or a loaded teacher;
+  * an exported package (`runs/tiny/package`, `manifest.json` next to the weights) once export exists.
+
+    from eval.models import resolve, load_model
+    refs = resolve("runs/tiny")              # [ModelRef('tiny/teacher', ...), ModelRef('tiny/student', ...)]
+    model, tokenizer = load_model(refs[0].path)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import dist
+from pipeline.model import GPT
+from pipeline.runs import RECIPE_FILE
+from pipeline.teacher import CONFIG, TOKENIZER, _set_groups, read_model_config
+from pipeline.weights import INDEX, WEIGHTS, load_weights
+
+STAGES = ("teacher", "student")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str   # row label in tables: '<run>/<stage>' or the directory's name
+    path: Path  # a loadable directory (config.json, weights, tokenizer/)
+    stage: str | None = None  # 'teacher' | 'student' | None (a package or a foreign directory)
+    run: str | None = None
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / INDEX).is_file())
+
+
+def resolve(spec: str | Path, stages: tuple[str, ...] = STAGES) -> list[ModelRef]:
+    """The models a command-line argument names; FileNotFoundError says what is missing and how to make it."""
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"{spec}: no such run, stage or package directory")
+    if is_model_dir(path):
+        stage = path.name if path.name in STAGES else None
+        run = path.parent.name if stage and (path.parent / RECIPE_FILE).is_file() else None
+        return [ModelRef(f"{run}/{stage}" if run else path.name, path, stage, run)]
+    if (path / RECIPE_FILE).is_file():
+        refs = [ModelRef(f"{path.name}/{s}", path / s, s, path.name) for s in stages
+                if (path / s / "DONE.json").is_file() and is_model_dir(path / s)]
+        if not refs:
+            raise FileNotFoundError(f"{spec}: a run directory without a finished {' or '.join(stages)} stage: "
+                                    f"run `moe-pipeline distill {path / RECIPE_FILE}` first")
+        return refs
+    raise FileNotFoundError(f"{spec}: not a run directory ({RECIPE_FILE}), a stage directory ({CONFIG} and "
+                            f"{WEIGHTS}) or a package")
+
+
+def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None = None,
+               dtype: str = "float32") -> tuple[GPT, object]:
+    """(model in eval mode on this rank's device, tokenizer). Collective when the world has several ranks.
+
+    The model is expert parallel over the world (each rank holds, and reads from the safetensors,
+    only its own experts: `pipeline.weights.load_weights`); every rank must then run the same batches.
+    """
+    from pipeline import data as data_lib
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPES)}")
+    ranks = ranks or dist.init()
+    path = Path(path)
+    cfg = read_model_config(path)
+    model = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world, ep_size=ep_size)
+    _set_groups(model)
+    load_weights(model, path)
+    model.to(device=dist.device(), dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    tokenizer = data_lib.load_tokenizer(path / TOKENIZER, seq_len=cfg.seq_len)
+    return model, tokenizer
+
+
+def describe(path: Path) -> dict:
+    """Facts about a model directory for result files: its config and, when present, its DONE.json."""
+    out = {"path": str(Path(path).resolve()), "config": json.loads((Path(path) / CONFIG).read_text())}
+    done = Path(path) / "DONE.json"
+    if done.is_file():
+        d = json.loads(done.read_text())
+        out["done"] = {k: d[k] for k in ("val_loss", "teacher_val_loss", "steps", "params") if k in d}
+    return out

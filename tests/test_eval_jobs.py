@@ -1,0 +1,113 @@
+"""`moe-pipeline eval`: batch jobs over a run's teacher and student, bundled and custom tasks, offline failures, resume, 2 ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+
+pytestmark = pytest.mark.slow
+
+CUSTOM_TASK = """task: my_yes_no
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: ["no", "yes"]
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.fixture(scope="module")
+def custom_tasks(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("my_tasks")
+    rows = [{"question": f"Is {n} an even number? Answer:", "label": int(n % 2 == 0)} for n in range(12)]
+    (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "my_yes_no.yaml").write_text(CUSTOM_TASK.format(data=folder / "data.jsonl"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def job(small_run, custom_tasks, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "job"
+    proc = cli("eval", str(small_run), "--tasks", "tiny_lastword,tiny_nextline,tiny_heldout_ppl,my_yes_no,lambada_openai",
+               "--include-path", str(custom_tasks), "--limit", "8", "--batch-size", "8", "--out", str(out))
+    return out, proc
+
+
+def test_every_model_and_task_has_a_result_in_lm_evals_schema(job):
+    out, _ = job
+    results = json.loads((out / "results.json").read_text())
+    assert {"small/teacher", "small/student"} <= set(results)
+    for model in ("small/teacher", "small/student"):
+        r = results[model]
+        assert set(r["results"]) == {"tiny_lastword", "tiny_nextline", "tiny_heldout_ppl", "my_yes_no"}
+        lastword = r["results"]["tiny_lastword"]
+        assert 0 <= lastword["acc,none"] <= 1 and lastword["perplexity,none"] > 1
+        assert "acc_stderr,none" in lastword
+        assert 0 <= r["results"]["tiny_nextline"]["acc,none"] <= 1
+        assert r["results"]["tiny_heldout_ppl"]["bits_per_byte,none"] > 0
+        assert r["n-samples"]["tiny_lastword"]["effective"] == 8  # --limit
+        assert r["higher_is_better"]["tiny_lastword"]["perplexity"] is False
+        assert "versions" in r and "configs" in r
+
+
+def test_an_offline_task_without_data_is_reported_in_one_line_and_the_rest_runs(job):
+    out, proc = job
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("[eval] lambada_openai: skipped:")]
+    assert len(lines) == 1 and "offline" in lines[0]
+    assert "lambada_openai" in json.loads((out / "results.json").read_text())["_failed"]
+
+
+def test_markdown_table_png_and_the_students_retention(job):
+    out, _ = job
+    md = (out / "results.md").read_text()
+    assert "| small/teacher |" in md and "| small/student |" in md and "retention" in md
+    results = json.loads((out / "results.json").read_text())
+    keep = results["_retention"]["small/student"]
+    t, s = (results[m]["results"]["tiny_lastword"]["acc,none"] for m in ("small/teacher", "small/student"))
+    if t:
+        assert keep["tiny_lastword"] == pytest.approx(100 * s / t)
+    bpb_t, bpb_s = (results[m]["results"]["tiny_heldout_ppl"]["bits_per_byte,none"] for m in ("small/teacher", "small/student"))
+    assert keep["tiny_heldout_ppl"] == pytest.approx(100 * bpb_t / bpb_s)  # lower is better: teacher / student
+    png = (out / "results.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_a_rerun_resumes_from_the_stored_cells(job, small_run, custom_tasks):
+    out, _ = job
+    cell = out / "cells" / "small__student" / "tiny_nextline.json"
+    before = cell.stat().st_mtime_ns
+    cell_removed = out / "cells" / "small__teacher" / "my_yes_no.json"
+    cell_removed.unlink()  # as if the job had been killed before this cell
+    proc = cli("eval", str(small_run), "--tasks", "tiny_lastword,tiny_nextline,tiny_heldout_ppl,my_yes_no",
+               "--include-path", str(custom_tasks), "--limit", "8", "--batch-size", "8", "--out", str(out))
+    assert "7 done before, 1 to run" in proc.stdout
+    assert cell.stat().st_mtime_ns == before and cell_removed.is_file()
+
+
+def test_two_ranks_expert_parallel_give_the_same_scores(small_run, job, tmp_path):
+    out1, _ = job
+    out2 = tmp_path / "ep2"
+    cli("eval", str(small_run / "student"), "--tasks", "tiny_nextline,tiny_heldout_ppl", "--limit", "8",
+        "--batch-size", "8", "--nproc", "2", "--out", str(out2), timeout=900)
+    one = json.loads((out1 / "results.json").read_text())["small/student"]["results"]
+    two = json.loads((out2 / "results.json").read_text())["small/student"]["results"]
+    assert two["tiny_nextline"]["acc,none"] == one["tiny_nextline"]["acc,none"]
+    assert two["tiny_heldout_ppl"]["word_perplexity,none"] == pytest.approx(
+        one["tiny_heldout_ppl"]["word_perplexity,none"], rel=1e-4)
+
+
+def test_bad_model_path_is_one_line_and_exit_2(tmp_path):
+    proc = cli("eval", str(tmp_path / "nope"), check=False)
+    assert proc.returncode == 2 and "no such run, stage or package directory" in proc.stderr
