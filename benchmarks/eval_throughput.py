@@ -1,0 +1,107 @@
+"""Throughput of the lm-eval adapter's `loglikelihood` in requests/s, by batch size, on a tiny model.
+
+    .venv/bin/python benchmarks/eval_throughput.py                          # runs/tiny/student, batches 1 8 32
+    .venv/bin/python benchmarks/eval_throughput.py --model runs/tiny/teacher --requests 512 --batch-sizes 1 32
+
+The requests are the real ones lm-eval builds for the bundled `tiny_lastword` task (passage,
+" final word"), the first `--requests` of them, tokenized once; each batch size then scores all
+of them with `MoEPipelineLM._loglikelihood_tokens` (sorting, padding, forward, log-softmax of the
+continuation positions, is_greedy), after one untimed warm-up pass, `--repeats` times (median).
+The answers at every batch size must agree (checked: the same scores within 1e-3, the same
+is_greedy flags), so the speed-up is not bought with different results. Target: batch 32 at least
+5x batch 1. Results: a table on stdout, `eval_throughput.json` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = 5.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=ROOT / "runs" / "tiny" / "student",
+                   help="a stage directory or package (default runs/tiny/student: run README command 1 first)")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    if not args.model.is_dir():
+        p.error(f"--model {args.model}: no such directory; run `moe-pipeline distill recipes/tiny.yaml` first "
+                "or name a stage directory")
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["MOE_EVAL_QUIET"] = "1"
+
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    from eval.adapter import MoEPipelineLM
+    from eval.tasks import bundled_task_dir
+
+    lm = MoEPipelineLM(path=str(args.model), batch_size=1)
+    task = TaskManager(include_path=str(bundled_task_dir()), include_defaults=False).load_task_or_group(
+        ["tiny_lastword"])["tiny_lastword"]
+    task.build_all_requests(limit=args.requests, rank=0, world_size=1)
+    instances = task.instances[:args.requests]
+    requests = []
+    for inst in instances:
+        ctx, cont = inst.args
+        ctx_ids, cont_ids = lm._encode_pair(ctx, cont)
+        requests.append(((ctx, cont), ctx_ids, cont_ids))
+    tokens = sum(len((c + d)[-(lm.max_length + 1):]) - 1 for _, c, d in requests)
+
+    rows, answers = [], {}
+    for bs in args.batch_sizes:
+        lm._loglikelihood_tokens(requests[:max(bs, 8)], disable_tqdm=True, override_bs=bs)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            answers[bs] = lm._loglikelihood_tokens(requests, disable_tqdm=True, override_bs=bs)
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        rows.append({"batch_size": bs, "seconds": round(t, 3), "requests_per_s": round(len(requests) / t, 2),
+                     "tokens_per_s": round(tokens / t, 1)})
+    base = answers[args.batch_sizes[0]]
+    for bs, ans in answers.items():
+        assert all(abs(a[0] - b[0]) < 1e-3 and a[1] == b[1] for a, b in zip(ans, base)), f"batch {bs} differs"
+    ref = rows[0]["requests_per_s"]
+    for r in rows:
+        r["speedup_vs_first"] = round(r["requests_per_s"] / ref, 2)
+
+    print(f"\n== lm-eval loglikelihood, {args.model} ({lm.model.cfg.layers} layers, experts "
+          f"{list(lm.model.cfg.experts)}, context {lm.max_length}), {len(requests)} tiny_lastword requests "
+          f"({tokens} tokens), {torch.get_num_threads()} threads, fp32, median of {args.repeats} ==")
+    print(f"{'batch':>5} {'seconds':>8} {'req/s':>8} {'tok/s':>9} {'x batch ' + str(args.batch_sizes[0]):>10}")
+    for r in rows:
+        print(f"{r['batch_size']:>5} {r['seconds']:>8.2f} {r['requests_per_s']:>8.1f} {r['tokens_per_s']:>9.0f} "
+              f"{r['speedup_vs_first']:>10.2f}")
+    big = next((r for r in rows if r["batch_size"] == 32), None)
+    if big is not None and args.batch_sizes[0] == 1:
+        print(f"batch 32 / batch 1 = {big['speedup_vs_first']:.2f} (target >= {TARGET}: "
+              f"{'ok' if big['speedup_vs_first'] >= TARGET else 'MISSED'}); every batch size gave the same answers")
+    result = {"meta": {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+                       "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+                       "load_avg_1m": os.getloadavg()[0], "torch": torch.__version__, "model": str(args.model)},
+              "requests": len(requests), "tokens": tokens, "rows": rows, "target_batch32_over_batch1": TARGET}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "eval_throughput.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out / 'eval_throughput.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
