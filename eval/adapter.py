@@ -44,7 +44,7 @@ class MoEPipelineLM(TemplateLM):
     """A run's teacher or student, a stage directory, or a package, evaluated with our model code."""
 
     def __init__(self, path: str, stage: str = "student", batch_size: int | str = 16, max_length: int | None = None,
-                 dtype: str = "float32", ep_size: int | None = None, max_gen_toks: int = 256, seed: int = 1234,
+                 dtype: str | None = None, ep_size: int | None = None, max_gen_toks: int = 256, seed: int = 1234,
                  device: str | None = None, max_batch_size: int | None = None, **_ignored) -> None:
         super().__init__()
         from eval.models import STAGES, load_model, resolve
@@ -102,7 +102,7 @@ class MoEPipelineLM(TemplateLM):
     def get_model_info(self) -> dict:
         from eval.models import describe
 
-        return {"model_name": self.ref.name, "model_stage": self.ref.stage, "model_dtype": self.dtype,
+        return {"model_name": self.ref.name, "model_stage": self.ref.stage, "model_dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                 "ep_world_size": self.ranks.world, **describe(self.ref.path)}
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:

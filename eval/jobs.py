@@ -105,7 +105,7 @@ def run_cell(lm, task: str, tm, limit: float | None, bootstrap_iters: int) -> di
 
 
 def run_eval(models: list[str], tasks: list[str] | None, out: Path, batch_size: int = 16, limit: float | None = None,
-             include_path: list[str] | None = None, dtype: str = "float32", ep_size: int | None = None,
+             include_path: list[str] | None = None, dtype: str | None = None, ep_size: int | None = None,
              bootstrap_iters: int = 1000) -> dict:
     """Evaluate every model on every task, resuming from cells already on disk. Collective over ranks."""
     from tqdm import tqdm

@@ -6,7 +6,8 @@ A model argument of `moe-pipeline eval` (or `path=` of the lm-eval adapter) is o
     `teacher` and `student` stages, in that order;
   * a stage directory (`runs/tiny/student`: `config.json`, `model.safetensors` or a sharded index,
     `tokenizer/`), finished (`DONE.json`) or a loaded teacher;
-  * an exported package (`runs/tiny/package`, `manifest.json` next to the weights) once export exists.
+  * an exported package (`runs/tiny/package`: `manifest.json`, see export/package.py), verified
+    before it is loaded.
 
     from eval.models import resolve, load_model
     refs = resolve("runs/tiny")              # [ModelRef('tiny/teacher', ...), ModelRef('tiny/student', ...)]
@@ -44,11 +45,20 @@ def is_model_dir(path: Path) -> bool:
     return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / INDEX).is_file())
 
 
+def is_package(path: Path) -> bool:
+    from export.package import MANIFEST
+
+    return (Path(path) / MANIFEST).is_file()
+
+
 def resolve(spec: str | Path, stages: tuple[str, ...] = STAGES) -> list[ModelRef]:
     """The models a command-line argument names; FileNotFoundError says what is missing and how to make it."""
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"{spec}: no such run, stage or package directory")
+    if is_package(path):
+        manifest = json.loads((path / "manifest.json").read_text())
+        return [ModelRef(manifest.get("name") or path.name, path, manifest.get("source", {}).get("stage"))]
     if is_model_dir(path):
         stage = path.name if path.name in STAGES else None
         run = path.parent.name if stage and (path.parent / RECIPE_FILE).is_file() else None
@@ -65,18 +75,26 @@ def resolve(spec: str | Path, stages: tuple[str, ...] = STAGES) -> list[ModelRef
 
 
 def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None = None,
-               dtype: str = "float32") -> tuple[GPT, object]:
+               dtype: str | None = None) -> tuple[GPT, object]:
     """(model in eval mode on this rank's device, tokenizer). Collective when the world has several ranks.
 
     The model is expert parallel over the world (each rank holds, and reads from the safetensors,
     only its own experts: `pipeline.weights.load_weights`); every rank must then run the same batches.
+    `dtype` None: the model's own (fp32 for a stage directory, the package's dtype for a package).
+    A package is verified first (`export.package.load_package`).
     """
     from pipeline import data as data_lib
 
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPES)}")
     ranks = ranks or dist.init()
     path = Path(path)
+    if is_package(path):
+        from export.package import load_package
+
+        short = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"}
+        return load_package(path, ranks, ep_size=ep_size, dtype=short[dtype] if dtype else None)
+    dtype = dtype or "float32"
     cfg = read_model_config(path)
     model = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world, ep_size=ep_size)
     _set_groups(model)
@@ -89,6 +107,9 @@ def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None 
 def describe(path: Path) -> dict:
     """Facts about a model directory for result files: its config and, when present, its DONE.json."""
     out = {"path": str(Path(path).resolve()), "config": json.loads((Path(path) / CONFIG).read_text())}
+    if is_package(path):
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+        out["package"] = {k: manifest.get(k) for k in ("name", "dtype", "params", "source", "format_version")}
     done = Path(path) / "DONE.json"
     if done.is_file():
         d = json.loads(done.read_text())

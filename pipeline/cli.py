@@ -3,6 +3,8 @@
     moe-pipeline teacher recipes/tiny.yaml [--nproc 2] [--set teacher.train.steps=50] [--run-dir DIR] [--redo]
     moe-pipeline distill recipes/tiny.yaml [--nproc 2] ...     # teacher (skipped when done), then the student
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
+    moe-pipeline export runs/tiny [--stage teacher] [--dtype bf16] [--out DIR] [--force]
+    moe-pipeline verify runs/tiny/package
     moe-pipeline eval runs/tiny [more models] [--tasks a,b] [--batch-size 32] [--out DIR] [--nproc 2]
 
 With `--nproc N` (or `distributed.nproc` in the recipe) above the number of running ranks, the
@@ -55,6 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=_positive_int, default=None, help="ranks to plan for (default: distributed.nproc)")
     p.add_argument("--json", action="store_true", help="print one JSON object {teacher: ..., student: ...}")
 
+    p = sub.add_parser("export", help="a deployable package of a run's student (or teacher)")
+    p.add_argument("run", type=Path, help="a run directory (or a finished stage directory)")
+    p.add_argument("--stage", choices=["student", "teacher"], default="student")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="weights' dtype (the MoE gates stay fp32)")
+    p.add_argument("--out", type=Path, default=None, help="package directory (default RUN/package)")
+    p.add_argument("--force", action="store_true", help="replace an existing package")
+    p.add_argument("--max-shard-size", default="2GB", help="split model.safetensors above this size (HF's layout)")
+
+    p = sub.add_parser("verify", help="check a package: files, checksums, tensors (exit 1 and a list of problems)")
+    p.add_argument("package", type=Path)
+    p.add_argument("--skip-checksums", action="store_true", help="sizes, names, shapes and dtypes only")
+
     p = sub.add_parser("eval", help="zero-shot evaluation with lm-evaluation-harness: models x tasks, resumable")
     p.add_argument("models", nargs="+", help="run directories (their teacher and student), stage directories or packages")
     p.add_argument("--tasks", default=None,
@@ -65,11 +80,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a folder of extra task YAMLs (repeatable)")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default: RUN/eval for one run directory, else evals/<models>)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="run the models in this dtype (default: their own; fp32 for run and stage directories)")
     p.add_argument("--nproc", type=_positive_int, default=None, help="ranks on this machine (expert parallel)")
     p.add_argument("--ep-size", type=_positive_int, default=None, help="expert-parallel degree (default: all ranks)")
     p.add_argument("--bootstrap-iters", type=int, default=1000, help="lm-eval's bootstrap for non-mean stderrs")
     return parser
+
+
+def cmd_export(args) -> int:
+    from export.package import export_package, parse_size
+
+    src = args.run / args.stage if (args.run / "recipe.yaml").is_file() else args.run
+    out = args.out or (args.run / "package" if (args.run / "recipe.yaml").is_file() else src.parent / "package")
+    try:
+        pkg = export_package(src, out, dtype=args.dtype, force=args.force, max_shard_bytes=parse_size(args.max_shard_size))
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"export error: {err}", file=sys.stderr)
+        return 2
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    size = sum(f["size"] for f in manifest["files"].values())
+    print(f"[export] {src} -> {pkg}: {manifest['dtype']}, {manifest['params']['total']:,} parameters "
+          f"({manifest['params']['active_per_token']:,} active per token), {len(manifest['files'])} files, "
+          f"{size / 1e6:.1f} MB")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from export.package import verify_package
+
+    problems = verify_package(args.package, checksums=not args.skip_checksums)
+    if problems:
+        print(f"{args.package}: {len(problems)} problem(s)", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    manifest = json.loads((args.package / "manifest.json").read_text())
+    print(f"{args.package}: ok ({len(manifest['files'])} files{'' if args.skip_checksums else ' checksummed'}, "
+          f"{manifest['tensors']} tensors, {manifest['dtype']})")
+    return 0
 
 
 def cmd_eval(args, argv: list[str]) -> int:
@@ -168,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_stages(args, argv)
         if args.command == "eval":
             return cmd_eval(args, argv)
+        if args.command == "export":
+            return cmd_export(args)
+        if args.command == "verify":
+            return cmd_verify(args)
     except RecipeError as err:
         print(f"recipe error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,173 @@
+"""Package sizes (fp32, bf16) and one rank's memory when loading a package at expert-parallel degree 1 and 2.
+
+    .venv/bin/python benchmarks/export_memory.py                  # ~3 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/export_memory.py --tiny-run runs/tiny
+
+1. Sizes: the tiny recipe's student (`--tiny-run`, default runs/tiny, made by README command 1)
+   exported at fp32 and bf16 with `moe-pipeline export`.
+2. Memory: a package whose experts dominate its size, made by the real pipeline: `moe-pipeline
+   teacher recipes/tiny.yaml` with wider, more numerous experts (`--set model.hidden=256
+   model.experts=[64,64,128] teacher.train.steps=2 ...`) and `moe-pipeline export --stage teacher`.
+   Then `export.package.load_package` in a fresh process, once alone (EP 1) and once on 2 ranks
+   through the DeepSpeed launcher (EP 2, each rank holds half of every layer's experts and reads
+   only those tensors). Each rank reports the peak resident memory (VmHWM) minus its resident
+   memory just before loading (after importing torch and DeepSpeed and joining the process
+   group), and the bytes of the parameters it holds. Target: an EP-2 rank's weight memory at most
+   60% of the whole model's (the package's weight bytes).
+Results: a table on stdout and `export_memory.json` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, child_env, cli_command  # noqa: E402
+
+BIG = ["model.hidden=256", "model.heads=4", "model.experts=[64,64,128]", "teacher.train.steps=2",
+       "teacher.train.warmup_steps=1", "teacher.train.eval_batches=1", "teacher.train.eval_every=2",
+       "teacher.train.checkpoint_every=2", "teacher.train.micro_batch_size=2", "teacher.train.global_batch_size=2"]
+TARGET = 0.60
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def worker(pkg: str, out: str) -> None:
+    """One rank: load the package, report memory (run alone or under the DeepSpeed launcher)."""
+    sys.path.insert(0, str(ROOT))
+    from export.package import load_package
+    from pipeline import dist
+
+    ranks = dist.init()
+    dist.barrier()
+    before = _status_kb("VmRSS")
+    t0 = time.perf_counter()
+    model, _ = load_package(pkg, ranks, checksums=False)
+    seconds = time.perf_counter() - t0
+    peak = _status_kb("VmHWM")
+    after = _status_kb("VmRSS")
+    held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    record = {"rank": ranks.rank, "world": ranks.world, "rss_before_kb": before, "peak_kb": peak, "rss_after_kb": after,
+              "weight_peak_bytes": (peak - before) * 1024, "weight_rss_bytes": (after - before) * 1024,
+              "param_bytes_held": held, "load_seconds": round(seconds, 2)}
+    Path(f"{out}.rank{ranks.rank}.json").write_text(json.dumps(record))
+    dist.barrier()
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"`{' '.join(cmd)}` failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+def _weights_bytes(pkg: Path) -> int:
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    return sum(manifest["files"][f]["size"] for f in manifest["weights"] if f.endswith(".safetensors"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny-run", type=Path, default=ROOT / "runs" / "tiny")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--worker", nargs=2, metavar=("PKG", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    os.chdir(ROOT)
+    work = args.out / "export_memory"
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"sizes": {}, "memory": {}}
+
+    # 1. the tiny student's package sizes
+    if (args.tiny_run / "student" / "DONE.json").is_file():
+        for dtype in ("fp32", "bf16"):
+            pkg = work / f"tiny-student-{dtype}"
+            _run([*cli_command(), "export", str(args.tiny_run), "--dtype", dtype, "--out", str(pkg), "--force"])
+            manifest = json.loads((pkg / "manifest.json").read_text())
+            result["sizes"][dtype] = {"weights_bytes": _weights_bytes(pkg),
+                                      "package_bytes": sum(f["size"] for f in manifest["files"].values()),
+                                      "params": manifest["params"]}
+    else:
+        print(f"(no finished student in {args.tiny_run}: run README command 1 for the tiny package sizes)")
+
+    # 2. an experts-dominated package, made by the pipeline itself
+    run = work / "big_run"
+    if not (run / "teacher" / "DONE.json").is_file():
+        print("[memory] training 2 steps of an experts-dominated teacher (hidden 256, experts [64, 64, 128]) ...",
+              flush=True)
+        _run([*cli_command(), "teacher", "recipes/tiny.yaml", "--run-dir", str(run),
+              *[x for s in BIG for x in ("--set", s)]])
+    pkg = work / "big-package"
+    _run([*cli_command(), "export", str(run), "--stage", "teacher", "--out", str(pkg), "--force"])
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    whole = _weights_bytes(pkg)
+    from safetensors import safe_open
+
+    expert_bytes = 0  # the package is fp32: 4 bytes per expert parameter
+    for f in manifest["weights"]:
+        if f.endswith(".safetensors"):
+            with safe_open(pkg / f, framework="pt") as sf:
+                for k in sf.keys():
+                    if ".deepspeed_experts." in k:
+                        sl = sf.get_slice(k)
+                        n = 1
+                        for d in sl.get_shape():
+                            n *= d
+                        expert_bytes += 4 * n
+    from pipeline.dist import free_port
+
+    for world in (1, 2):
+        out = work / f"ep{world}"
+        for old in work.glob(f"ep{world}.rank*.json"):
+            old.unlink()
+        script = [str(Path(__file__).resolve()), "--worker", str(pkg), str(out)]
+        if world == 1:
+            _run([sys.executable, *script])
+        else:
+            _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                  str(free_port()), "--no_local_rank", *script])
+        result["memory"][f"ep{world}"] = [json.loads((work / f"ep{world}.rank{r}.json").read_text()) for r in range(world)]
+    result["big_package"] = {"path": str(pkg), "weights_bytes": whole, "expert_bytes": expert_bytes,
+                             "expert_share": round(expert_bytes / whole, 3), "params": manifest["params"]}
+
+    mb = 1024 ** 2
+    print()
+    if result["sizes"]:
+        print("== tiny student package ==")
+        for dtype, s in result["sizes"].items():
+            print(f"  {dtype}: weights {s['weights_bytes'] / mb:.2f} MiB, whole package {s['package_bytes'] / mb:.2f} MiB "
+                  f"({s['params']['total']:,} parameters)")
+        if len(result["sizes"]) == 2:
+            print(f"  bf16 / fp32 weights: {result['sizes']['bf16']['weights_bytes'] / result['sizes']['fp32']['weights_bytes']:.3f}")
+    print(f"== loading an experts-dominated package ({whole / mb:.1f} MiB of weights, experts "
+          f"{100 * expert_bytes / whole:.0f}% of them) ==")
+    print(f"{'layout':<8} {'rank':>4} {'params held MiB':>15} {'peak - before MiB':>17} {'/ whole':>8} {'load s':>7}")
+    for key, recs in result["memory"].items():
+        for r in recs:
+            print(f"{key:<8} {r['rank']:>4} {r['param_bytes_held'] / mb:>15.1f} {r['weight_peak_bytes'] / mb:>17.1f} "
+                  f"{r['weight_peak_bytes'] / whole:>8.2f} {r['load_seconds']:>7.2f}")
+    worst = max(r["weight_peak_bytes"] for r in result["memory"]["ep2"]) / whole
+    result["ep2_worst_rank_over_whole"] = round(worst, 3)
+    result["target"] = TARGET
+    print(f"EP-2 rank's weight memory / whole model: {worst:.2f} (target <= {TARGET:.2f}: "
+          f"{'ok' if worst <= TARGET else 'MISSED'}); ideal: (non-expert + half the experts) / whole = "
+          f"{(whole - expert_bytes / 2) / whole:.2f}")
+    (args.out / "export_memory.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out / 'export_memory.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
