@@ -10,9 +10,11 @@
    model.experts=[64,64,128] teacher.train.steps=2 ...`) and `moe-pipeline export --stage teacher`.
    Then `export.package.load_package` in a fresh process, once alone (EP 1) and once on 2 ranks
    through the DeepSpeed launcher (EP 2, each rank holds half of every layer's experts and reads
-   only those tensors). Each rank reports the peak resident memory (VmHWM) minus its resident
-   memory just before loading (after importing torch and DeepSpeed and joining the process
-   group), and the bytes of the parameters it holds. Target: an EP-2 rank's weight memory at most
+   only those tensors). Each rank first verifies the package once (a warm-up: building the model on
+   the meta device faults in ~80 MB of torch's code pages, once per process, not weights), resets
+   its peak (`/proc/self/clear_refs`), loads, and reports the peak resident memory (VmHWM) minus
+   its resident memory just before loading, the growth of its anonymous memory, and the bytes of
+   the parameters it holds. Target: an EP-2 rank's weight memory at most
    60% of the whole model's (the package's weight bytes).
 Results: a table on stdout and `export_memory.json` under `--out`.
 """
@@ -46,19 +48,27 @@ def _status_kb(field: str) -> int:
 def worker(pkg: str, out: str) -> None:
     """One rank: load the package, report memory (run alone or under the DeepSpeed launcher)."""
     sys.path.insert(0, str(ROOT))
-    from export.package import load_package
+    from export.package import load_package, verify_package
     from pipeline import dist
 
     ranks = dist.init()
     dist.barrier()
-    before = _status_kb("VmRSS")
+    cold = _status_kb("VmRSS")
+    # warm-up: verification builds the model on the meta device, which faults in ~80 MB of torch's
+    # and DeepSpeed's code pages (file-backed, shared, once per process): not weight memory
+    verify_package(pkg, checksums=False)
+    warm = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak) to the current RSS
+    before, anon_before = _status_kb("VmRSS"), _status_kb("RssAnon")
     t0 = time.perf_counter()
     model, _ = load_package(pkg, ranks, checksums=False)
     seconds = time.perf_counter() - t0
     peak = _status_kb("VmHWM")
-    after = _status_kb("VmRSS")
+    after, anon_after = _status_kb("VmRSS"), _status_kb("RssAnon")
     held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    record = {"rank": ranks.rank, "world": ranks.world, "rss_before_kb": before, "peak_kb": peak, "rss_after_kb": after,
+    record = {"rank": ranks.rank, "world": ranks.world, "rss_cold_kb": cold, "rss_after_warmup_kb": warm,
+              "rss_before_kb": before, "peak_kb": peak, "rss_after_kb": after,
+              "anon_growth_bytes": (anon_after - anon_before) * 1024, "warmup_growth_bytes": (warm - cold) * 1024,
               "weight_peak_bytes": (peak - before) * 1024, "weight_rss_bytes": (after - before) * 1024,
               "param_bytes_held": held, "load_seconds": round(seconds, 2)}
     Path(f"{out}.rank{ranks.rank}.json").write_text(json.dumps(record))
@@ -153,11 +163,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  bf16 / fp32 weights: {result['sizes']['bf16']['weights_bytes'] / result['sizes']['fp32']['weights_bytes']:.3f}")
     print(f"== loading an experts-dominated package ({whole / mb:.1f} MiB of weights, experts "
           f"{100 * expert_bytes / whole:.0f}% of them) ==")
-    print(f"{'layout':<8} {'rank':>4} {'params held MiB':>15} {'peak - before MiB':>17} {'/ whole':>8} {'load s':>7}")
+    print(f"{'layout':<8} {'rank':>4} {'params held MiB':>15} {'peak - before MiB':>17} {'/ whole':>8} "
+          f"{'anon growth MiB':>15} {'load s':>7} {'warm-up MiB':>11}")
     for key, recs in result["memory"].items():
         for r in recs:
             print(f"{key:<8} {r['rank']:>4} {r['param_bytes_held'] / mb:>15.1f} {r['weight_peak_bytes'] / mb:>17.1f} "
-                  f"{r['weight_peak_bytes'] / whole:>8.2f} {r['load_seconds']:>7.2f}")
+                  f"{r['weight_peak_bytes'] / whole:>8.2f} {r['anon_growth_bytes'] / mb:>15.1f} {r['load_seconds']:>7.2f} "
+                  f"{r['warmup_growth_bytes'] / mb:>11.1f}")
+    print("(peak - before: VmHWM reset after a warm-up verification, minus VmRSS then; anon growth: RssAnon after "
+          "loading minus before; warm-up: what the verification's meta-device model faulted in, once per process)")
     worst = max(r["weight_peak_bytes"] for r in result["memory"]["ep2"]) / whole
     result["ep2_worst_rank_over_whole"] = round(worst, 3)
     result["target"] = TARGET

@@ -276,11 +276,12 @@ class Block(nn.Module):
 
 @dataclass
 class Output:
-    logits: torch.Tensor  # [B, T, vocab]
+    logits: torch.Tensor | None  # [B, T, vocab] (None with hidden_only)
     loss: torch.Tensor | None = None  # lm_loss + aux_loss (training objective)
     lm_loss: torch.Tensor | None = None  # masked mean cross-entropy over real tokens
     aux_loss: torch.Tensor | None = None  # aux_loss_coef * sum of the MoE layers' balancing losses
     expert_counts: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: [experts] tokens routed
+    hidden: torch.Tensor | None = None  # [B, T, C] final-norm output (hidden_only): lm_head(hidden) = logits
 
 
 class GPT(nn.Module):
@@ -304,7 +305,10 @@ class GPT(nn.Module):
         return [b.mlp for b in self.blocks if b.is_moe]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None, cache: KVCache | None = None) -> Output:
+                loss_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                hidden_only: bool = False) -> Output:
+        """hidden_only: skip the vocabulary projection (Output.hidden, no logits), for callers that
+        need logits at a few positions only (scoring continuations: `lm_head(hidden[rows, cols])`)."""
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
         if start + T > self.cfg.seq_len:
@@ -319,10 +323,15 @@ class GPT(nn.Module):
                 counts.append(c)
         if cache is not None:
             cache.length += T
-        logits = self.lm_head(self.ln_f(x))  # [B, T, vocab]
-        out = Output(logits=logits, expert_counts=counts)
+        if hidden_only:
+            out = Output(logits=None, expert_counts=counts, hidden=self.ln_f(x))
+        else:
+            logits = self.lm_head(self.ln_f(x))  # [B, T, vocab]
+            out = Output(logits=logits, expert_counts=counts)
         out.aux_loss = self.cfg.aux_loss_coef * torch.stack([a.float() for a in aux_losses]).sum()
         if labels is not None:
+            if hidden_only:
+                raise ValueError("labels need logits: drop hidden_only")
             out.lm_loss = masked_cross_entropy(logits, labels, loss_mask)
             out.loss = out.lm_loss + out.aux_loss
         return out

@@ -4,13 +4,14 @@ A model trained on N ranks holds each MoE layer's experts spread over its expert
 numbered locally. `save_weights` writes every tensor once under its global name (expert ids
 counted over the whole layer): one `model.safetensors`, or with several writing ranks one shard per
 rank plus `model.safetensors.index.json` (Hugging Face's sharded layout). `load_weights` fills a
-model of any layout, reading only the tensors that rank owns (lazy `safe_open`).
+model of any layout, reading only the tensors that rank owns, each straight from the file (no mmap).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -140,10 +141,71 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
         by_file.setdefault(where[key], []).append(key)
     with torch.no_grad():
         for f, keys in by_file.items():
-            with safe_open(src / f, framework="pt") as sf:
-                for key in keys:
-                    t = sf.get_tensor(key)
+            with open(src / f, "rb") as fh:
+                header, data_start = read_header(fh, src / f)
+                for key in sorted(keys, key=lambda k: header[k]["data_offsets"][0]):  # in file order
                     p = wanted[key]
-                    if t.shape != p.shape:
-                        raise ValueError(f"{src / f}: {key} has shape {tuple(t.shape)}, the model expects {tuple(p.shape)}")
-                    p.copy_(t.to(p.dtype))
+                    if tuple(header[key]["shape"]) != tuple(p.shape):
+                        raise ValueError(f"{src / f}: {key} has shape {tuple(header[key]['shape'])}, "
+                                         f"the model expects {tuple(p.shape)}")
+                    direct = (p.device.type == "cpu" and p.is_contiguous()
+                              and _ST_DTYPES.get(header[key]["dtype"]) == p.dtype)
+                    t = _read_tensor(fh, header, key, data_start, src / f, out=p.data if direct else None)
+                    if not direct:
+                        p.copy_(t.to(p.dtype))
+
+
+# -- reading safetensors tensor by tensor ----------------------------------------------------------
+# `safe_open` memory-maps the file: every page a rank touches stays mapped, and counted in its
+# resident memory, until the file is closed, so a rank that loads half the experts of a large file
+# peaks at its parameters plus the pages it read. These read each wanted tensor with a plain
+# read() into a fresh buffer (the format: 8-byte little-endian header length, a JSON header of
+# {name: {dtype, shape, data_offsets}}, then the raw little-endian data); a rank's resident memory
+# is then its parameters plus one tensor in flight. No pickle: only dtype, shape and raw bytes.
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def read_header(fh, path: Path) -> tuple[dict, int]:
+    """(the safetensors JSON header without __metadata__, offset of the data section)."""
+    size = os.fstat(fh.fileno()).st_size
+    raw = fh.read(8)
+    if len(raw) < 8:
+        raise ValueError(f"{path}: not a safetensors file (shorter than its header)")
+    n = int.from_bytes(raw, "little")
+    if n > size - 8:
+        raise ValueError(f"{path}: header of {n} bytes in a file of {size}: truncated or not safetensors")
+    try:
+        header = json.loads(fh.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: unreadable safetensors header ({err})") from None
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    for key, info in header.items():
+        begin, end = info["data_offsets"]
+        if not 0 <= begin <= end or data_start + end > size:
+            raise ValueError(f"{path}: tensor {key} lies outside the file ({size} bytes): truncated?")
+    return header, data_start
+
+
+def _read_tensor(fh, header: dict, key: str, data_start: int, path: Path, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor `key`, read into `out` (a contiguous CPU tensor of its dtype and shape) or a new tensor."""
+    info = header[key]
+    dtype = _ST_DTYPES.get(info["dtype"])
+    if dtype is None:
+        raise ValueError(f"{path}: tensor {key} has dtype {info['dtype']}, which this loader does not read")
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors data is little-endian; this loader runs on little-endian machines only")
+    begin, end = info["data_offsets"]
+    shape = tuple(info["shape"])
+    out = torch.empty(shape, dtype=dtype) if out is None else out
+    nbytes = out.numel() * out.element_size()
+    if nbytes != end - begin:
+        raise ValueError(f"{path}: tensor {key} has {end - begin} bytes, shape {list(shape)} of {info['dtype']} "
+                         f"needs {nbytes}")
+    fh.seek(data_start + begin)
+    if nbytes and fh.readinto(memoryview(out.view(torch.uint8).reshape(-1).numpy())) != nbytes:
+        raise ValueError(f"{path}: tensor {key} is cut short: the file is truncated")
+    return out
