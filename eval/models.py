@@ -74,6 +74,14 @@ def resolve(spec: str | Path, stages: tuple[str, ...] = STAGES) -> list[ModelRef
                             f"{WEIGHTS}) or a package")
 
 
+def inference_moe_impl(world: int, ep_size: int | None) -> str:
+    """The MoE implementation for inference: DeepSpeed's expert-parallel MoE across ranks; alone, the
+    reference MoE (pipeline/model.py), the same math in eval mode (tests/test_model.py) that runs each
+    expert on exactly its tokens, where DeepSpeed's dispatch pads every expert to the busiest one's
+    load when no token is dropped (on the tiny student at batch 32 that is ~1.6x the expert FLOPs)."""
+    return "reference" if world == 1 and (ep_size or 1) == 1 else "deepspeed"
+
+
 def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None = None,
                dtype: str | None = None) -> tuple[GPT, object]:
     """(model in eval mode on this rank's device, tokenizer). Collective when the world has several ranks.
@@ -96,8 +104,9 @@ def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None 
         return load_package(path, ranks, ep_size=ep_size, dtype=short[dtype] if dtype else None)
     dtype = dtype or "float32"
     cfg = read_model_config(path)
-    model = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world, ep_size=ep_size)
-    _set_groups(model)
+    model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
+    if model.moe_layers() and model.moe_layers()[0].impl == "deepspeed":
+        _set_groups(model)
     load_weights(model, path)
     model.to(device=dist.device(), dtype=DTYPES[dtype]).eval().requires_grad_(False)
     tokenizer = data_lib.load_tokenizer(path / TOKENIZER, seq_len=cfg.seq_len)

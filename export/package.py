@@ -415,8 +415,11 @@ def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: b
     cfg = model_config_of(pkg)
     manifest = json.loads((pkg / MANIFEST).read_text())
     torch_dtype = DTYPES[dtype] if dtype else {v: k for k, v in DTYPE_NAMES.items()}[manifest["dtype"]]
-    model = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world, ep_size=ep_size)
-    _set_groups(model)
+    from eval.models import inference_moe_impl
+
+    model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
+    if model.moe_layers() and model.moe_layers()[0].impl == "deepspeed":
+        _set_groups(model)
     model.to(dtype=torch_dtype)
     for name, module in model.named_modules():  # gates stay fp32 (DeepSpeed's gating computes in fp32)
         if name.endswith("deepspeed_moe.gate"):

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -73,11 +74,23 @@ def init() -> Ranks:
     import deepspeed
     import torch.distributed as td
 
-    if not under_launcher():  # a 1-rank group, on a free port so concurrent runs never collide
+    alone = not under_launcher()
+    if alone:  # a 1-rank group
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if not td.is_initialized():
-        deepspeed.init_distributed(verbose=False)
+        if alone:
+            # rendezvous through a fresh file, not a TCP port: a port picked as free can be taken
+            # (by gloo's own connections, say) before the store listens on it (EADDRINUSE)
+            import atexit
+            import shutil
+            import tempfile
+
+            store = Path(tempfile.mkdtemp(prefix="moe-pipeline-pg-")) / "store"
+            atexit.register(shutil.rmtree, store.parent, True)
+            deepspeed.init_distributed(verbose=False, init_method=f"file://{store}", rank=0, world_size=1)
+        else:
+            deepspeed.init_distributed(verbose=False)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     from deepspeed.accelerator import get_accelerator
 

@@ -56,10 +56,22 @@ def small_run(tmp_path_factory) -> Path:
     return run
 
 
+# set in this process by in-process dist.init() (adapter, load_package): a child that inherited them
+# would believe it runs under the DeepSpeed launcher
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process: this one without rank variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env.update(extra)
+    return env
+
+
 def cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run `moe-pipeline ARGS` as a user would (a real process, from the repository root)."""
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=os.environ.copy())
+                          text=True, timeout=timeout, env=child_env())
     if check and proc.returncode != 0:
         raise AssertionError(f"moe-pipeline {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SMALL_RUN, cli, sets
+from conftest import ROOT, SMALL_RUN, child_env, cli, sets
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def test_two_rank_distill_finishes_and_resumes_after_sigkill(tmp_path):
     args = [sys.executable, "-m", "pipeline.cli", "distill", "recipes/tiny.yaml", "--nproc", "2",
             "--run-dir", str(killed), *sets(*RUN)]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=os.environ.copy(), start_new_session=True)
+                            env=child_env(), start_new_session=True)
     latest = killed / "student.partial" / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and proc.poll() is None and time.time() < deadline:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import ROOT, cli
+from conftest import ROOT, child_env, cli
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +126,7 @@ def test_existing_package_is_replaced_only_with_force(small_run, package):
 def test_expert_parallel_degree_1_and_2_give_identical_logits(package, tmp_path):
     from pipeline.dist import free_port
 
-    env = os.environ.copy()
+    env = child_env()
     one, two = tmp_path / "ep1.pt", tmp_path / "ep2.pt"
     subprocess.run([sys.executable, "tests/workers/package_logits.py", str(package), str(one)], cwd=ROOT, env=env,
                    check=True, capture_output=True, timeout=300)
@@ -151,7 +151,7 @@ out = m.generate(ids, max_new_tokens=10, do_sample=False)
 print(json.dumps({{"ids": ids[0].tolist(), "tokens": out[0, ids.shape[1]:].tolist()}}))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ""}, stdin=subprocess.DEVNULL)
+                          env=child_env(PYTHONPATH=""), stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]  # AutoTokenizer without trust_remote_code asks first (stdin closed: no)
     got = json.loads(last[last.index("{"):])

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import ROOT, model_config
+from conftest import ROOT, child_env, model_config
 from safetensors.torch import save_file
 from transformers import GenerationConfig
 from transformers.dynamic_module_utils import get_imports, get_relative_imports
@@ -202,7 +202,7 @@ def run(tmp_path_factory):
     work = root / "cwd"
     work.mkdir()
     (work / "load.py").write_text(LOADER)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(root / "hf_home"),  # a fresh dynamic-modules cache
                OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "load.py", str(fp32_dir), str(bf16_dir), str(work / "out.pt"),

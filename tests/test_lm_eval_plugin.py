@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import child_env
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = "eval.adapter:MoEPipelineLM"
 
@@ -24,7 +26,7 @@ TARGET = "eval.adapter:MoEPipelineLM"
 def run_py(code: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> dict:
     """Run `code` in a fresh interpreter; it prints one JSON object as its last stdout line."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env=child_env(**(env or {})))
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["stderr"] = proc.stderr
@@ -120,7 +122,7 @@ def test_lm_eval_cli_evaluates_our_model_on_a_bundled_task(tmp_path, small_run):
     proc = subprocess.run([str(lm_eval_cli), "run", "--model", "moe-pipeline", "--model_args",
                            f"path={small_run},stage=student", "--tasks", "tiny_lastword", "--limit", "6",
                            "--output_path", str(tmp_path / "out")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     (result_file,) = (tmp_path / "out").rglob("results_*.json")
     res = json.loads(result_file.read_text())["results"]["tiny_lastword"]

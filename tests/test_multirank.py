@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, cli, model_config, sets
+from conftest import ROOT, SMALL, child_env, cli, model_config, sets
 from pipeline.dist import free_port
 from pipeline.model import GPT, init_weights
 from pipeline.teacher import read_model_config
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def launch(script: str, *args: str) -> None:
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
            "--no_local_rank", script, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

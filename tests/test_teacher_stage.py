@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SMALL, cli, sets
+from conftest import ROOT, SMALL, child_env, cli, sets
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_teacher_load_of_another_architecture_is_refused(finished, tmp_path):
 def test_sigkill_then_rerun_resumes_to_the_same_weights(finished, tmp_path):
     run = tmp_path / "killed"
     args = [sys.executable, "-m", "pipeline.cli", "teacher", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN)]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     latest = run / "teacher.partial" / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and proc.poll() is None and time.time() < deadline:
