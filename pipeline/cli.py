@@ -5,6 +5,7 @@
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
     moe-pipeline export runs/tiny [--stage teacher] [--dtype bf16] [--out DIR] [--force]
     moe-pipeline verify runs/tiny/package
+    moe-pipeline serve runs/tiny/package [--port 8000] [--nproc 2] [--api-key KEY]
     moe-pipeline eval runs/tiny [more models] [--tasks a,b] [--batch-size 32] [--out DIR] [--nproc 2]
 
 With `--nproc N` (or `distributed.nproc` in the recipe) above the number of running ranks, the
@@ -70,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("package", type=Path)
     p.add_argument("--skip-checksums", action="store_true", help="sizes, names, shapes and dtypes only")
 
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a package (expert parallel with --nproc)")
+    p.add_argument("package", type=Path)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or MOE_PIPELINE_API_KEY)")
+    p.add_argument("--max-batch", type=_positive_int, default=32, help="sequences decoding together")
+    p.add_argument("--nproc", type=_positive_int, default=None, help="ranks on this machine (expert parallel)")
+    p.add_argument("--ep-size", type=_positive_int, default=None, help="expert-parallel degree (default: all ranks)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the package's")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
+
     p = sub.add_parser("eval", help="zero-shot evaluation with lm-evaluation-harness: models x tasks, resumable")
     p.add_argument("models", nargs="+", help="run directories (their teacher and student), stage directories or packages")
     p.add_argument("--tasks", default=None,
@@ -119,6 +131,23 @@ def cmd_verify(args) -> int:
     print(f"{args.package}: ok ({len(manifest['files'])} files{'' if args.skip_checksums else ' checksummed'}, "
           f"{manifest['tensors']} tensors, {manifest['dtype']})")
     return 0
+
+
+def cmd_serve(args, argv: list[str]) -> int:
+    from pipeline import dist
+
+    running = int(os.environ["WORLD_SIZE"]) if dist.under_launcher() else None
+    if running is None and (args.nproc or 1) > 1:
+        return dist.relaunch(args.nproc, "pipeline.cli", _strip_nproc(argv))
+    from export.package import PackageError
+    from export.serve import serve
+
+    try:
+        return serve(args.package, args.host, args.port, args.api_key, args.max_batch, args.ep_size, args.dtype,
+                     args.max_body_bytes)
+    except (FileNotFoundError, PackageError, ValueError) as err:
+        print(f"serve error: {err}", file=sys.stderr)
+        return 2
 
 
 def cmd_eval(args, argv: list[str]) -> int:
@@ -221,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "verify":
             return cmd_verify(args)
+        if args.command == "serve":
+            return cmd_serve(args, argv)
     except RecipeError as err:
         print(f"recipe error: {err}", file=sys.stderr)
         return 2

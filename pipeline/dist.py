@@ -127,6 +127,29 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         get_accelerator().set_rng_state(state["accelerator"])
 
 
+def broadcast_json(obj=None):
+    """Rank 0's JSON-serialisable `obj` on every rank (the others pass None): a length, then UTF-8 bytes.
+
+    For small control messages between our own ranks (the serving plan); no pickle involved.
+    """
+    import json
+
+    import torch.distributed as td
+
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return obj
+    if td.get_rank() == 0:
+        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+    else:
+        size = torch.zeros(1, dtype=torch.long)
+    td.broadcast(size, src=0)
+    if td.get_rank() != 0:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    td.broadcast(data, src=0)
+    return json.loads(bytes(data.tolist()).decode())
+
+
 def barrier() -> None:
     import torch.distributed as td
 

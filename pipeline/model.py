@@ -116,11 +116,15 @@ class Attention(nn.Module):
         H = self.heads
         # [B, T, C] -> [B, H, T, C/H]
         q, k, v = (proj(x).view(B, T, H, -1).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        past = 0
+        past, mask = 0, None
         if cache is not None:
             past = cache.length
             k, v = cache.update(layer, k, v)  # [B, H, past+T, C/H]
-        if past == 0:
+            if hasattr(cache, "attention_mask"):  # a cache whose rows have their own lengths (serving)
+                mask = cache.attention_mask(T)  # [B, 1, T, keys]
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout if self.training else 0.0)
         else:
@@ -313,7 +317,10 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if start + T > self.cfg.seq_len:
             raise ValueError(f"{start + T} tokens exceed the model's context of {self.cfg.seq_len}")
-        pos = torch.arange(start, start + T, device=input_ids.device)
+        if hasattr(cache, "positions"):  # per-row positions (a serving cache)
+            pos = cache.positions(T)  # [B, T]
+        else:
+            pos = torch.arange(start, start + T, device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))  # [B, T, C]
         aux_losses, counts = [], []
         for i, block in enumerate(self.blocks):

@@ -1,0 +1,385 @@
+"""`moe-pipeline serve`: an OpenAI-compatible HTTP API over the continuous-batching runtime.
+
+    moe-pipeline serve runs/tiny/package                       # 1 rank, 127.0.0.1:8000
+    moe-pipeline serve runs/tiny/package --nproc 2             # 2 ranks, experts split between them
+    curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
+         -d '{"model": "tiny-student", "prompt": "And God said", "max_tokens": 32, "stream": true}'
+
+Rank 0 runs the HTTP front end (FastAPI on uvicorn) and the engine thread (`export.runtime.Engine`:
+admit, prefill, one shared decode step, retire, repeat); the other ranks run every forward rank 0
+announces (`Engine.follow`). Endpoints: `POST /v1/completions` (prompt as a string or a list of
+strings; max_tokens, temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `GET
+/v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Bad requests get a 4xx with an
+OpenAI-style error body naming the field; bodies above `--max-body-bytes` get 413. With `--api-key`
+(or MOE_PIPELINE_API_KEY) every endpoint but /health needs `Authorization: Bearer KEY`. SIGTERM
+(or Ctrl-C): uvicorn stops accepting, in-flight requests finish, the engine drains, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+from typing import Literal
+
+from fastapi import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from export.runtime import Engine, SamplingParams, Sequence
+
+API_KEY_ENV = "MOE_PIPELINE_API_KEY"
+DEFAULT_MAX_BODY = 1 << 20
+
+
+class CompletionRequest(BaseModel):
+    """The fields of OpenAI's legacy /v1/completions we implement; other fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    n: Literal[1] = 1
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        items = [v] if isinstance(v, str) else v
+        if not items or any(not isinstance(p, str) or p == "" for p in items):
+            raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return items
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+class EngineThread:
+    """Runs `engine.step()` whenever there is work; requests come in through `submit` from any thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.wake = threading.Event()
+        self.stopping = False
+        self.error: BaseException | None = None
+        self.on_error = None  # called from the engine thread when it dies (the server then exits non-zero)
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, *args, **kwargs) -> Sequence:
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped: {self.error!r}")
+        seq = self.engine.submit(*args, **kwargs)
+        self.wake.set()
+        return seq
+
+    PING_SECONDS = 1.0
+
+    def _loop(self) -> None:
+        try:
+            last = time.monotonic()
+            while True:
+                if self.engine.pending():
+                    self.engine.step()
+                    last = time.monotonic()
+                    continue
+                if self.stopping:
+                    return
+                self.wake.wait(0.05)
+                self.wake.clear()
+                if time.monotonic() - last > self.PING_SECONDS:  # idle: are the other ranks still there?
+                    self.engine.ping()
+                    last = time.monotonic()
+        except BaseException as err:  # noqa: BLE001 - reported by /health; every request then fails
+            self.error = err
+            self.engine.fail_all(f"{type(err).__name__}: {err}")
+            if self.on_error is not None:
+                self.on_error(err)
+            raise
+
+    def stop(self) -> None:
+        """Finish everything submitted, then end the loop (and the other ranks' loops)."""
+        self.stopping = True
+        self.wake.set()
+        self.thread.join()
+        self.engine.stop_followers()
+
+
+def build_app(worker: EngineThread, model_name: str, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY):
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    engine = worker.engine
+    reg = CollectorRegistry()
+    m_requests = Counter("moe_requests", "completion requests by HTTP status", ["status"], registry=reg)
+    m_tokens_in = Counter("moe_prompt_tokens", "prompt tokens processed", registry=reg)
+    m_tokens_out = Counter("moe_generated_tokens", "tokens generated", registry=reg)
+    m_latency = Histogram("moe_request_latency_seconds", "request latency", registry=reg,
+                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+    m_ttft = Histogram("moe_time_to_first_token_seconds", "time to first token", registry=reg,
+                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+    m_batch = Histogram("moe_decode_batch_size", "sequences per decode step", registry=reg,
+                        buckets=(1, 2, 4, 8, 16, 32, 64))
+    m_running = Gauge("moe_running_sequences", "sequences decoding now", registry=reg)
+    m_waiting = Gauge("moe_waiting_sequences", "sequences waiting for a slot", registry=reg)
+    m_experts = Gauge("moe_expert_tokens", "tokens routed to each expert (this rank's view), by MoE layer",
+                      ["layer", "expert"], registry=reg)
+    seen_batches = [0]
+
+    app = FastAPI(title="moe-pipeline", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body:
+            m_requests.labels("413").inc()
+            return JSONResponse(error_body(f"request body of {length} bytes exceeds the limit of {max_body}"),
+                                status_code=413)
+        if api_key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                               kind="authentication_error"), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        alive = worker.thread.is_alive() and worker.error is None
+        ranks = engine.ranks.world if engine.ranks else 1
+        body = {"status": "ok" if alive else "unhealthy", "ranks": ranks, "running": len(engine.running),
+                "waiting": len(engine.waiting), "error": None if worker.error is None else repr(worker.error)}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "moe-pipeline",
+                                            "max_model_len": engine.cfg.seq_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        m_running.set(len(engine.running))
+        m_waiting.set(len(engine.waiting))
+        sizes = engine.stats["batch_sizes"]
+        for b in sizes[seen_batches[0]:]:
+            m_batch.observe(b)
+        seen_batches[0] = len(sizes)
+        for layer, counts in enumerate(getattr(engine, "expert_counts", []) or []):
+            for e, c in enumerate(counts):
+                m_experts.labels(str(layer), str(e)).set(c)
+        return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
+
+    def logprobs_body(seq: Sequence, echo: bool, offset0: int) -> dict:
+        toks, lps, tops = [], [], []
+        ids = (seq.prompt if echo else []) + seq.generated
+        if echo:
+            lps += seq.prompt_logprobs
+            tops += seq.prompt_top
+        lps += seq.token_logprobs[:len(seq.generated)]
+        tops += seq.top_logprobs[:len(seq.generated)]
+        offsets, pos = [], offset0
+        for t in ids:
+            s = engine.decode([t])
+            toks.append(s)
+            offsets.append(pos)
+            pos += len(s)
+        top = [None if d is None else {engine.decode([k]): v for k, v in d.items()} for d in tops]
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        t0 = time.perf_counter()
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            m_requests.labels("400").inc()
+            return JSONResponse(error_body("the body is not valid JSON"), status_code=400)
+        if not isinstance(raw, dict):
+            m_requests.labels("400").inc()
+            return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
+        try:
+            req = CompletionRequest.model_validate(raw)
+        except ValidationError as err:
+            first = err.errors()[0]
+            param = str(first["loc"][0]) if first["loc"] else None  # the request's field ('prompt', not 'prompt.str')
+            m_requests.labels("400").inc()
+            return JSONResponse(error_body(f"{param}: {first['msg']}", param), status_code=400)
+        if req.model not in (None, model_name):
+            m_requests.labels("404").inc()
+            return JSONResponse(error_body(f"model {req.model!r} is not served here; this server serves "
+                                           f"{model_name!r}", "model", "not_found_error"), status_code=404)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if req.stream and len(prompts) > 1:
+            m_requests.labels("400").inc()
+            return JSONResponse(error_body("stream supports one prompt per request", "prompt"), status_code=400)
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                seed=req.seed, stop=list(req.stop or []), logprobs=req.logprobs, echo=req.echo)
+        encoded = [engine.encode(p) for p in prompts]
+        for p in encoded:
+            if len(p) + req.max_tokens > engine.cfg.seq_len:
+                m_requests.labels("400").inc()
+                param = "prompt" if len(p) >= engine.cfg.seq_len else "max_tokens"
+                return JSONResponse(error_body(
+                    f"{param}: the prompt's {len(p)} tokens + max_tokens {req.max_tokens} exceed the model's "
+                    f"context of {engine.cfg.seq_len} tokens", param), status_code=400)
+        loop = asyncio.get_running_loop()
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        if req.stream:
+            queue: asyncio.Queue = asyncio.Queue()
+
+            def on_token(seq):
+                loop.call_soon_threadsafe(queue.put_nowait, ("token", seq.text))
+
+            def on_finish(seq):
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", seq))
+
+            seq = worker.submit(encoded[0], params, on_token=on_token, on_finish=on_finish)
+
+            async def events():
+                sent = prompts[0] if req.echo else ""
+                if sent:
+                    yield _sse(rid, created, model_name, sent, None)
+                emitted = ""
+                while True:
+                    kind, value = await queue.get()
+                    if kind == "token":
+                        delta, emitted = value[len(emitted):], value
+                        if delta:
+                            yield _sse(rid, created, model_name, delta, None)
+                    else:
+                        final = value.text
+                        if len(final) > len(emitted):
+                            yield _sse(rid, created, model_name, final[len(emitted):], None)
+                        yield _sse(rid, created, model_name, "", value.finish_reason)
+                        yield "data: [DONE]\n\n"
+                        _observe(value)
+                        return
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        futures = []
+        for p in encoded:
+            fut = loop.create_future()
+
+            def on_finish(seq, fut=fut):
+                loop.call_soon_threadsafe(fut.set_result, seq)
+
+            worker.submit(p, SamplingParams(**vars(params)), on_finish=on_finish)
+            futures.append(fut)
+        seqs = await asyncio.gather(*futures)
+        failed = [s for s in seqs if s.finish_reason == "error"]
+        if failed:
+            m_requests.labels("500").inc()
+            return JSONResponse(error_body(f"the engine failed: {failed[0].text}", kind="server_error"), status_code=500)
+        choices = []
+        for i, (seq, text) in enumerate(zip(seqs, prompts)):
+            out = (text if req.echo else "") + seq.text
+            lp = logprobs_body(seq, req.echo, 0) if req.logprobs is not None else None
+            choices.append({"text": out, "index": i, "logprobs": lp, "finish_reason": seq.finish_reason})
+            _observe(seq)
+        usage_in = sum(len(p) for p in encoded)
+        usage_out = sum(len(s.generated) for s in seqs)
+        m_latency.observe(time.perf_counter() - t0)
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": choices,
+                "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out,
+                          "total_tokens": usage_in + usage_out}}
+
+    def _observe(seq: Sequence) -> None:
+        m_requests.labels("200").inc()
+        m_tokens_in.inc(len(seq.prompt))
+        m_tokens_out.inc(len(seq.generated))
+        if seq.first_token_at is not None:
+            m_ttft.observe(seq.first_token_at - seq.arrived)
+
+    return app
+
+
+def _sse(rid: str, created: int, model: str, text: str, finish: str | None) -> str:
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _uvicorn_server_class():
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a SIGTERM/SIGINT only asks it to stop (a second one forces it): uvicorn's own
+        handling re-raises the signal after shutting down, which would kill us before the engine drains."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            def handle(sig, frame):
+                if self.should_exit:
+                    self.force_exit = True
+                self.should_exit = True
+
+            old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, h in old.items():
+                    signal.signal(sig, h)
+
+    return Server
+
+
+def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_batch: int = 32,
+          ep_size: int | None = None, dtype: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> int:
+    """Collective: rank 0 serves HTTP until SIGTERM/SIGINT, the other ranks follow its forwards."""
+    from pipeline import dist
+
+    ranks = dist.init()
+    engine = Engine.from_package(pkg, ranks, ep_size=ep_size, dtype=dtype, max_batch=max_batch)
+    if ranks.rank != 0:
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, then tells us
+            signal.signal(sig, signal.SIG_IGN)
+        engine.follow()
+        return 0
+    import uvicorn
+
+    _Server = _uvicorn_server_class()
+    manifest = json.loads((__import__("pathlib").Path(pkg) / "manifest.json").read_text())
+    name = manifest.get("name") or "model"
+    worker = EngineThread(engine)
+    app = build_app(worker, name, api_key or os.environ.get(API_KEY_ENV) or None, max_body)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30))
+
+    def on_error(err):  # a dead engine (or a dead rank under it): stop serving, exit non-zero
+        print(f"[serve] engine failed: {type(err).__name__}: {err}", flush=True)
+        server.should_exit = True
+
+    worker.on_error = on_error
+    worker.start()
+    print(f"[serve] {name} on http://{host}:{port} ({ranks.world} rank(s), up to {max_batch} sequences per step)",
+          flush=True)
+    server.run()  # returns after SIGTERM/SIGINT once in-flight requests are answered
+    if worker.error is None:
+        worker.stop()
+    print(f"[serve] stopped after {engine.stats['forwards']} forwards, {engine.stats['tokens_out']} tokens", flush=True)
+    return 0 if worker.error is None else 1

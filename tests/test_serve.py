@@ -1,0 +1,206 @@
+"""`moe-pipeline serve` as a real process on 127.0.0.1: completions, streaming, logprobs, bad input, auth, shutdown, 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from conftest import ROOT, child_env, cli
+
+pytestmark = pytest.mark.slow
+
+
+def start(pkg: Path, *extra: str, nproc: int = 1) -> tuple[subprocess.Popen, str]:
+    from pipeline.dist import free_port
+
+    port = free_port()
+    args = [sys.executable, "-m", "pipeline.cli", "serve", str(pkg), "--port", str(port), *extra]
+    if nproc > 1:
+        args += ["--nproc", str(nproc)]
+    proc = subprocess.Popen(args, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("the server did not come up")
+
+
+def stop(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 60) -> int:
+    import os
+
+    os.killpg(proc.pid, sig) if sig != signal.SIGTERM else proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def package(small_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serve") / "pkg"
+    cli("export", str(small_run), "--out", str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(package):
+    proc, url = start(package)
+    yield url
+    assert stop(proc) == 0
+
+
+def complete(url: str, **body) -> requests.Response:
+    return requests.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def reference_greedy(package: Path, prompt: str, n: int) -> tuple[list[int], list[int], object]:
+    from export.package import load_package
+
+    model, tok = load_package(package)
+    ids = tok.encode(prompt)
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+            if t == tok.eos_token_id:
+                break
+            seq.append(t)
+    return ids, seq[len(ids):], (model, tok)
+
+
+def test_greedy_completion_equals_the_models_own_tokens(server, package):
+    r = complete(server, prompt="And God said", max_tokens=10, temperature=0)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    _, tokens, (_, tok) = reference_greedy(package, "And God said", 10)
+    assert body["choices"][0]["text"] == tok.decode(tokens)
+    assert body["usage"]["completion_tokens"] == len(tokens) and body["object"] == "text_completion"
+    models = requests.get(f"{server}/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == "small-student"
+
+
+def test_streaming_yields_the_same_text(server):
+    whole = complete(server, prompt="To be, or not to be", max_tokens=12, temperature=0).json()["choices"][0]["text"]
+    r = requests.post(f"{server}/v1/completions", json={"prompt": "To be, or not to be", "max_tokens": 12,
+                                                         "temperature": 0, "stream": True}, stream=True, timeout=120)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks, done = [], False
+    for line in r.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunks.append(json.loads(line[6:])["choices"][0])
+    assert done and "".join(c["text"] for c in chunks) == whole
+    assert chunks[-1]["finish_reason"] in ("length", "stop") and len(chunks) > 2
+
+
+def test_echo_logprobs_equal_the_models(server, package):
+    prompt = "And God said, Let there be light"
+    body = complete(server, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2).json()
+    lp = body["choices"][0]["logprobs"]
+    _, _, (model, tok) = reference_greedy(package, prompt, 0)
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    assert body["choices"][0]["text"].startswith(prompt)
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(ids) + 1
+    for i in range(1, len(ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(float(logp[i - 1, ids[i]]), abs=1e-4)
+    assert lp["token_logprobs"][-1] == pytest.approx(float(logp[-1].max()), abs=1e-4)  # greedy: the argmax
+    assert len(lp["top_logprobs"][1]) == 2
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
+    prompts = [f"And {w} said" for w in ("God", "Moses", "the king", "Jesus", "Peter", "Paul", "Hamlet", "he")]
+    alone = {p: complete(server, prompt=p, max_tokens=8, temperature=0).json()["choices"][0]["text"] for p in prompts}
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: complete(server, prompt=p, max_tokens=8, temperature=0), prompts))
+    assert [r.json()["choices"][0]["text"] for r in together] == [alone[p] for p in prompts]
+    metrics = requests.get(f"{server}/metrics", timeout=10).text
+    assert "moe_decode_batch_size_bucket" in metrics and 'moe_requests_total{status="200"}' in metrics
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ("{not json", 400, None),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"prompt": "the " * 200}, 400, "prompt"),
+    ({"prompt": "hi", "temperature": 3}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "x" * (2 << 20)}, 413, None),
+])
+def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(server, body, status, param):
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = requests.post(f"{server}/v1/completions", data=data, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+    assert complete(server, prompt="And", max_tokens=2, temperature=0).status_code == 200
+
+
+def test_api_key_is_required_when_set(package):
+    proc, url = start(package, "--api-key", "sesame")
+    try:
+        assert complete(url, prompt="And", max_tokens=2).status_code == 401
+        r = requests.post(f"{url}/v1/completions", json={"prompt": "And", "max_tokens": 2},
+                          headers={"Authorization": "Bearer sesame"}, timeout=60)
+        assert r.status_code == 200
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200  # health stays open
+    finally:
+        assert stop(proc) == 0
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(package):
+    proc, url = start(package)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(complete, url, prompt="And God said", max_tokens=40, temperature=0)
+        time.sleep(0.5)
+        code = stop(proc)
+        r = fut.result()
+    assert code == 0 and r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_two_ranks_serve_the_same_tokens_and_a_killed_rank_stops_the_server(server, package):
+    one = complete(server, prompt="And God said", max_tokens=10, temperature=0).json()["choices"][0]["text"]
+    proc, url = start(package, nproc=2)
+    try:
+        assert requests.get(f"{url}/health", timeout=10).json()["ranks"] == 2
+        assert complete(url, prompt="And God said", max_tokens=10, temperature=0).json()["choices"][0]["text"] == one
+        # the two rank processes the DeepSpeed launcher started (`python -u -m pipeline.cli serve ...`)
+        ranks = subprocess.run(["pgrep", "-f", "--", f"-u -m pipeline.cli serve {package} --port {url.rsplit(':', 1)[1]}"],
+                               capture_output=True, text=True).stdout.split()
+        children = [int(p) for p in ranks if int(p) != proc.pid]
+        assert len(children) == 2
+        t0 = time.time()
+        import os
+
+        os.kill(max(children), signal.SIGKILL)  # a rank dies
+        code = proc.wait(timeout=60)
+        assert code != 0 and time.time() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            stop(proc, signal.SIGKILL)
