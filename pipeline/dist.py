@@ -41,6 +41,36 @@ def quiet_cpu_accelerator() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def _shutdown() -> None:
+    """At exit: leave the process group cleanly. A rank that exits with gloo's threads still up can die
+    in std::terminate ('terminate called without an active exception', SIGABRT) after its work is done."""
+    import torch.distributed as td
+
+    try:
+        if td.is_initialized():
+            if td.get_backend() == "gloo":  # bounded: a peer stuck elsewhere must not hang our exit
+                import datetime
+
+                td.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+            td.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a peer already gone: nothing left to coordinate
+        pass
+
+
+def _own_shm_buffer() -> None:
+    """DeepSpeed's CPU all-reduce keeps a ~66 MB shared-memory buffer per rank in /dev/shm, named by
+    user, master address, port and rank, and never unlinks it: every multi-rank CPU run leaked its
+    buffers (RAM) until reboot, and a stale buffer left on a reused port could be opened by a peer
+    before its owner rewrote it. Each rank removes a stale file of its own name before DeepSpeed
+    creates it, and its file at exit (peers that mapped it keep their mapping)."""
+    import atexit
+
+    name = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                                f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
+    name.unlink(missing_ok=True)
+    atexit.register(name.unlink, missing_ok=True)
+
+
 MALLOC_TUNING_ENV = "MOE_PIPELINE_MALLOC_TUNING"
 
 
@@ -90,7 +120,11 @@ def init() -> Ranks:
             atexit.register(shutil.rmtree, store.parent, True)
             deepspeed.init_distributed(verbose=False, init_method=f"file://{store}", rank=0, world_size=1)
         else:
+            _own_shm_buffer()
             deepspeed.init_distributed(verbose=False)
+            import atexit
+
+            atexit.register(_shutdown)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     from deepspeed.accelerator import get_accelerator
 
