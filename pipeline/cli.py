@@ -133,12 +133,19 @@ def cmd_verify(args) -> int:
     return 0
 
 
-def cmd_serve(args, argv: list[str]) -> int:
+def _relaunch_if_asked(args, argv: list[str]) -> int | None:
+    """With --nproc N > 1 outside a launcher: this command again under the DeepSpeed launcher (its exit
+    status); otherwise None (go on in this process)."""
     from pipeline import dist
 
-    running = int(os.environ["WORLD_SIZE"]) if dist.under_launcher() else None
-    if running is None and (args.nproc or 1) > 1:
+    if not dist.under_launcher() and (args.nproc or 1) > 1:
         return dist.relaunch(args.nproc, "pipeline.cli", _strip_nproc(argv))
+    return None
+
+
+def cmd_serve(args, argv: list[str]) -> int:
+    if (code := _relaunch_if_asked(args, argv)) is not None:
+        return code
     from export.package import PackageError
     from export.serve import serve
 
@@ -151,11 +158,8 @@ def cmd_serve(args, argv: list[str]) -> int:
 
 
 def cmd_eval(args, argv: list[str]) -> int:
-    from pipeline import dist
-
-    running = int(os.environ["WORLD_SIZE"]) if dist.under_launcher() else None
-    if running is None and (args.nproc or 1) > 1:
-        return dist.relaunch(args.nproc, "pipeline.cli", _strip_nproc(argv))
+    if (code := _relaunch_if_asked(args, argv)) is not None:
+        return code
     from eval.jobs import run_eval
     from eval.models import resolve
 
