@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Literal
 
 from fastapi import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
@@ -72,19 +74,18 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-class EngineThread:
-    """Runs `engine.step()` whenever there is work; requests come in through `submit` from any thread."""
+class EngineLoop:
+    """Runs `engine.step()` whenever there is work, in the thread that calls `run` (the main thread:
+    PyTorch's CPU kernels ran ~40% slower from a secondary thread here); requests come in through
+    `submit` from the HTTP thread."""
+
+    PING_SECONDS = 1.0
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.wake = threading.Event()
-        self.stopping = False
+        self.alive = False
         self.error: BaseException | None = None
-        self.on_error = None  # called from the engine thread when it dies (the server then exits non-zero)
-        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
 
     def submit(self, *args, **kwargs) -> Sequence:
         if self.error is not None:
@@ -93,9 +94,10 @@ class EngineThread:
         self.wake.set()
         return seq
 
-    PING_SECONDS = 1.0
-
-    def _loop(self) -> None:
+    def run(self, keep_going) -> None:
+        """Step while there is work or `keep_going()`; then return with nothing pending. Raises what the engine raised
+        after failing every pending request (a dead rank, say)."""
+        self.alive = True
         try:
             last = time.monotonic()
             while True:
@@ -103,29 +105,22 @@ class EngineThread:
                     self.engine.step()
                     last = time.monotonic()
                     continue
-                if self.stopping:
+                if not keep_going():
                     return
                 self.wake.wait(0.05)
                 self.wake.clear()
                 if time.monotonic() - last > self.PING_SECONDS:  # idle: are the other ranks still there?
                     self.engine.ping()
                     last = time.monotonic()
-        except BaseException as err:  # noqa: BLE001 - reported by /health; every request then fails
+        except BaseException as err:
             self.error = err
             self.engine.fail_all(f"{type(err).__name__}: {err}")
-            if self.on_error is not None:
-                self.on_error(err)
             raise
-
-    def stop(self) -> None:
-        """Finish everything submitted, then end the loop (and the other ranks' loops)."""
-        self.stopping = True
-        self.wake.set()
-        self.thread.join()
-        self.engine.stop_followers()
+        finally:
+            self.alive = False
 
 
-def build_app(worker: EngineThread, model_name: str, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY):
+def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, max_body: int = DEFAULT_MAX_BODY):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -164,7 +159,7 @@ def build_app(worker: EngineThread, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
-        alive = worker.thread.is_alive() and worker.error is None
+        alive = worker.alive and worker.error is None
         ranks = engine.ranks.world if engine.ranks else 1
         body = {"status": "ok" if alive else "unhealthy", "ranks": ranks, "running": len(engine.running),
                 "waiting": len(engine.waiting), "error": None if worker.error is None else repr(worker.error)}
@@ -322,27 +317,17 @@ def _sse(rid: str, created: int, model: str, text: str, finish: str | None) -> s
 
 def _uvicorn_server_class():
     import contextlib
-    import signal
 
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, but a SIGTERM/SIGINT only asks it to stop (a second one forces it): uvicorn's own
-        handling re-raises the signal after shutting down, which would kill us before the engine drains."""
+        """uvicorn's server for a secondary thread: signals are ours (the main thread runs the engine and
+        turns SIGTERM/SIGINT into `should_exit`); uvicorn's own handling would also re-raise the signal
+        after shutting down, killing the process before the engine drains."""
 
         @contextlib.contextmanager
         def capture_signals(self):
-            def handle(sig, frame):
-                if self.should_exit:
-                    self.force_exit = True
-                self.should_exit = True
-
-            old = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, h in old.items():
-                    signal.signal(sig, h)
+            yield
 
     return Server
 
@@ -355,8 +340,6 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     ranks = dist.init()
     engine = Engine.from_package(pkg, ranks, ep_size=ep_size, dtype=dtype, max_batch=max_batch)
     if ranks.rank != 0:
-        import signal
-
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, then tells us
             signal.signal(sig, signal.SIG_IGN)
         engine.follow()
@@ -364,22 +347,31 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     import uvicorn
 
     _Server = _uvicorn_server_class()
-    manifest = json.loads((__import__("pathlib").Path(pkg) / "manifest.json").read_text())
+    manifest = json.loads((Path(pkg) / "manifest.json").read_text())
     name = manifest.get("name") or "model"
-    worker = EngineThread(engine)
-    app = build_app(worker, name, api_key or os.environ.get(API_KEY_ENV) or None, max_body)
+    loop = EngineLoop(engine)
+    app = build_app(loop, name, api_key or os.environ.get(API_KEY_ENV) or None, max_body)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30))
+    http = threading.Thread(target=server.run, name="http", daemon=True)
 
-    def on_error(err):  # a dead engine (or a dead rank under it): stop serving, exit non-zero
-        print(f"[serve] engine failed: {type(err).__name__}: {err}", flush=True)
+    def on_signal(sig, frame):  # stop accepting, answer what is in flight, then the engine drains
+        if server.should_exit:
+            server.force_exit = True
         server.should_exit = True
 
-    worker.on_error = on_error
-    worker.start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    http.start()
     print(f"[serve] {name} on http://{host}:{port} ({ranks.world} rank(s), up to {max_batch} sequences per step)",
           flush=True)
-    server.run()  # returns after SIGTERM/SIGINT once in-flight requests are answered
-    if worker.error is None:
-        worker.stop()
+    try:
+        loop.run(keep_going=http.is_alive)
+    except BaseException as err:  # noqa: BLE001 - a dead engine or rank: stop serving, exit non-zero
+        print(f"[serve] engine failed: {type(err).__name__}: {err}", flush=True)
+        server.should_exit = True
+        http.join(timeout=30)
+        return 1
+    http.join()
+    engine.stop_followers()
     print(f"[serve] stopped after {engine.stats['forwards']} forwards, {engine.stats['tokens_out']} tokens", flush=True)
-    return 0 if worker.error is None else 1
+    return 0

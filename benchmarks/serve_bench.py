@@ -1,0 +1,189 @@
+"""`moe-pipeline serve` against Hugging Face `generate` on the same package, plus latency under load.
+
+    .venv/bin/python benchmarks/serve_bench.py                     # runs/tiny/package (README command 1, then export)
+    .venv/bin/python benchmarks/serve_bench.py --teacher runs/tiny/teacher-package --new-tokens 64
+
+One run, side by side (same package, same dtype, same threads, greedy, `--new-tokens` tokens each):
+  (a) one request: our server (HTTP, continuous batching) vs `AutoModelForCausalLM.generate` (its KV cache);
+  (b) 16 concurrent requests: our server (they share decode steps) vs HF one after another, as a
+      plain HF deployment would serve them;
+  (c) the student's server tokens/s against the teacher's (`--teacher PACKAGE`, optional);
+  (d) batch-1 decode against the memory-bandwidth bound: active parameter bytes read per token ÷ a
+      measured copy bandwidth (the fastest a token could come if weights were read once per token);
+  (e) latency percentiles (p50, p99) of 32 concurrent clients x 10 requests each, and the failures.
+Targets: (b) at least 1.5x HF, (a) not slower than HF. Results: a table on stdout and
+`serve_bench.json` under `--out`. The server runs as a separate process (`moe-pipeline serve`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, child_env, cli_command  # noqa: E402
+
+PROMPTS = ["And God said", "To be, or not to be", "In the beginning", "Now the serpent was more subtil",
+           "What light through yonder window", "Blessed are the meek", "Friends, Romans, countrymen",
+           "The LORD is my shepherd", "All the world's a stage", "Let there be light", "O Romeo, Romeo",
+           "For God so loved the world", "Once more unto the breach", "Vanity of vanities", "Is this a dagger",
+           "Honour thy father"]
+
+
+def start_server(pkg: Path, threads: int):
+    import requests
+
+    from pipeline.dist import free_port
+
+    port = free_port()
+    env = child_env()
+    env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen([*cli_command(), "serve", str(pkg), "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not come up")
+
+
+def stop_server(proc) -> None:
+    proc.terminate()
+    proc.wait(timeout=120)
+
+
+def server_run(url: str, prompts: list[str], new_tokens: int, concurrency: int) -> tuple[float, int, list[float], int]:
+    """(seconds, tokens generated, per-request latencies, failures) for `prompts` sent `concurrency` at a time."""
+    import requests
+
+    def one(p):
+        t0 = time.perf_counter()
+        try:
+            r = requests.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": new_tokens, "temperature": 0},
+                              timeout=600)
+            ok = r.status_code == 200
+            n = r.json()["usage"]["completion_tokens"] if ok else 0
+        except requests.RequestException:
+            ok, n = False, 0
+        return time.perf_counter() - t0, n, ok
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, prompts))
+    return time.perf_counter() - t0, sum(r[1] for r in results), [r[0] for r in results], sum(not r[2] for r in results)
+
+
+def hf_run(pkg: Path, prompts: list[str], new_tokens: int) -> tuple[float, int]:
+    """HF generate, one prompt after another (greedy, its own KV cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(pkg), trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(str(pkg), trust_remote_code=True)
+    with torch.no_grad():  # warm-up
+        model.generate(torch.tensor([tok.encode(prompts[0])]), max_new_tokens=4, do_sample=False)
+    t0, total = time.perf_counter(), 0
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([tok.encode(p)])
+            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+            total += out.shape[1] - ids.shape[1]
+    return time.perf_counter() - t0, total
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    a = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    return 2 * a.numel() * 10 / (time.perf_counter() - t0)  # bytes read + written per second
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--package", type=Path, default=ROOT / "runs" / "tiny" / "package")
+    p.add_argument("--teacher", type=Path, default=None, help="the teacher's package, for (c)")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    if not (args.package / "manifest.json").is_file():
+        p.error(f"--package {args.package}: not a package; run README command 1, then `moe-pipeline export runs/tiny`")
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    n = args.new_tokens
+    res: dict = {"new_tokens": n, "threads": args.threads, "package": str(args.package)}
+
+    proc, url = start_server(args.package, args.threads)
+    try:
+        server_run(url, PROMPTS[:2], 4, 2)  # warm-up
+        s1 = server_run(url, PROMPTS[:1] * 3, n, 1)
+        s16 = server_run(url, PROMPTS[:16], n, 16)
+        lat = server_run(url, [PROMPTS[i % 16] for i in range(320)], 16, 32)
+    finally:
+        stop_server(proc)
+    h1 = hf_run(args.package, PROMPTS[:1] * 3, n)
+    h16 = hf_run(args.package, PROMPTS[:16], n)
+    res["one_request"] = {"server_tok_s": s1[1] / s1[0], "hf_tok_s": h1[1] / h1[0]}
+    res["sixteen"] = {"server_tok_s": s16[1] / s16[0], "hf_tok_s": h16[1] / h16[0], "failures": s16[3]}
+    lats = sorted(lat[2])
+    res["latency"] = {"clients": 32, "requests": len(lats), "max_tokens": 16, "failures": lat[3],
+                      "p50_s": statistics.median(lats), "p99_s": lats[int(0.99 * (len(lats) - 1))],
+                      "tok_s": lat[1] / lat[0]}
+    if args.teacher is not None:
+        proc, url = start_server(args.teacher, args.threads)
+        try:
+            server_run(url, PROMPTS[:2], 4, 2)
+            t16 = server_run(url, PROMPTS[:16], n, 16)
+        finally:
+            stop_server(proc)
+        res["teacher_sixteen_tok_s"] = t16[1] / t16[0]
+    manifest = json.loads((args.package / "manifest.json").read_text())
+    elt = 4 if manifest["dtype"] == "float32" else 2
+    active_bytes = manifest["params"]["active_per_token"] * elt
+    bw = copy_bandwidth()
+    res["bandwidth"] = {"copy_bytes_per_s": bw, "active_bytes_per_token": active_bytes,
+                        "bound_tok_s": bw / 2 / active_bytes}  # reading the weights once per token
+
+    a, b = res["one_request"], res["sixteen"]
+    print(f"\n== serve vs HF generate, {args.package} ({manifest['dtype']}), {n} new tokens, {args.threads} threads ==")
+    print(f"(a) 1 request:     server {a['server_tok_s']:8.1f} tok/s   HF {a['hf_tok_s']:8.1f} tok/s   "
+          f"ratio {a['server_tok_s'] / a['hf_tok_s']:.2f} (target >= 1.0)")
+    print(f"(b) 16 concurrent: server {b['server_tok_s']:8.1f} tok/s   HF {b['hf_tok_s']:8.1f} tok/s   "
+          f"ratio {b['server_tok_s'] / b['hf_tok_s']:.2f} (target >= 1.5), failures {b['failures']}")
+    if "teacher_sixteen_tok_s" in res:
+        print(f"(c) student / teacher at 16 concurrent: {b['server_tok_s'] / res['teacher_sixteen_tok_s']:.2f} "
+              f"({b['server_tok_s']:.1f} vs {res['teacher_sixteen_tok_s']:.1f} tok/s)")
+    bd = res["bandwidth"]
+    print(f"(d) batch-1 decode {a['server_tok_s']:.1f} tok/s vs bandwidth bound {bd['bound_tok_s']:.0f} tok/s "
+          f"({active_bytes / 1e6:.1f} MB active per token, copy {bd['copy_bytes_per_s'] / 1e9:.1f} GB/s): "
+          f"{100 * a['server_tok_s'] / bd['bound_tok_s']:.0f}% of the bound")
+    L = res["latency"]
+    print(f"(e) 32 clients x 10 requests (16 tokens): p50 {L['p50_s'] * 1e3:.0f} ms, p99 {L['p99_s'] * 1e3:.0f} ms, "
+          f"{L['tok_s']:.0f} tok/s, failures {L['failures']}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve_bench.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {args.out / 'serve_bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
