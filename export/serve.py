@@ -333,11 +333,17 @@ def _uvicorn_server_class():
 
 
 def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_batch: int = 32,
-          ep_size: int | None = None, dtype: str | None = None, max_body: int = DEFAULT_MAX_BODY) -> int:
-    """Collective: rank 0 serves HTTP until SIGTERM/SIGINT, the other ranks follow its forwards."""
+          ep_size: int | None = None, dtype: str | None = None, max_body: int = DEFAULT_MAX_BODY,
+          smoke_prompt: str | None = None) -> int:
+    """Collective: rank 0 serves HTTP until SIGTERM/SIGINT, the other ranks follow its forwards.
+
+    `smoke_prompt`: serve, send that one completion over HTTP to ourselves, print it, shut down
+    (README command 1's last step). Port 0 means a free port."""
     from pipeline import dist
 
     ranks = dist.init()
+    if port == 0:
+        port = dist.free_port()
     engine = Engine.from_package(pkg, ranks, ep_size=ep_size, dtype=dtype, max_batch=max_batch)
     if ranks.rank != 0:
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, then tells us
@@ -364,6 +370,9 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     http.start()
     print(f"[serve] {name} on http://{host}:{port} ({ranks.world} rank(s), up to {max_batch} sequences per step)",
           flush=True)
+    if smoke_prompt is not None:
+        threading.Thread(target=_smoke, args=(server, f"http://{host}:{port}", smoke_prompt, api_key),
+                         name="smoke", daemon=True).start()
     try:
         loop.run(keep_going=http.is_alive)
     except BaseException as err:  # noqa: BLE001 - a dead engine or rank: stop serving, exit non-zero
@@ -375,3 +384,27 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     engine.stop_followers()
     print(f"[serve] stopped after {engine.stats['forwards']} forwards, {engine.stats['tokens_out']} tokens", flush=True)
     return 0
+
+
+def _smoke(server, url: str, prompt: str, api_key: str | None) -> None:
+    """One completion through the real HTTP API once the server is up, printed; then ask the server to stop."""
+    import requests
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        for _ in range(600):
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.1)
+        r = requests.post(f"{url}/v1/completions", headers=headers, timeout=300,
+                          json={"prompt": prompt, "max_tokens": 32, "temperature": 0})
+        body = r.json()
+        if r.status_code == 200:
+            print(f"[serve] POST /v1/completions {prompt!r} -> {body['choices'][0]['text']!r} "
+                  f"({body['usage']['completion_tokens']} tokens)", flush=True)
+        else:
+            print(f"[serve] POST /v1/completions failed: {r.status_code} {body}", flush=True)
+    finally:
+        server.should_exit = True

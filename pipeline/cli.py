@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep-size", type=_positive_int, default=None, help="expert-parallel degree (default: all ranks)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the package's")
     p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
+    p.add_argument("--smoke", metavar="PROMPT", default=None,
+                   help="serve, send this one completion over HTTP, print it and shut down (port 0: a free port)")
 
     p = sub.add_parser("eval", help="zero-shot evaluation with lm-evaluation-harness: models x tasks, resumable")
     p.add_argument("models", nargs="+", help="run directories (their teacher and student), stage directories or packages")
@@ -151,7 +153,7 @@ def cmd_serve(args, argv: list[str]) -> int:
 
     try:
         return serve(args.package, args.host, args.port, args.api_key, args.max_batch, args.ep_size, args.dtype,
-                     args.max_body_bytes)
+                     args.max_body_bytes, smoke_prompt=args.smoke)
     except (FileNotFoundError, PackageError, ValueError) as err:
         print(f"serve error: {err}", file=sys.stderr)
         return 2

@@ -204,3 +204,9 @@ def test_two_ranks_serve_the_same_tokens_and_a_killed_rank_stops_the_server(serv
     finally:
         if proc.poll() is None:
             stop(proc, signal.SIGKILL)
+
+
+def test_smoke_mode_serves_one_completion_over_http_and_exits_0(package):
+    """README command 1's last step: `moe-pipeline serve PKG --port 0 --smoke PROMPT`."""
+    out = cli("serve", str(package), "--port", "0", "--smoke", "And God said").stdout
+    assert "[serve] POST /v1/completions 'And God said' -> " in out and "[serve] stopped after" in out
