@@ -20,17 +20,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from pipeline import dist
 from pipeline.model import GPT
 from pipeline.runs import RECIPE_FILE
-from pipeline.teacher import CONFIG, TOKENIZER, _set_groups, read_model_config
-from pipeline.weights import INDEX, WEIGHTS, load_weights
+from pipeline.teacher import CONFIG, TOKENIZER, read_model_config
+from pipeline.weights import INDEX, WEIGHTS
 
 STAGES = ("teacher", "student")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -74,14 +70,6 @@ def resolve(spec: str | Path, stages: tuple[str, ...] = STAGES) -> list[ModelRef
                             f"{WEIGHTS}) or a package")
 
 
-def inference_moe_impl(world: int, ep_size: int | None) -> str:
-    """The MoE implementation for inference: DeepSpeed's expert-parallel MoE across ranks; alone, the
-    reference MoE (pipeline/model.py), the same math in eval mode (tests/test_model.py) that runs each
-    expert on exactly its tokens, where DeepSpeed's dispatch pads every expert to the busiest one's
-    load when no token is dropped (on the tiny student at batch 32 that is ~1.6x the expert FLOPs)."""
-    return "reference" if world == 1 and (ep_size or 1) == 1 else "deepspeed"
-
-
 def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None = None,
                dtype: str | None = None) -> tuple[GPT, object]:
     """(model in eval mode on this rank's device, tokenizer). Collective when the world has several ranks.
@@ -93,22 +81,16 @@ def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None 
     """
     from pipeline import data as data_lib
 
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPES)}")
+    from export.package import DTYPE_ALIASES, inference_model, load_package
+
+    if dtype is not None and dtype not in DTYPE_ALIASES:
+        raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPE_ALIASES)}")
     ranks = ranks or dist.init()
     path = Path(path)
     if is_package(path):
-        from export.package import load_package
-
-        short = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"}
-        return load_package(path, ranks, ep_size=ep_size, dtype=short[dtype] if dtype else None)
-    dtype = dtype or "float32"
+        return load_package(path, ranks, ep_size=ep_size, dtype=dtype)
     cfg = read_model_config(path)
-    model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
-    if model.moe_layers() and model.moe_layers()[0].impl == "deepspeed":
-        _set_groups(model)
-    load_weights(model, path)
-    model.to(device=dist.device(), dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    model = inference_model(cfg, path, ranks, ep_size, DTYPE_ALIASES[dtype or "float32"])
     tokenizer = data_lib.load_tokenizer(path / TOKENIZER, seq_len=cfg.seq_len)
     return model, tokenizer
 

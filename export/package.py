@@ -27,8 +27,8 @@ existing package is replaced only with `force`. `--dtype fp32|bf16|fp16` convert
 tensor except the MoE gates (`*.gate.wg.weight`), which stay fp32 as DeepSpeed's gating computes in
 fp32. `verify_package` recomputes every checksum and checks that the safetensors hold exactly the
 tensors the config implies, with the right shapes and dtypes. `load_package` verifies first (sizes
-always, checksums unless `checksums=False`), then loads with `pipeline.weights.load_weights` (lazy
-`safe_open`: a rank reads only its tensors). Weights are read only from safetensors, never pickle.
+always, checksums unless `checksums=False`), then loads with `inference_model` (`pipeline.weights.load_weights`:
+a rank reads only its own tensors). Weights are read only from safetensors, never pickle.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ CODE_FILES = {"configuration_moe_pipeline.py": HF_DIR / "configuration_moe_pipel
               "moe_model.py": MODEL_SOURCE}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_ALIASES = {**DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
@@ -394,6 +395,35 @@ def verify_package(pkg: Path, checksums: bool = True) -> list[str]:
     return problems
 
 
+def inference_moe_impl(world: int, ep_size: int | None) -> str:
+    """The MoE implementation for inference: DeepSpeed's expert-parallel MoE across ranks; alone, the
+    reference MoE (pipeline/model.py), the same math in eval mode (tests/test_model.py) that runs each
+    expert on exactly its tokens, where DeepSpeed's dispatch pads every expert to the busiest one's
+    load when no token is dropped (on the tiny student at batch 32 that is ~1.6x the expert FLOPs)."""
+    return "reference" if world == 1 and (ep_size or 1) == 1 else "deepspeed"
+
+
+def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None = None,
+                    dtype: torch.dtype = torch.float32) -> GPT:
+    """The model of `cfg` in eval mode on this rank's device, filled from the weights in `src` (a package or a
+    stage directory): expert parallel over the ranks (each reads only its experts), in `dtype` with the
+    gates in fp32 as DeepSpeed's gating computes. Collective with several ranks."""
+    from pipeline import dist
+    from pipeline.teacher import _set_groups
+    from pipeline.weights import load_weights
+
+    ranks = ranks or dist.init()
+    model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
+    if model.moe_layers() and model.moe_layers()[0].impl == "deepspeed":
+        _set_groups(model)
+    model.to(dtype=dtype)
+    for name, module in model.named_modules():
+        if name.endswith("deepspeed_moe.gate"):
+            module.wg.float()
+    load_weights(model, src)
+    return model.to(device=dist.device()).eval().requires_grad_(False)
+
+
 def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: bool = True,
                  dtype: str | None = None):
     """(GPT in eval mode on this rank's device, tokenizer) from a verified package. Collective with several ranks.
@@ -403,29 +433,14 @@ def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: b
     """
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline import dist
-    from pipeline.teacher import _set_groups
-    from pipeline.weights import load_weights
-
     pkg = Path(pkg)
     problems = verify_package(pkg, checksums=checksums)
     if problems:
         raise PackageError(pkg, problems)
-    ranks = ranks or dist.init()
     cfg = model_config_of(pkg)
     manifest = json.loads((pkg / MANIFEST).read_text())
-    torch_dtype = DTYPES[dtype] if dtype else {v: k for k, v in DTYPE_NAMES.items()}[manifest["dtype"]]
-    from eval.models import inference_moe_impl
-
-    model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
-    if model.moe_layers() and model.moe_layers()[0].impl == "deepspeed":
-        _set_groups(model)
-    model.to(dtype=torch_dtype)
-    for name, module in model.named_modules():  # gates stay fp32 (DeepSpeed's gating computes in fp32)
-        if name.endswith("deepspeed_moe.gate"):
-            module.wg.float()
-    load_weights(model, pkg)
-    model.to(device=dist.device()).eval().requires_grad_(False)
+    torch_dtype = DTYPE_ALIASES[dtype] if dtype else {v: k for k, v in DTYPE_NAMES.items()}[manifest["dtype"]]
+    model = inference_model(cfg, pkg, ranks, ep_size, torch_dtype)
     # not AutoTokenizer: it reads config.json through AutoConfig, which asks whether to trust remote code
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(pkg))
     return model, tokenizer
