@@ -404,28 +404,38 @@ def inference_moe_impl(world: int, ep_size: int | None) -> str:
 
 
 def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None = None,
-                    dtype: torch.dtype = torch.float32) -> GPT:
+                    dtype: torch.dtype = torch.float32, tp_size: int | None = None) -> GPT:
     """The model of `cfg` in eval mode on this rank's device, filled from the weights in `src` (a package or a
-    stage directory): expert parallel over the ranks (each reads only its experts), in `dtype` with the
-    gates in fp32 as DeepSpeed's gating computes. Collective with several ranks."""
+    stage directory), in `dtype` with the gates in fp32 as DeepSpeed's gating computes. On several ranks:
+    expert parallel (each rank reads only its experts), expert slicing when the expert-parallel degree
+    is below the world size, tensor slicing of the dense part with `tp_size`, all through
+    `deepspeed.init_inference` (export/parallel.py). Collective with several ranks."""
+    from export.parallel import parallelize, plan_layout, slice_experts
     from pipeline import dist
     from pipeline.teacher import _set_groups
     from pipeline.weights import load_weights
 
     ranks = ranks or dist.init()
+    layout = plan_layout(cfg, ranks.world, ep_size, tp_size)
     model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
     if model.moe_layers() and model.moe_layers()[0].impl == "deepspeed":
         _set_groups(model)
+        slice_experts(model, layout, ranks.rank)
     model.to(dtype=dtype)
     for name, module in model.named_modules():
         if name.endswith("deepspeed_moe.gate"):
             module.wg.float()
     load_weights(model, src)
-    return model.to(device=dist.device()).eval().requires_grad_(False)
+    model = model.to(device=dist.device()).eval().requires_grad_(False)
+    if ranks.world > 1:
+        # kept outside the module tree (the engine is a Module that holds the model)
+        model.__dict__["inference_engine"] = parallelize(model, layout)
+    model.layout = layout
+    return model
 
 
 def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: bool = True,
-                 dtype: str | None = None):
+                 dtype: str | None = None, tp_size: int | None = None):
     """(GPT in eval mode on this rank's device, tokenizer) from a verified package. Collective with several ranks.
 
     Each rank reads only its own experts (lazy safe_open); the model runs in the package's dtype
@@ -440,7 +450,7 @@ def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: b
     cfg = model_config_of(pkg)
     manifest = json.loads((pkg / MANIFEST).read_text())
     torch_dtype = DTYPE_ALIASES[dtype] if dtype else {v: k for k, v in DTYPE_NAMES.items()}[manifest["dtype"]]
-    model = inference_model(cfg, pkg, ranks, ep_size, torch_dtype)
+    model = inference_model(cfg, pkg, ranks, ep_size, torch_dtype, tp_size)
     # not AutoTokenizer: it reads config.json through AutoConfig, which asks whether to trust remote code
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(pkg))
     return model, tokenizer

@@ -44,9 +44,11 @@ from pipeline.model import GPT, ModelConfig
 class SlotCache:
     """Per-layer K/V buffers [slots, heads, max_len, head_dim] with a length per slot (row)."""
 
-    def __init__(self, cfg: ModelConfig, slots: int, max_len: int | None = None, device=None, dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int | None = None, device=None, dtype=torch.float32,
+                 heads: int | None = None):
         self.max_len = max_len or cfg.seq_len
-        shape = (slots, cfg.heads, self.max_len, cfg.hidden // cfg.heads)
+        # heads: this rank's (a 1/tp slice under tensor slicing)
+        shape = (slots, heads or cfg.heads, self.max_len, cfg.hidden // cfg.heads)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.lens = torch.zeros(slots, dtype=torch.long, device=device)
@@ -155,7 +157,8 @@ class Engine:
         self.ranks = ranks
         self.device = next(model.parameters()).device
         dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
-        self.cache = SlotCache(self.cfg, max_batch, device=self.device, dtype=dtype)
+        self.cache = SlotCache(self.cfg, max_batch, device=self.device, dtype=dtype,
+                               heads=model.blocks[0].attn.num_heads)
         self.max_batch = max_batch
         self.eos = tokenizer.eos_token_id
         self.waiting: list[Sequence] = []
@@ -164,15 +167,19 @@ class Engine:
         self.ids = itertools.count()
         self.steps = 0
         self.stats = {"forwards": 0, "tokens_in": 0, "tokens_out": 0, "batch_sizes": []}
+        # tokens routed to each expert of each MoE layer, over every forward so far (prompts included)
+        self.expert_tokens = [torch.zeros(e, dtype=torch.long) for e in self.cfg.experts]
+        self.rank_status: list[dict] = []  # every rank's last answer to `ping` (rank 0)
+        self.rank_status_at: float | None = None
 
     @classmethod
     def from_package(cls, pkg, ranks=None, ep_size=None, dtype=None, max_batch: int = 32,
-                     checksums: bool = True) -> "Engine":
+                     checksums: bool = True, tp_size: int | None = None) -> "Engine":
         from export.package import load_package
         from pipeline import dist
 
         ranks = ranks or dist.init()
-        model, tok = load_package(pkg, ranks, ep_size=ep_size, checksums=checksums, dtype=dtype)
+        model, tok = load_package(pkg, ranks, ep_size=ep_size, checksums=checksums, dtype=dtype, tp_size=tp_size)
         return cls(model, tok, max_batch=max_batch, ranks=ranks)
 
     def encode(self, text: str) -> list[int]:
@@ -226,7 +233,33 @@ class Engine:
     @torch.no_grad()
     def _run(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
         self.stats["forwards"] += 1
-        return self.model(tokens.to(self.device), cache=self.cache.select(rows)).logits.float()
+        out = self.model(tokens.to(self.device), cache=self.cache.select(rows))
+        for total, counts in zip(self.expert_tokens, out.expert_counts):
+            total += counts.to("cpu", torch.long)
+        return out.logits.float()
+
+    def expert_ranks(self) -> list[list[list[int]]]:
+        """For each MoE layer and expert, the global ranks that hold it (several with expert slicing)."""
+        world = self.ranks.world if self.ranks is not None else 1
+        layout = getattr(self.model, "layout", None)
+        out = []
+        for i, experts in enumerate(self.cfg.experts):
+            ep = layout.ep[i] if layout is not None else 1
+            local = experts // ep
+            out.append([[r for r in range(world) if r % ep == e // local] for e in range(experts)])
+        return out
+
+    def rank_expert_tokens(self) -> list[list[int]]:
+        """For each MoE layer, the tokens routed to the experts each rank holds (its expert load)."""
+        world = self.ranks.world if self.ranks is not None else 1
+        out = []
+        for counts, holders in zip(self.expert_tokens, self.expert_ranks()):
+            per_rank = [0] * world
+            for e, ranks in enumerate(holders):
+                for r in ranks:
+                    per_rank[r] += int(counts[e])
+            out.append(per_rank)
+        return out
 
     def step(self) -> int:
         """Admit, prefill, one decode step for all running sequences, retire. Returns tokens generated."""
@@ -315,7 +348,8 @@ class Engine:
             msg = dist.broadcast_json(None)
             if msg[0] == "stop":
                 return
-            if msg[0] == "ping":  # rank 0 is idle and checks that every rank is alive
+            if msg[0] == "ping":  # rank 0 checks that every rank is alive and asks how it is
+                self._status()
                 continue
             _, rows, tokens, reset = msg
             for r in reset:  # a prefill starts its row at length 0
@@ -323,17 +357,47 @@ class Engine:
             self._run(rows, torch.tensor(tokens))
 
     def ping(self) -> None:
-        """Rank 0, idle: one collective with every rank, so a dead rank is noticed within a ping period."""
+        """Rank 0: one round trip with every rank (a dead rank makes it raise within the collective's
+        timeout); records each rank's status in `rank_status`."""
         from pipeline import dist
 
         if self.ranks is not None and self.ranks.world > 1:
             dist.broadcast_json(["ping"])
+        self.rank_status = self._status()
+        self.rank_status_at = time.time()
+
+    def _status(self) -> list[dict]:
+        """Collective: every rank's (rank, pid, forwards run, resident MiB), gathered as numbers (no pickle)."""
+        import os
+
+        import torch.distributed as td
+
+        mine = torch.tensor([self.ranks.rank if self.ranks else 0, os.getpid(), self.stats["forwards"], _rss_mib()],
+                            dtype=torch.float64)
+        if self.ranks is not None and self.ranks.world > 1:
+            rows = [torch.zeros_like(mine) for _ in range(self.ranks.world)]
+            td.all_gather(rows, mine)
+        else:
+            rows = [mine]
+        return [{"rank": int(r[0]), "pid": int(r[1]), "forwards": int(r[2]), "rss_mib": round(float(r[3]), 1)}
+                for r in rows]
 
     def stop_followers(self) -> None:
         from pipeline import dist
 
         if self.ranks is not None and self.ranks.world > 1:
             dist.broadcast_json(["stop"])
+
+
+def _rss_mib() -> float:
+    """This process's resident memory (Linux /proc), 0 where unavailable."""
+    try:
+        with open("/proc/self/statm") as fh:
+            import os
+
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:

@@ -1,7 +1,9 @@
 """`moe-pipeline serve`: an OpenAI-compatible HTTP API over the continuous-batching runtime.
 
     moe-pipeline serve runs/tiny/package                       # 1 rank, 127.0.0.1:8000
-    moe-pipeline serve runs/tiny/package --nproc 2             # 2 ranks, experts split between them
+    moe-pipeline serve runs/tiny/package --ep-size 2           # 2 ranks, experts split between them
+    moe-pipeline serve runs/tiny/package --nproc 2 --tp-size 2 # dense part tensor-sliced over 2 ranks
+    moe-pipeline serve runs/tiny/package --nproc 4 --ep-size 2 # more ranks than experts per group: expert slicing
     curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"model": "tiny-student", "prompt": "And God said", "max_tokens": 32, "stream": true}'
 
@@ -99,19 +101,19 @@ class EngineLoop:
         after failing every pending request (a dead rank, say)."""
         self.alive = True
         try:
-            last = time.monotonic()
+            self.engine.ping()
+            last_ping = time.monotonic()
             while True:
+                if time.monotonic() - last_ping > self.PING_SECONDS:  # busy or idle: are the other ranks there?
+                    self.engine.ping()
+                    last_ping = time.monotonic()
                 if self.engine.pending():
                     self.engine.step()
-                    last = time.monotonic()
                     continue
                 if not keep_going():
                     return
                 self.wake.wait(0.05)
                 self.wake.clear()
-                if time.monotonic() - last > self.PING_SECONDS:  # idle: are the other ranks still there?
-                    self.engine.ping()
-                    last = time.monotonic()
         except BaseException as err:
             self.error = err
             self.engine.fail_all(f"{type(err).__name__}: {err}")
@@ -138,8 +140,14 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
                         buckets=(1, 2, 4, 8, 16, 32, 64))
     m_running = Gauge("moe_running_sequences", "sequences decoding now", registry=reg)
     m_waiting = Gauge("moe_waiting_sequences", "sequences waiting for a slot", registry=reg)
-    m_experts = Gauge("moe_expert_tokens", "tokens routed to each expert (this rank's view), by MoE layer",
-                      ["layer", "expert"], registry=reg)
+    m_experts = Gauge("moe_expert_tokens", "tokens routed to each expert since start (prompts included), by MoE "
+                      "layer (0-based among the MoE layers)", ["layer", "expert"], registry=reg)
+    m_rank_experts = Gauge("moe_rank_expert_tokens", "tokens routed to the experts each rank holds since start, "
+                           "by MoE layer and rank", ["layer", "rank"], registry=reg)
+    m_balance = Gauge("moe_expert_balancedness", "mean / max of the per-rank expert tokens, by MoE layer "
+                      "(1: even)", ["layer"], registry=reg)
+    m_rank_rss = Gauge("moe_rank_resident_mib", "resident memory of each rank at its last health check", ["rank"],
+                       registry=reg)
     seen_batches = [0]
 
     app = FastAPI(title="moe-pipeline", docs_url=None, redoc_url=None)
@@ -161,8 +169,13 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
     async def health():
         alive = worker.alive and worker.error is None
         ranks = engine.ranks.world if engine.ranks else 1
+        heard = engine.rank_status_at
         body = {"status": "ok" if alive else "unhealthy", "ranks": ranks, "running": len(engine.running),
-                "waiting": len(engine.waiting), "error": None if worker.error is None else repr(worker.error)}
+                "waiting": len(engine.waiting), "error": None if worker.error is None else repr(worker.error),
+                "layout": engine.model.layout.describe() if getattr(engine.model, "layout", None) else None,
+                # every rank's answer to the engine's last ping (once a second, busy or idle)
+                "rank_status": list(engine.rank_status),
+                "rank_status_age_s": None if heard is None else round(time.time() - heard, 2)}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/v1/models")
@@ -178,9 +191,16 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
         for b in sizes[seen_batches[0]:]:
             m_batch.observe(b)
         seen_batches[0] = len(sizes)
-        for layer, counts in enumerate(getattr(engine, "expert_counts", []) or []):
-            for e, c in enumerate(counts):
+        for layer, counts in enumerate(list(engine.expert_tokens)):
+            for e, c in enumerate(counts.tolist()):
                 m_experts.labels(str(layer), str(e)).set(c)
+        for layer, per_rank in enumerate(engine.rank_expert_tokens()):
+            for r, c in enumerate(per_rank):
+                m_rank_experts.labels(str(layer), str(r)).set(c)
+            if max(per_rank):
+                m_balance.labels(str(layer)).set(sum(per_rank) / len(per_rank) / max(per_rank))
+        for status in list(engine.rank_status):
+            m_rank_rss.labels(str(status["rank"])).set(status["rss_mib"])
         return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
 
     def logprobs_body(seq: Sequence, echo: bool, offset0: int) -> dict:
@@ -334,7 +354,7 @@ def _uvicorn_server_class():
 
 def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_batch: int = 32,
           ep_size: int | None = None, dtype: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-          smoke_prompt: str | None = None) -> int:
+          smoke_prompt: str | None = None, tp_size: int | None = None) -> int:
     """Collective: rank 0 serves HTTP until SIGTERM/SIGINT, the other ranks follow its forwards.
 
     `smoke_prompt`: serve, send that one completion over HTTP to ourselves, print it, shut down
@@ -344,7 +364,7 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     ranks = dist.init()
     if port == 0:
         port = dist.free_port()
-    engine = Engine.from_package(pkg, ranks, ep_size=ep_size, dtype=dtype, max_batch=max_batch)
+    engine = Engine.from_package(pkg, ranks, ep_size=ep_size, dtype=dtype, max_batch=max_batch, tp_size=tp_size)
     if ranks.rank != 0:
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, then tells us
             signal.signal(sig, signal.SIG_IGN)
@@ -368,8 +388,8 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     http.start()
-    print(f"[serve] {name} on http://{host}:{port} ({ranks.world} rank(s), up to {max_batch} sequences per step)",
-          flush=True)
+    layout = engine.model.layout.describe() if getattr(engine.model, "layout", None) else "1 rank(s)"
+    print(f"[serve] {name} on http://{host}:{port} ({layout}; up to {max_batch} sequences per step)", flush=True)
     if smoke_prompt is not None:
         threading.Thread(target=_smoke, args=(server, f"http://{host}:{port}", smoke_prompt, api_key),
                          name="smoke", daemon=True).start()

@@ -77,8 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or MOE_PIPELINE_API_KEY)")
     p.add_argument("--max-batch", type=_positive_int, default=32, help="sequences decoding together")
-    p.add_argument("--nproc", type=_positive_int, default=None, help="ranks on this machine (expert parallel)")
-    p.add_argument("--ep-size", type=_positive_int, default=None, help="expert-parallel degree (default: all ranks)")
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="ranks on this machine, through the DeepSpeed launcher (default: the largest of --ep-size "
+                        "and --tp-size, else 1)")
+    p.add_argument("--ep-size", type=_positive_int, default=None,
+                   help="expert-parallel degree (default: all ranks, at most a layer's experts); below --nproc the "
+                        "ranks that hold the same experts slice each expert (expert slicing)")
+    p.add_argument("--tp-size", type=_positive_int, default=None,
+                   help="tensor-slice attention and the dense MLPs over all ranks (DeepSpeed AutoTP): 1 or --nproc")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the package's")
     p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
     p.add_argument("--smoke", metavar="PROMPT", default=None,
@@ -135,25 +141,27 @@ def cmd_verify(args) -> int:
     return 0
 
 
-def _relaunch_if_asked(args, argv: list[str]) -> int | None:
+def _relaunch_if_asked(args, argv: list[str], graceful_rank0: bool = False) -> int | None:
     """With --nproc N > 1 outside a launcher: this command again under the DeepSpeed launcher (its exit
     status); otherwise None (go on in this process)."""
     from pipeline import dist
 
     if not dist.under_launcher() and (args.nproc or 1) > 1:
-        return dist.relaunch(args.nproc, "pipeline.cli", _strip_nproc(argv))
+        return dist.relaunch(args.nproc, "pipeline.cli", _strip_nproc(argv), graceful_rank0)
     return None
 
 
 def cmd_serve(args, argv: list[str]) -> int:
-    if (code := _relaunch_if_asked(args, argv)) is not None:
+    if args.nproc is None:  # `serve PKG --ep-size 2` means 2 ranks
+        args.nproc = max(args.ep_size or 1, args.tp_size or 1)
+    if (code := _relaunch_if_asked(args, argv, graceful_rank0=True)) is not None:
         return code
     from export.package import PackageError
     from export.serve import serve
 
     try:
         return serve(args.package, args.host, args.port, args.api_key, args.max_batch, args.ep_size, args.dtype,
-                     args.max_body_bytes, smoke_prompt=args.smoke)
+                     args.max_body_bytes, smoke_prompt=args.smoke, tp_size=args.tp_size)
     except (FileNotFoundError, PackageError, ValueError) as err:
         print(f"serve error: {err}", file=sys.stderr)
         return 2

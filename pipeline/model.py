@@ -103,7 +103,8 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.heads = cfg.heads
+        # `num_heads`: the name DeepSpeed's tensor slicing (AutoTP) divides by the slice count
+        self.num_heads = cfg.heads
         # separate q, k, v projections (not one fused qkv): DeepSpeed's AutoTP can slice them
         self.q_proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.k_proj = nn.Linear(cfg.hidden, cfg.hidden)
@@ -113,7 +114,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
-        H = self.heads
+        H = self.num_heads
         # [B, T, C] -> [B, H, T, C/H]
         q, k, v = (proj(x).view(B, T, H, -1).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
         past, mask = 0, None
@@ -131,7 +132,7 @@ class Attention(nn.Module):
             # new query i (absolute position past+i) sees keys 0..past+i
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).reshape(B, T, C)  # [B, H, T, C/H] -> [B, T, C]
+        y = y.transpose(1, 2).reshape(B, T, -1)  # [B, H, T, C/H] -> [B, T, C] (C/tp under tensor slicing)
         return self.out_proj(y)
 
 

@@ -126,7 +126,8 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
     """Fill `model` (any expert-parallel layout) from consolidated weights, reading only its own tensors.
 
     `rename` maps a global parameter name of `model` to the name it has in `src` (a student takes
-    teacher block 5 as its block 2, say); by default the names are the same.
+    teacher block 5 as its block 2, say); by default the names are the same. A parameter with a
+    `shard` attribute (dim, index, parts) receives that slice of the stored tensor (expert slicing).
     """
     src = Path(src)
     where = weight_files(src)
@@ -145,12 +146,18 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
                 header, data_start = read_header(fh, src / f)
                 for key in sorted(keys, key=lambda k: header[k]["data_offsets"][0]):  # in file order
                     p = wanted[key]
-                    if tuple(header[key]["shape"]) != tuple(p.shape):
+                    shard = getattr(p, "shard", None)  # (dim, index, parts): keep one slice (export.parallel)
+                    whole = list(p.shape)
+                    if shard is not None:
+                        whole[shard[0]] *= shard[2]
+                    if list(header[key]["shape"]) != whole:
                         raise ValueError(f"{src / f}: {key} has shape {tuple(header[key]['shape'])}, "
-                                         f"the model expects {tuple(p.shape)}")
-                    direct = (p.device.type == "cpu" and p.is_contiguous()
+                                         f"the model expects {tuple(whole)}")
+                    direct = (shard is None and p.device.type == "cpu" and p.is_contiguous()
                               and _ST_DTYPES.get(header[key]["dtype"]) == p.dtype)
                     t = _read_tensor(fh, header, key, data_start, src / f, out=p.data if direct else None)
+                    if shard is not None:
+                        t = t.chunk(shard[2], dim=shard[0])[shard[1]]
                     if not direct:
                         p.copy_(t.to(p.dtype))
 

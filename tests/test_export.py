@@ -179,3 +179,18 @@ def test_eval_accepts_a_package_and_scores_it_like_its_stage(package, small_run,
     a = pkg[pkg_name]["results"]["tiny_heldout_ppl"]["bits_per_byte,none"]
     b = stage["small/student"]["results"]["tiny_heldout_ppl"]["bits_per_byte,none"]
     assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_parallel_layouts_are_checked_before_loading():
+    from conftest import model_config
+    from export.parallel import plan_layout
+
+    cfg = model_config(hidden=32, heads=4, experts=(2, 4))
+    assert plan_layout(cfg, 4, ep_size=2).slices(0) == 2  # 4 ranks, experts in pairs: each expert sliced in 2
+    assert plan_layout(cfg, 2, tp_size=2).ep == (2, 2)
+    with pytest.raises(ValueError, match="--tp-size 2 with 4 rank"):
+        plan_layout(cfg, 4, tp_size=2)
+    with pytest.raises(ValueError, match="--ep-size 3"):
+        plan_layout(cfg, 3, ep_size=3)
+    with pytest.raises(ValueError, match="model heads"):
+        plan_layout(model_config(hidden=48, heads=3), 2, tp_size=2)

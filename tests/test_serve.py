@@ -210,3 +210,33 @@ def test_smoke_mode_serves_one_completion_over_http_and_exits_0(package):
     """README command 1's last step: `moe-pipeline serve PKG --port 0 --smoke PROMPT`."""
     out = cli("serve", str(package), "--port", "0", "--smoke", "And God said").stdout
     assert "[serve] POST /v1/completions 'And God said' -> " in out and "[serve] stopped after" in out
+
+
+LAYOUTS = {
+    "ep2": (["--ep-size", "2"], 2, "expert parallel 2"),  # 2 ranks implied by --ep-size
+    "tp2": (["--nproc", "2", "--tp-size", "2"], 2, "tensor slicing 2"),
+    "expert-slicing": (["--nproc", "4", "--ep-size", "2"], 4, "expert slicing 2"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_parallel_layout_serves_the_one_rank_greedy_tokens(server, package, layout):
+    """--ep-size 2, --tp-size 2 (DeepSpeed AutoTP through init_inference) and expert slicing (4 ranks, each
+    expert's FFN split over the 2 ranks that hold it): the same greedy tokens as 1 rank, concurrent
+    requests batched, every rank in /health and /metrics, and SIGTERM still drains and exits 0."""
+    prompts = ["And God said", "To be, or not to be", "The LORD is my shepherd"]
+    one = [complete(server, prompt=p, max_tokens=12, temperature=0).json()["choices"][0]["text"] for p in prompts]
+    extra, world, described = LAYOUTS[layout]
+    proc, url = start(package, *extra)
+    try:
+        health = requests.get(f"{url}/health", timeout=10).json()
+        assert health["ranks"] == world and described in health["layout"]
+        assert sorted(s["rank"] for s in health["rank_status"]) == list(range(world))
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: complete(url, prompt=p, max_tokens=12, temperature=0), prompts))
+        assert [r.json()["choices"][0]["text"] for r in got] == one
+        metrics = requests.get(f"{url}/metrics", timeout=10).text
+        for r in range(world):
+            assert f'moe_rank_expert_tokens{{layer="0",rank="{r}"}}' in metrics
+    finally:
+        assert stop(proc) == 0

@@ -1,0 +1,188 @@
+"""Multi-rank inference layouts: expert parallelism, tensor slicing and expert slicing (DeepSpeed-MoE).
+
+    moe-pipeline serve PKG --nproc 2                  # expert parallel: each rank holds half the experts
+    moe-pipeline serve PKG --nproc 2 --tp-size 2      # + the dense part (attention, dense and residual MLPs) sliced
+    moe-pipeline serve PKG --nproc 4 --ep-size 2      # more ranks than the expert-parallel degree: expert slicing
+
+Every rank runs the same forwards on the same tokens (the runtime's rank 0 broadcasts them). The
+layouts, as DeepSpeed-MoE's inference system describes them:
+
+  * expert parallelism: a layer's experts are split over `ep` consecutive ranks; DeepSpeed's MoE
+    layer sends every token to the rank of its expert (all-to-all) and back;
+  * tensor slicing (`tp`): `deepspeed.init_inference(tensor_parallel={"tp_size": tp},
+    injection_policy={Block: ("attn.out_proj", "mlp.fc2")})` slices each block's q/k/v and fc1 by
+    output and out_proj and fc2 by input, with an all-reduce after the latter (DeepSpeed's AutoTP
+    layers). The MoE parts that must stay whole are marked for AutoTP to skip: the gate and the
+    experts (expert parallel instead) and the residual mixing coefficient (2 outputs);
+  * expert slicing: when a layer has fewer expert-parallel ranks than ranks (world > ep), the
+    world/ep ranks that hold the same experts (DeepSpeed's expert-model-parallel group,
+    `init_inference(moe=...)` makes it: ranks i, i+ep, i+2ep, ...) each keep a 1/(world/ep) slice of
+    every local expert's FFN (fc1 by output, fc2 by input) and all-reduce the partial outputs.
+    They receive the same tokens, so the slices add up to the whole expert's output.
+
+A rank reads only its experts and, with expert slicing, keeps only its slice of them
+(`pipeline.weights.load_weights` honours a parameter's `shard`). Tensor slicing happens after
+loading: DeepSpeed slices the loaded dense weights in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipeline.model import GPT, MLP, Block, ModelConfig, default_ep_size
+
+# the linears whose outputs AutoTP all-reduces (row-parallel); the other linears of a block are column-parallel
+ALL_REDUCE_LINEARS = ("attn.out_proj", "mlp.fc2")
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int  # tensor-slicing degree of the dense part: 1 or the world size
+    ep: tuple[int, ...]  # expert-parallel degree of each MoE layer
+    ep_override: int | None
+
+    def slices(self, layer_index: int) -> int:
+        """Ranks that share (and slice) each expert of the `layer_index`-th MoE layer."""
+        return self.world // self.ep[layer_index]
+
+    def describe(self) -> str:
+        parts = [f"{self.world} rank(s)"]
+        if self.world > 1:
+            parts.append(f"expert parallel {'/'.join(map(str, self.ep))}")
+        if any(self.world > e for e in self.ep):
+            parts.append(f"expert slicing {'/'.join(str(self.world // e) for e in self.ep)}")
+        if self.tp > 1:
+            parts.append(f"tensor slicing {self.tp}")
+        return ", ".join(parts)
+
+
+def plan_layout(cfg: ModelConfig, world: int, ep_size: int | None = None, tp_size: int | None = None) -> Layout:
+    """Check that `cfg` can run on `world` ranks with these degrees; a ValueError names the flag and the fix."""
+    tp = tp_size or 1
+    if tp not in (1, world):
+        raise ValueError(f"--tp-size {tp} with {world} rank(s): DeepSpeed's inference engine slices the dense part "
+                         f"over one group of all ranks; use --tp-size {world} (or 1, or --nproc {tp})")
+    if tp > 1:
+        for what, n in (("model heads", cfg.heads), ("MLP width", cfg.ffn_mult * cfg.hidden)):
+            if n % tp:
+                raise ValueError(f"--tp-size {tp}: the {what} ({n}) must divide evenly; choose a divisor of {n}")
+    eps = []
+    for e in cfg.experts:
+        try:
+            ep = default_ep_size(e, world, ep_size)
+        except ValueError:
+            raise ValueError(f"--ep-size {ep_size}: must divide every MoE layer's experts {list(cfg.experts)} and "
+                             f"the {world} rank(s); choose a common divisor") from None
+        slices = world // ep
+        if cfg.ffn_mult * cfg.hidden % slices:
+            raise ValueError(f"--ep-size {ep}: {slices} ranks would slice each expert's FFN of "
+                             f"{cfg.ffn_mult * cfg.hidden}, which they do not divide; choose another --ep-size")
+        eps.append(ep)
+    return Layout(world, tp, tuple(eps), ep_size)
+
+
+# -- expert slicing -------------------------------------------------------------------------------------
+
+class SlicedExpert(MLP):
+    """One expert's FFN, a 1/`parts` slice of it on this rank: fc1 by output features, fc2 by input
+    features; the partial outputs are summed over `group` (the ranks holding the other slices), then
+    fc2's bias is added once."""
+
+    def __init__(self, cfg: ModelConfig, index: int, parts: int):
+        nn.Module.__init__(self)
+        width = cfg.ffn_mult * cfg.hidden // parts
+        self.fc1 = nn.Linear(cfg.hidden, width)
+        self.fc2 = nn.Linear(width, cfg.hidden)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.index, self.parts, self.group = index, parts, None
+        # what pipeline.weights.load_weights keeps of the whole tensor: (dim, index, parts)
+        self.fc1.weight.shard = self.fc1.bias.shard = (0, index, parts)
+        self.fc2.weight.shard = (1, index, parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import deepspeed.comm as dist
+
+        y = F.linear(F.gelu(self.fc1(x)), self.fc2.weight)
+        if self.group is None:
+            raise RuntimeError("a sliced expert needs its expert-slicing group (export.parallel.parallelize)")
+        dist.all_reduce(y, group=self.group)
+        return y + self.fc2.bias
+
+
+def slice_experts(model: GPT, layout: Layout, rank: int) -> None:
+    """Replace each local expert by this rank's slice of it (before loading the weights)."""
+    for i, moe in enumerate(model.moe_layers()):
+        parts = layout.slices(i)
+        if parts == 1:
+            continue
+        experts = moe.moe.deepspeed_moe.experts.deepspeed_experts
+        index = rank // layout.ep[i]  # this rank's place among the ranks i, i+ep, i+2ep, ... holding the same experts
+        for j, old in enumerate(experts):
+            new = SlicedExpert(moe.cfg, index, parts)
+            for p in new.parameters():  # as DeepSpeed marks expert parameters
+                p.allreduce, p.group_name = False, getattr(next(old.parameters()), "group_name", None)
+            experts[j] = new
+
+
+# -- DeepSpeed's inference engine -------------------------------------------------------------------------
+
+def _mark_for_autotp(model: GPT) -> None:
+    """AutoTP skips a module flagged `_is_autoep_layer` (DeepSpeed's flag for expert-parallel layers,
+    whose experts are not tensor-sliced): the gate and experts, and the residual coefficient."""
+    for moe in model.moe_layers():
+        moe.moe.deepspeed_moe._is_autoep_layer = True
+        if hasattr(moe.moe, "coefficient"):
+            moe.moe.coefficient._is_autoep_layer = True
+
+
+def parallelize(model: GPT, layout: Layout):
+    """Wrap a loaded multi-rank model with `deepspeed.init_inference` (expert-parallel groups; tensor
+    slicing with tp > 1) and give the sliced experts their groups. Collective. Returns the engine."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    dtype = next(p.dtype for n, p in model.named_parameters() if not n.endswith("gate.wg.weight"))
+    gates = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("gate.wg.weight")}
+    _mark_for_autotp(model)
+    moe_type = "residual" if model.cfg.mlp_type == "residual" else "standard"
+    kwargs = dict(dtype=dtype, replace_with_kernel_inject=False,
+                  moe={"enabled": True, "ep_size": max(layout.ep), "moe_experts": list(model.cfg.experts),
+                       "type": moe_type},
+                  # slices in whole heads: AutoTP splits dimensions in grains of tp_grain_size (default 64)
+                  tensor_parallel={"tp_size": layout.tp, "tp_grain_size": model.cfg.hidden // model.cfg.heads})
+    if layout.tp > 1:
+        kwargs["injection_policy"] = {Block: ALL_REDUCE_LINEARS}
+    engine = deepspeed.init_inference(model, **kwargs)
+    with torch.no_grad():  # init_inference casts the whole module to `dtype`; the gates compute in fp32
+        for n, p in engine.module.named_parameters():
+            if n in gates:
+                p.data = gates[n].to(p.device)
+    # the expert-slicing groups: DeepSpeed's expert-model-parallel group for each expert-parallel degree used
+    sizes = sorted({e for e in layout.ep if e < layout.world})
+    if sizes:
+        missing = [e for e in sizes if (engine.expert_mp_group or {}).get(e) is None]
+        if missing:  # layers of several degrees: the engine made the group of one (moe.ep_size) only
+            engine._create_ep_parallel_group(sizes)
+        for i, moe in enumerate(engine.module.moe_layers()):
+            for expert in moe.moe.deepspeed_moe.experts.deepspeed_experts:
+                if isinstance(expert, SlicedExpert):
+                    expert.group = engine.expert_mp_group[layout.ep[i]]
+    if layout.tp > 1:
+        heads = {b.attn.num_heads for b in engine.module.blocks}
+        widths = {b.attn.q_proj.weight.shape[0] for b in engine.module.blocks}
+        want = model.cfg.heads // layout.tp
+        if heads != {want} or widths != {want * model.cfg.hidden // model.cfg.heads}:
+            raise RuntimeError(f"tensor slicing left {heads} heads of width {widths} on rank {dist.get_rank()}, "
+                               f"expected {want} heads")
+    dist.barrier()
+    return engine
+
+
+def local_heads(model: GPT) -> int:
+    """Attention heads this rank computes (all of them, or a 1/tp slice under tensor slicing)."""
+    return model.blocks[0].attn.num_heads
