@@ -42,7 +42,10 @@ from pipeline.model import GPT, ModelConfig
 # -- the cache ---------------------------------------------------------------------------------------
 
 class SlotCache:
-    """Per-layer K/V buffers [slots, heads, max_len, head_dim] with a length per slot (row)."""
+    """Per-layer K/V buffers [slots, heads, max_len, head_dim] with a length per slot (row).
+
+    Lengths are kept as Python ints (no device sync to read them); a forward over some rows reads
+    keys only up to the longest selected row, and a single row needs no mask beyond causality."""
 
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int | None = None, device=None, dtype=torch.float32,
                  heads: int | None = None):
@@ -51,40 +54,67 @@ class SlotCache:
         shape = (slots, heads or cfg.heads, self.max_len, cfg.hidden // cfg.heads)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
-        self.lens = torch.zeros(slots, dtype=torch.long, device=device)
-        self.rows = torch.arange(0, device=device)  # the rows of the forward in progress (set by `select`)
+        self.device = device
+        self.lens = [0] * slots
         self.free = list(range(slots))
+        self.select([])
 
     def select(self, rows: list[int]) -> "SlotCache":
-        self.rows = torch.tensor(rows, dtype=torch.long, device=self.lens.device)
+        """The rows of the next forward, in the order of its batch."""
+        self.rows = list(rows)
+        self._start = [self.lens[r] for r in self.rows]
+        self._rows_t = torch.tensor(self.rows, dtype=torch.long, device=self.device)
+        self._span = (self.rows[0], self.rows[0] + len(self.rows)) if self.rows and \
+            self.rows == list(range(self.rows[0], self.rows[0] + len(self.rows))) else None
+        self._pos: dict[int, torch.Tensor] = {}
         return self
 
     # the interface pipeline/model.py uses
     @property
     def length(self) -> int:  # for the model's context check: the longest selected row
-        return int(self.lens[self.rows].max()) if len(self.rows) else 0
+        return max(self._start, default=0)
 
     @length.setter
     def length(self, value: int) -> None:  # the model adds T after a forward: advance every selected row
-        self.lens[self.rows] += value - self.length
+        step = value - self.length
+        for r in self.rows:
+            self.lens[r] += step
+        self._start = [self.lens[r] for r in self.rows]
+        self._pos = {}
 
     def positions(self, T: int) -> torch.Tensor:
-        return self.lens[self.rows, None] + torch.arange(T, device=self.lens.device)  # [B, T]
+        if T not in self._pos:
+            start = torch.tensor(self._start, dtype=torch.long, device=self.device)
+            self._pos[T] = start[:, None] + torch.arange(T, device=self.device)  # [B, T]
+        return self._pos[T]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = k.shape[2]
+        end = self.length + T  # keys the longest row has after this forward
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens, {end} needed")
+        K, V = self.k[layer], self.v[layer]
+        if len(self.rows) == 1:  # one row: plain slices, no gather
+            r, p = self.rows[0], self._start[0]
+            K[r, :, p:p + T] = k[0]
+            V[r, :, p:p + T] = v[0]
+            return K[r:r + 1, :, :end], V[r:r + 1, :, :end]
         pos = self.positions(T)  # [B, T]
-        if int(pos.max()) >= self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens, {int(pos.max()) + 1} needed")
-        rows = self.rows[:, None].expand_as(pos)
+        rows = self._rows_t[:, None].expand_as(pos)
         # [B, H, T, D] -> written at (row, :, position, :)
-        self.k[layer][rows, :, pos] = k.transpose(1, 2)
-        self.v[layer][rows, :, pos] = v.transpose(1, 2)
-        return self.k[layer][self.rows], self.v[layer][self.rows]
+        K[rows, :, pos] = k.transpose(1, 2)
+        V[rows, :, pos] = v.transpose(1, 2)
+        if self._span is not None:  # consecutive rows: a view
+            a, b = self._span
+            return K[a:b, :, :end], V[a:b, :, :end]
+        return K[self._rows_t, :, :end], V[self._rows_t, :, :end]
 
-    def attention_mask(self, T: int) -> torch.Tensor:
-        """[B, 1, T, max_len]: query t of a row sees that row's keys at positions <= its own."""
-        keys = torch.arange(self.max_len, device=self.lens.device)
+    def attention_mask(self, T: int) -> torch.Tensor | None:
+        """[B, 1, T, keys]: query t of a row sees that row's keys at positions <= its own. None for one
+        row: the model's causal masking is then exact."""
+        if len(self.rows) == 1:
+            return None
+        keys = torch.arange(self.length + T, device=self.device)
         return (keys[None, None, :] <= self.positions(T)[:, :, None])[:, None]
 
     def acquire(self) -> int:

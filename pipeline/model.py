@@ -192,11 +192,19 @@ class _ReferenceDispatch(nn.Module):
             top_p = top_p * keep
             top_p = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
         out = torch.zeros_like(x)
-        for e in range(E):
-            token, choice = ((top_i == e) & keep).nonzero(as_tuple=True)
-            if token.numel():
-                y = self.experts.deepspeed_experts[e](x[token])
-                out.index_add_(0, token, y * top_p[token, choice, None].to(y.dtype))
+        # the kept (token, choice) pairs grouped by expert (stable: token order within an expert), so
+        # that only the experts that received tokens run, after one host sync for their counts
+        token, choice = keep.nonzero(as_tuple=True)
+        expert = top_i[token, choice]
+        order = expert.argsort(stable=True)
+        token, choice = token[order], choice[order]
+        start = 0
+        for e, n in enumerate(torch.bincount(expert, minlength=E).tolist()):
+            if n:
+                t, c = token[start:start + n], choice[start:start + n]
+                y = self.experts.deepspeed_experts[e](x[t])
+                out.index_add_(0, t, y * top_p[t, c, None].to(y.dtype))
+                start += n
         return out, aux, counts
 
 
