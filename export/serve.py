@@ -9,10 +9,16 @@
 
 Rank 0 runs the HTTP front end (FastAPI on uvicorn) and the engine thread (`export.runtime.Engine`:
 admit, prefill, one shared decode step, retire, repeat); the other ranks run every forward rank 0
-announces (`Engine.follow`). Endpoints: `POST /v1/completions` (prompt as a string or a list of
-strings; max_tokens, temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `GET
-/v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Bad requests get a 4xx with an
-OpenAI-style error body naming the field; bodies above `--max-body-bytes` get 413. With `--api-key`
+announces (`Engine.follow`). Endpoints: `POST /v1/completions` (prompt as a string, token ids, or a
+list of either; max_tokens, temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `GET
+/v1/models`, `GET /health`, `GET /metrics` (Prometheus text), and vLLM's `GET /tokenizer_info`,
+`POST /tokenize`, `POST /detokenize`, so that lm-eval's `local-completions` model evaluates
+log-likelihood tasks against the server:
+
+    lm-eval run --model local-completions --tasks tiny_lastword \\
+        --model_args base_url=http://127.0.0.1:8000/v1/completions,model=tiny-student,max_length=128
+
+Bad requests get a 4xx with an OpenAI-style error body naming the field; bodies above `--max-body-bytes` get 413. With `--api-key`
 (or MOE_PIPELINE_API_KEY) every endpoint but /health needs `Authorization: Bearer KEY`. SIGTERM
 (or Ctrl-C): uvicorn stops accepting, in-flight requests finish, the engine drains, exit 0.
 """
@@ -44,7 +50,9 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=False)
 
     model: str | None = None
-    prompt: str | list[str]
+    # text, several texts, or token ids (one list, or one list per prompt) as OpenAI's API allows;
+    # lm-eval's local-completions sends token ids
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -58,10 +66,15 @@ class CompletionRequest(BaseModel):
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v):
-        items = [v] if isinstance(v, str) else v
-        if not items or any(not isinstance(p, str) or p == "" for p in items):
-            raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
+        items = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        if not items or any(len(p) == 0 for p in items):
+            raise ValueError("must be a non-empty string, token-id list, or list of them (none empty)")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text or its token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
     @field_validator("stop")
     @classmethod
@@ -178,6 +191,38 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
                 "rank_status_age_s": None if heard is None else round(time.time() - heard, 2)}
         return JSONResponse(body, status_code=200 if alive else 503)
 
+    # vLLM's tokenizer endpoints: lm-eval's local-completions uses them (tokenizer_backend "remote"/"auto")
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tok = engine.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "model_max_length": engine.cfg.seq_len}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            raw = await request.json()
+            text = raw["prompt"]
+            if not isinstance(text, str):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            return JSONResponse(error_body("prompt: send {\"prompt\": \"text\"}", "prompt"), status_code=400)
+        tokens = engine.encode(text)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.cfg.seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            raw = await request.json()
+            tokens = raw["tokens"]
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < engine.cfg.vocab_size
+                                                       for t in tokens):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            return JSONResponse(error_body(f"tokens: send {{\"tokens\": [ids in [0, {engine.cfg.vocab_size})]}}",
+                                           "tokens"), status_code=400)
+        return {"prompt": engine.decode(tokens)}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "moe-pipeline",
@@ -242,13 +287,18 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
             m_requests.labels("404").inc()
             return JSONResponse(error_body(f"model {req.model!r} is not served here; this server serves "
                                            f"{model_name!r}", "model", "not_found_error"), status_code=404)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        prompts = req.prompts()
         if req.stream and len(prompts) > 1:
             m_requests.labels("400").inc()
             return JSONResponse(error_body("stream supports one prompt per request", "prompt"), status_code=400)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                 seed=req.seed, stop=list(req.stop or []), logprobs=req.logprobs, echo=req.echo)
-        encoded = [engine.encode(p) for p in prompts]
+        encoded = [engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        vocab = engine.cfg.vocab_size
+        if any(not 0 <= t < vocab for p in encoded for t in p):
+            m_requests.labels("400").inc()
+            return JSONResponse(error_body(f"prompt: token ids must lie in [0, {vocab})", "prompt"), status_code=400)
+        prompts = [p if isinstance(p, str) else engine.decode(p) for p in prompts]  # texts, for echo
         for p in encoded:
             if len(p) + req.max_tokens > engine.cfg.seq_len:
                 m_requests.labels("400").inc()

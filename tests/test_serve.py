@@ -130,6 +130,26 @@ def test_echo_logprobs_equal_the_models(server, package):
     assert len(lp["top_logprobs"][1]) == 2
 
 
+def test_lm_eval_local_completions_scores_through_the_server_equal_the_in_process_adapter(server, package):
+    """lm-eval's OpenAI-compatible `local-completions` model (token-id prompts, echo + logprobs, our vLLM-style
+    /tokenize endpoints as its tokenizer) gives the log-likelihoods and is_greedy of our own adapter."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from eval.adapter import MoEPipelineLM
+
+    remote = LocalCompletionsAPI(base_url=f"{server}/v1/completions", model="small-student", max_length=63,
+                                 tokenizer_backend="auto", batch_size=2)
+    assert remote.tokenizer_backend == "remote"  # found /tokenizer_info and /tokenize
+    local = MoEPipelineLM(path=str(package), batch_size=2)
+    pairs = [("And God said unto Moses,", " Go"), ("To be, or not to be,", " that is the question"),
+             ("In the beginning God created", " the heaven and the earth"), ("And", " the")]
+    reqs = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    got, want = remote.loglikelihood(reqs), local.loglikelihood(reqs)
+    for (lp, greedy), (lp0, greedy0) in zip(got, want):
+        assert lp == pytest.approx(lp0, abs=1e-4) and greedy == greedy0
+
+
 def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
     prompts = [f"And {w} said" for w in ("God", "Moses", "the king", "Jesus", "Peter", "Paul", "Hamlet", "he")]
     alone = {p: complete(server, prompt=p, max_tokens=8, temperature=0).json()["choices"][0]["text"] for p in prompts}
@@ -151,6 +171,8 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
     ({"prompt": "hi", "temperature": 3}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": [1, 10 ** 9]}, 400, "prompt"),
+    ({"prompt": [[]]}, 400, "prompt"),
     ({"prompt": "x" * (2 << 20)}, 413, None),
 ])
 def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(server, body, status, param):
