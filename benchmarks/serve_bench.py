@@ -10,7 +10,8 @@ One run, side by side (each throughput the median of --repeats runs; same packag
   (c) the student's server tokens/s against the teacher's (`--teacher PACKAGE`, optional);
   (d) batch-1 decode against the memory-bandwidth bound: active parameter bytes read per token ÷ a
       measured copy bandwidth (the fastest a token could come if weights were read once per token);
-  (e) latency percentiles (p50, p99) of 32 concurrent clients x 10 requests each, and the failures.
+  (e) latency percentiles (p50, p99) of 32 concurrent clients x 10 requests each, and the failures;
+  (f) with --layouts: 16 concurrent requests on multi-rank layouts (ep2, tp2, expert-slicing-4).
 Targets: (b) at least 1.5x HF, (a) not slower than HF. Results: a table on stdout and
 `serve_bench.json` under `--out`. The server runs as a separate process (`moe-pipeline serve`).
 """
@@ -37,7 +38,11 @@ PROMPTS = ["And God said", "To be, or not to be", "In the beginning", "Now the s
            "Honour thy father"]
 
 
-def start_server(pkg: Path, threads: int):
+LAYOUTS = {"ep2": ["--ep-size", "2"], "tp2": ["--nproc", "2", "--tp-size", "2"],
+           "expert-slicing-4": ["--nproc", "4", "--ep-size", "2"]}
+
+
+def start_server(pkg: Path, threads: int, extra: list[str] = ()):
     import requests
 
     from pipeline.dist import free_port
@@ -45,7 +50,7 @@ def start_server(pkg: Path, threads: int):
     port = free_port()
     env = child_env()
     env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.Popen([*cli_command(), "serve", str(pkg), "--port", str(port)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([*cli_command(), "serve", str(pkg), "--port", str(port), *extra], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -126,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--teacher", type=Path, default=None, help="the teacher's package, for (c)")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layouts", nargs="*", default=[], choices=sorted(LAYOUTS),
+                   help="(f) also serve 16 concurrent requests with these multi-rank layouts (the ranks share "
+                        "--threads cores: on a small CPU this measures the layouts' overhead, not a speed-up)")
     p.add_argument("--repeats", type=int, default=3, help="runs of (a), (b), (c) each; the median is reported")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
@@ -163,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_server(proc)
         res["teacher_sixteen_tok_s"] = t16[1] / t16[0]
+    for name in args.layouts:
+        proc, url = start_server(args.package, args.threads, LAYOUTS[name])
+        try:
+            server_run(url, PROMPTS[:2], 4, 2)
+            r = best_of(args.repeats, lambda: server_run(url, PROMPTS[:16], n, 16))
+        finally:
+            stop_server(proc)
+        res.setdefault("layouts", {})[name] = {"args": LAYOUTS[name], "tok_s": r[1] / r[0], "failures": r[3]}
     manifest = json.loads((args.package / "manifest.json").read_text())
     elt = 4 if manifest["dtype"] == "float32" else 2
     active_bytes = manifest["params"]["active_per_token"] * elt
@@ -186,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     L = res["latency"]
     print(f"(e) 32 clients x 10 requests (16 tokens): p50 {L['p50_s'] * 1e3:.0f} ms, p99 {L['p99_s'] * 1e3:.0f} ms, "
           f"{L['tok_s']:.0f} tok/s, failures {L['failures']}")
+    for name, r in res.get("layouts", {}).items():
+        print(f"(f) {name:17s} ({' '.join(r['args'])}): 16 concurrent {r['tok_s']:8.1f} tok/s = "
+              f"{r['tok_s'] / b['server_tok_s']:.2f}x 1 rank, failures {r['failures']}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_bench.json").write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out / 'serve_bench.json'}")
