@@ -404,18 +404,23 @@ def inference_moe_impl(world: int, ep_size: int | None) -> str:
 
 
 def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None = None,
-                    dtype: torch.dtype = torch.float32, tp_size: int | None = None) -> GPT:
+                    dtype: torch.dtype = torch.float32, tp_size: int | None = None, placed: bool = False,
+                    resident_fraction: float = 1.0) -> GPT:
     """The model of `cfg` in eval mode on this rank's device, filled from the weights in `src` (a package or a
     stage directory), in `dtype` with the gates in fp32 as DeepSpeed's gating computes. On several ranks:
     expert parallel (each rank reads only its experts), expert slicing when the expert-parallel degree
     is below the world size, tensor slicing of the dense part with `tp_size`, all through
-    `deepspeed.init_inference` (export/parallel.py). Collective with several ranks."""
+    `deepspeed.init_inference` (export/parallel.py). `placed`: the MoE layers place their experts by a
+    replica table instead (export/placement.py; `resident_fraction` of the native experts resident).
+    Collective with several ranks."""
     from export.parallel import parallelize, plan_layout, slice_experts
     from pipeline import dist
     from pipeline.teacher import _set_groups
     from pipeline.weights import load_weights
 
     ranks = ranks or dist.init()
+    if placed:
+        return placed_model(cfg, src, ranks, ep_size, dtype, tp_size, resident_fraction)
     layout = plan_layout(cfg, ranks.world, ep_size, tp_size)
     model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
     if model.moe_layers() and model.moe_layers()[0].impl == "deepspeed":
@@ -434,8 +439,48 @@ def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None
     return model
 
 
+def placed_model(cfg: ModelConfig, src: Path, ranks, ep_size: int | None, dtype: torch.dtype,
+                 tp_size: int | None, resident_fraction: float) -> GPT:
+    """The model with `PlacedMoE` layers: every rank holds the dense part and the gates; experts come
+    from its `Placement` (its native experts, resident or mapped, plus replicas)."""
+    from export.placement import ExpertStore, Placement, PlacedMoE
+    from pipeline import dist
+    from pipeline.weights import load_weights
+
+    if (tp_size or 1) > 1:
+        raise ValueError("--placement works with expert parallelism only: drop --tp-size")
+    if (ep_size or ranks.world) != ranks.world:
+        raise ValueError(f"--placement needs --ep-size equal to the number of ranks ({ranks.world}): replicas take "
+                         f"the place of expert slicing")
+    for n in cfg.experts:
+        if n % ranks.world:
+            raise ValueError(f"--placement on {ranks.world} ranks: every MoE layer's experts {list(cfg.experts)} must "
+                             f"divide evenly; choose --nproc accordingly")
+    if not 0 < resident_fraction <= 1:
+        raise ValueError(f"--resident-experts {resident_fraction}: a fraction in (0, 1]")
+    placement = Placement(cfg, ExpertStore(src, cfg, dtype), ranks.rank, ranks.world, resident_fraction)
+    with torch.device("meta"):
+        model = GPT(cfg, moe_impl="reference")
+    model.to_empty(device="cpu")
+    for i, block in enumerate(b for b in model.blocks if b.is_moe):
+        block.mlp = PlacedMoE(cfg, i, cfg.experts[i], placement)
+    if cfg.tie_embeddings:  # to_empty made the tied head a separate tensor
+        model.lm_head.weight = model.wte.weight
+    model.to(dtype=dtype)
+    for moe in model.moe_layers():
+        moe.moe.deepspeed_moe.gate.wg.float()
+    load_weights(model, src)
+    model = model.to(device=dist.device()).eval().requires_grad_(False)
+    model.placement = placement
+    from export.parallel import Layout
+
+    model.layout = Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ep_size)
+    return model
+
+
 def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: bool = True,
-                 dtype: str | None = None, tp_size: int | None = None):
+                 dtype: str | None = None, tp_size: int | None = None, placed: bool = False,
+                 resident_fraction: float = 1.0):
     """(GPT in eval mode on this rank's device, tokenizer) from a verified package. Collective with several ranks.
 
     Each rank reads only its own experts (lazy safe_open); the model runs in the package's dtype
@@ -450,7 +495,7 @@ def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: b
     cfg = model_config_of(pkg)
     manifest = json.loads((pkg / MANIFEST).read_text())
     torch_dtype = DTYPE_ALIASES[dtype] if dtype else {v: k for k, v in DTYPE_NAMES.items()}[manifest["dtype"]]
-    model = inference_model(cfg, pkg, ranks, ep_size, torch_dtype, tp_size)
+    model = inference_model(cfg, pkg, ranks, ep_size, torch_dtype, tp_size, placed, resident_fraction)
     # not AutoTokenizer: it reads config.json through AutoConfig, which asks whether to trust remote code
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(pkg))
     return model, tokenizer

@@ -199,18 +199,38 @@ class Engine:
         self.stats = {"forwards": 0, "tokens_in": 0, "tokens_out": 0, "batch_sizes": []}
         # tokens routed to each expert of each MoE layer, over every forward so far (prompts included)
         self.expert_tokens = [torch.zeros(e, dtype=torch.long) for e in self.cfg.experts]
+        self._last_counts: list[list[int]] = []
+        # expert placement (export/placement.py): this rank's side, and rank 0's policy
+        self.placement = getattr(model, "placement", None)
+        self.policy = None
         self.rank_status: list[dict] = []  # every rank's last answer to `ping` (rank 0)
         self.rank_status_at: float | None = None
 
     @classmethod
     def from_package(cls, pkg, ranks=None, ep_size=None, dtype=None, max_batch: int = 32,
-                     checksums: bool = True, tp_size: int | None = None) -> "Engine":
+                     checksums: bool = True, tp_size: int | None = None, placement: str | None = None,
+                     replica_budget: float = 0.25, resident_experts: float = 1.0) -> "Engine":
+        """`placement` (none|reactive|predictive): experts placed by export/placement.py, with replicas up to
+        `replica_budget` of a rank's expert memory and `resident_experts` of its experts resident."""
         from export.package import load_package
         from pipeline import dist
 
         ranks = ranks or dist.init()
-        model, tok = load_package(pkg, ranks, ep_size=ep_size, checksums=checksums, dtype=dtype, tp_size=tp_size)
-        return cls(model, tok, max_batch=max_batch, ranks=ranks)
+        if placement is not None and not replica_budget >= 0:
+            raise ValueError(f"--replica-budget {replica_budget}: a fraction >= 0 of a rank's expert memory")
+        model, tok = load_package(pkg, ranks, ep_size=ep_size, checksums=checksums, dtype=dtype, tp_size=tp_size,
+                                  placed=placement is not None, resident_fraction=resident_experts)
+        engine = cls(model, tok, max_batch=max_batch, ranks=ranks)
+        if placement is not None and ranks.rank == 0:
+            from export.placement import make_policy
+
+            predictor = None
+            if placement == "predictive":
+                from export.predictor import load_predictor
+
+                predictor = load_predictor(pkg)
+            engine.policy = make_policy(placement, model.cfg, ranks.world, replica_budget, predictor)
+        return engine
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -227,6 +247,8 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context of {self.cfg.seq_len}")
         seq = Sequence(next(self.ids), list(prompt), params, on_token=on_token, on_finish=on_finish)
+        if self.policy is not None:
+            self.policy.submitted(seq)
         if params.temperature > 0:
             seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                                           else int(time.time_ns() % (1 << 62)))
@@ -252,18 +274,29 @@ class Engine:
         seq.finish_reason = seq.finish_reason or "abort"
         seq.params.max_tokens = len(seq.generated)  # retired at the next step
 
-    def _forward(self, rows: list[int], tokens: torch.Tensor, reset: list[int] = ()) -> torch.Tensor:
-        """Logits [B, T, V] (fp32) of `tokens` [B, T] appended to `rows`; every rank runs it."""
+    def _forward(self, rows: list[int], tokens: torch.Tensor, reset: list[int] = (), kind: str = "decode",
+                 seqs: list[Sequence] = ()) -> torch.Tensor:
+        """Logits [B, T, V] (fp32) of `tokens` [B, T] appended to `rows`; every rank runs it. With expert
+        placement, rank 0's policy gives the replica table (and the experts to prefetch) for this forward."""
         from pipeline import dist
 
+        table = expect = None
+        if self.policy is not None:
+            table, expect = self.policy.table_for(kind, seqs)
         if self.ranks is not None and self.ranks.world > 1:
-            dist.broadcast_json(["forward", rows, tokens.tolist(), list(reset)])
-        return self._run(rows, tokens)
+            dist.broadcast_json(["forward", rows, tokens.tolist(), list(reset), table, expect])
+        if self.placement is not None:
+            self.placement.apply(table, expect)
+        logits = self._run(rows, tokens)
+        if self.policy is not None:
+            self.policy.observed(self._last_counts, kind, seqs)
+        return logits
 
     @torch.no_grad()
     def _run(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
         self.stats["forwards"] += 1
         out = self.model(tokens.to(self.device), cache=self.cache.select(rows))
+        self._last_counts = [c.to("cpu", torch.long).tolist() for c in out.expert_counts]
         for total, counts in zip(self.expert_tokens, out.expert_counts):
             total += counts.to("cpu", torch.long)
         return out.logits.float()
@@ -299,7 +332,8 @@ class Engine:
         made = 0
         for seq in admitted:
             seq.slot = self.cache.acquire()
-            logits = self._forward([seq.slot], torch.tensor([seq.prompt]), reset=[seq.slot])[0]  # [T, V]
+            logits = self._forward([seq.slot], torch.tensor([seq.prompt]), reset=[seq.slot], kind="prefill",
+                                   seqs=[seq])[0]  # [T, V]
             self.stats["tokens_in"] += len(seq.prompt)
             if seq.params.echo and seq.params.logprobs is not None:
                 self._prompt_logprobs(seq, logits)
@@ -309,7 +343,8 @@ class Engine:
         live = [s for s in self.running if not s.finished and s not in admitted]
         if live:
             self.stats["batch_sizes"].append(len(live))
-            logits = self._forward([s.slot for s in live], torch.tensor([[s.generated[-1]] for s in live]))
+            logits = self._forward([s.slot for s in live], torch.tensor([[s.generated[-1]] for s in live]),
+                                   kind="decode", seqs=live)
             for seq, row in zip(live, logits[:, -1]):
                 self._emit(seq, row)
                 made += 1
@@ -381,9 +416,11 @@ class Engine:
             if msg[0] == "ping":  # rank 0 checks that every rank is alive and asks how it is
                 self._status()
                 continue
-            _, rows, tokens, reset = msg
+            _, rows, tokens, reset, table, expect = msg
             for r in reset:  # a prefill starts its row at length 0
                 self.cache.lens[r] = 0
+            if self.placement is not None:
+                self.placement.apply(table, expect)
             self._run(rows, torch.tensor(tokens))
 
     def ping(self) -> None:
@@ -402,15 +439,24 @@ class Engine:
 
         import torch.distributed as td
 
-        mine = torch.tensor([self.ranks.rank if self.ranks else 0, os.getpid(), self.stats["forwards"], _rss_mib()],
-                            dtype=torch.float64)
+        pl = self.placement
+        held = pl.resident_bytes() if pl is not None else {"native": 0, "replicas": 0, "native_full": 0}
+        mine = torch.tensor([self.ranks.rank if self.ranks else 0, os.getpid(), self.stats["forwards"], _rss_mib(),
+                             pl.stats.hits if pl else 0, pl.stats.misses if pl else 0, held["native"],
+                             held["replicas"], held["native_full"]], dtype=torch.float64)
         if self.ranks is not None and self.ranks.world > 1:
             rows = [torch.zeros_like(mine) for _ in range(self.ranks.world)]
             td.all_gather(rows, mine)
         else:
             rows = [mine]
-        return [{"rank": int(r[0]), "pid": int(r[1]), "forwards": int(r[2]), "rss_mib": round(float(r[3]), 1)}
-                for r in rows]
+        out = []
+        for r in rows:
+            status = {"rank": int(r[0]), "pid": int(r[1]), "forwards": int(r[2]), "rss_mib": round(float(r[3]), 1)}
+            if pl is not None:
+                status.update(expert_hits=int(r[4]), expert_misses=int(r[5]), native_expert_bytes=int(r[6]),
+                              replica_bytes=int(r[7]), native_expert_bytes_all_resident=int(r[8]))
+            out.append(status)
+        return out
 
     def stop_followers(self) -> None:
         from pipeline import dist

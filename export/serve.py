@@ -159,6 +159,16 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
                            "by MoE layer and rank", ["layer", "rank"], registry=reg)
     m_balance = Gauge("moe_expert_balancedness", "mean / max of the per-rank expert tokens, by MoE layer "
                       "(1: even)", ["layer"], registry=reg)
+    m_place_bal = Gauge("moe_placement_balancedness", "with --placement: mean over forwards of mean/max tokens per "
+                        "rank as placed (replicas included), by MoE layer", ["layer"], registry=reg)
+    m_replicas = Gauge("moe_placement_replicas", "with --placement: replicas in the table in force, by MoE layer",
+                       ["layer"], registry=reg)
+    m_hit = Gauge("moe_expert_prefetch_hit_rate", "with --placement: experts needed that were resident or prefetched "
+                  "/ experts needed, by rank", ["rank"], registry=reg)
+    m_replica_bytes = Gauge("moe_replica_bytes", "with --placement: bytes of replicas held, by rank", ["rank"],
+                            registry=reg)
+    m_recall = Gauge("moe_predictor_recall", "with --placement predictive: predicted-active experts among those "
+                     "used, by MoE layer (running mean)", ["layer"], registry=reg)
     m_rank_rss = Gauge("moe_rank_resident_mib", "resident memory of each rank at its last health check", ["rank"],
                        registry=reg)
     seen_batches = [0]
@@ -246,6 +256,19 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
                 m_balance.labels(str(layer)).set(sum(per_rank) / len(per_rank) / max(per_rank))
         for status in list(engine.rank_status):
             m_rank_rss.labels(str(status["rank"])).set(status["rss_mib"])
+            if "expert_hits" in status:
+                needed = status["expert_hits"] + status["expert_misses"]
+                m_hit.labels(str(status["rank"])).set(status["expert_hits"] / needed if needed else 1.0)
+                m_replica_bytes.labels(str(status["rank"])).set(status["replica_bytes"])
+        pl = engine.placement
+        if pl is not None and pl.stats.forwards:
+            from export.placement import count_replicas
+
+            for i, total in enumerate(pl.stats.balancedness_sum):
+                m_place_bal.labels(str(i)).set(total / pl.stats.forwards)
+                m_replicas.labels(str(i)).set(sum(count_replicas([pl.table[i]], pl.ep)))
+        for i, recall in enumerate(getattr(engine.policy, "recall", None) or []):
+            m_recall.labels(str(i)).set(recall)
         return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
 
     def logprobs_body(seq: Sequence, echo: bool, offset0: int) -> dict:
@@ -404,7 +427,8 @@ def _uvicorn_server_class():
 
 def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, max_batch: int = 32,
           ep_size: int | None = None, dtype: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-          smoke_prompt: str | None = None, tp_size: int | None = None) -> int:
+          smoke_prompt: str | None = None, tp_size: int | None = None, placement: str | None = None,
+          replica_budget: float = 0.25, resident_experts: float = 1.0) -> int:
     """Collective: rank 0 serves HTTP until SIGTERM/SIGINT, the other ranks follow its forwards.
 
     `smoke_prompt`: serve, send that one completion over HTTP to ourselves, print it, shut down
@@ -414,7 +438,11 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     ranks = dist.init()
     if port == 0:
         port = dist.free_port()
-    engine = Engine.from_package(pkg, ranks, ep_size=ep_size, dtype=dtype, max_batch=max_batch, tp_size=tp_size)
+    if placement is None and (resident_experts != 1.0):
+        raise ValueError("--resident-experts needs --placement (none, reactive or predictive)")
+    engine = Engine.from_package(pkg, ranks, ep_size=ep_size, dtype=dtype, max_batch=max_batch, tp_size=tp_size,
+                                 placement=placement, replica_budget=replica_budget,
+                                 resident_experts=resident_experts)
     if ranks.rank != 0:
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, then tells us
             signal.signal(sig, signal.SIG_IGN)
@@ -438,7 +466,10 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     http.start()
-    layout = engine.model.layout.describe() if getattr(engine.model, "layout", None) else "1 rank(s)"
+    layout = engine.model.layout.describe() if getattr(engine.model, "layout", None) else f"{ranks.world} rank(s)"
+    if engine.policy is not None:
+        layout += (f", placement {engine.policy.name} (replica budget {replica_budget}: {engine.policy.slots} "
+                   f"replica(s) per rank; {resident_experts:g} of the experts resident)")
     print(f"[serve] {name} on http://{host}:{port} ({layout}; up to {max_batch} sequences per step)", flush=True)
     if smoke_prompt is not None:
         threading.Thread(target=_smoke, args=(server, f"http://{host}:{port}", smoke_prompt, api_key),
@@ -451,6 +482,8 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
         http.join(timeout=30)
         return 1
     http.join()
+    if engine.policy is not None:
+        engine.policy.close()
     engine.stop_followers()
     print(f"[serve] stopped after {engine.stats['forwards']} forwards, {engine.stats['tokens_out']} tokens", flush=True)
     return 0

@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=_positive_int, default=None,
                    help="tensor-slice attention and the dense MLPs over all ranks (DeepSpeed AutoTP): 1 or --nproc")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the package's")
+    p.add_argument("--placement", choices=["none", "reactive", "predictive"], default=None,
+                   help="place experts by a replica table (export/placement.py): none, reactive (from observed "
+                        "load, EPLB-style) or predictive (the package's predictor; `moe-pipeline predictor train`)")
+    p.add_argument("--replica-budget", type=float, default=0.25,
+                   help="with --placement: replicas a rank may hold, as a fraction of its own expert memory")
+    p.add_argument("--resident-experts", type=float, default=1.0,
+                   help="with --placement: fraction of a rank's experts kept in memory; the rest stay mapped in "
+                        "the package and are prefetched or loaded on demand")
     p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
     p.add_argument("--smoke", metavar="PROMPT", default=None,
                    help="serve, send this one completion over HTTP, print it and shut down (port 0: a free port)")
@@ -161,7 +169,9 @@ def cmd_serve(args, argv: list[str]) -> int:
 
     try:
         return serve(args.package, args.host, args.port, args.api_key, args.max_batch, args.ep_size, args.dtype,
-                     args.max_body_bytes, smoke_prompt=args.smoke, tp_size=args.tp_size)
+                     args.max_body_bytes, smoke_prompt=args.smoke, tp_size=args.tp_size,
+                     placement=args.placement, replica_budget=args.replica_budget,
+                     resident_experts=args.resident_experts)
     except (FileNotFoundError, PackageError, ValueError) as err:
         print(f"serve error: {err}", file=sys.stderr)
         return 2

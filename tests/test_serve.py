@@ -238,6 +238,9 @@ LAYOUTS = {
     "ep2": (["--ep-size", "2"], 2, "expert parallel 2"),  # 2 ranks implied by --ep-size
     "tp2": (["--nproc", "2", "--tp-size", "2"], 2, "tensor slicing 2"),
     "expert-slicing": (["--nproc", "4", "--ep-size", "2"], 4, "expert slicing 2"),
+    # experts placed by a replica table (export/placement.py), half of them resident
+    "placed-reactive": (["--ep-size", "2", "--placement", "reactive", "--replica-budget", "0.5",
+                         "--resident-experts", "0.5"], 2, "expert parallel 2"),
 }
 
 
@@ -260,5 +263,7 @@ def test_every_parallel_layout_serves_the_one_rank_greedy_tokens(server, package
         metrics = requests.get(f"{url}/metrics", timeout=10).text
         for r in range(world):
             assert f'moe_rank_expert_tokens{{layer="0",rank="{r}"}}' in metrics
+        if "--placement" in extra:
+            assert 'moe_placement_balancedness{layer="0"}' in metrics and "moe_expert_prefetch_hit_rate" in metrics
     finally:
         assert stop(proc) == 0

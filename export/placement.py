@@ -1,0 +1,473 @@
+"""Expert placement in the serving runtime: physical replicas, placement policies, offload and prefetch.
+
+    moe-pipeline serve runs/tiny/package --ep-size 2 --placement reactive --replica-budget 0.25
+    moe-pipeline serve runs/tiny/package --ep-size 2 --placement predictive --replica-budget 0.25
+    moe-pipeline serve runs/tiny/package --placement predictive --resident-experts 0.5
+
+With `--placement` the MoE layers run `PlacedMoE` instead of DeepSpeed's dispatch. Every rank runs
+the same batch (the runtime's rank 0 broadcasts it), so expert parallelism needs no all-to-all:
+each rank computes the (token, expert) pairs assigned to it and an all-reduce sums the partial
+outputs (each token's expert output is computed by exactly one rank, so the sum is exact).
+
+Physical experts. Logical expert e of a layer lives natively on rank e // (experts / ep), as in
+DeepSpeed's layout; a *replica table* may add copies on other ranks. The router's choice of a
+logical expert is sent to one of its holders: each expert's tokens are split between its holders
+so that the tokens per rank even out (water-filling, deterministic, identical on every rank).
+Outputs do not depend on the table (tests: same logits, same greedy tokens).
+
+Policies (decided on rank 0, sent with each forward when they change):
+  * `none`: native placement only;
+  * `reactive` (EPLB-style, as vLLM's and SGLang's): replicas planned from a sliding window of
+    observed per-expert load, re-planned every `replan_every` forwards;
+  * `predictive` (MoE-MPMC): replicas planned from the demand the SRU predictor
+    (export/predictor.py) expects for the coming forward, prepared by a second thread.
+Capacity capping: a rank holds at most `replica_budget` x (its native experts) replicas, over all
+layers (every expert has the same size, so this is a memory budget); `plan_replicas` adds, one at
+a time, the replica that most lowers a layer's busiest rank, until the budget is spent or no
+replica helps.
+
+Offload and prefetch (`--resident-experts F`): a rank keeps only a fraction F of its native experts
+resident (tensors in memory); the others stay in the package's safetensors, memory-mapped (on a
+GPU machine: host memory), and are loaded when needed. Before each forward the experts the table
+expects to be used (predicted or observed demand) are prefetched in a loader thread, ahead of the
+layer that needs them; an expert needed and not resident is loaded on demand (a miss). Hits and
+misses are counted.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipeline.model import ModelConfig
+
+POLICIES = ("none", "reactive", "predictive")
+EXPERT_PARTS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+
+
+# -- tables: which ranks hold which experts -------------------------------------------------------------
+
+def native_rank(expert: int, experts: int, ep: int) -> int:
+    return expert // (experts // ep)
+
+
+def native_table(cfg: ModelConfig, ep: int) -> list[list[list[int]]]:
+    """holders[layer][expert] = [its native rank]."""
+    return [[[native_rank(e, n, ep)] for e in range(n)] for n in cfg.experts]
+
+
+def replica_slots(cfg: ModelConfig, ep: int, budget: float) -> int:
+    """Replicas one rank may hold: `budget` x its native experts (all layers; every expert is the same size)."""
+    return int(math.floor(budget * sum(n // ep for n in cfg.experts) + 1e-9))
+
+
+def count_replicas(table: list[list[list[int]]], ep: int) -> list[int]:
+    """Replicas (non-native copies) each rank holds under `table`."""
+    held = [0] * ep
+    for layer in table:
+        n = len(layer)
+        for e, holders in enumerate(layer):
+            for r in holders:
+                if r != native_rank(e, n, ep):
+                    held[r] += 1
+    return held
+
+
+def split_load(demand: list[float], holders: list[list[int]], ep: int, integer: bool = False) -> list[list[tuple[int, float]]]:
+    """How each expert's demand is split over its holders so that the busiest rank is as light as it can be:
+    single-holder experts first, then the replicated ones, heaviest first, each poured into its least-loaded
+    holders (water-filling). `integer`: whole tokens, handed out one at a time. Returns, per expert,
+    [(rank, amount)] in holder order. Deterministic: every rank computes the same split."""
+    loads = [0.0] * ep
+    parts: list[list[tuple[int, float]]] = [[] for _ in demand]
+    for e, d in enumerate(demand):
+        if len(holders[e]) == 1:
+            loads[holders[e][0]] += d
+            parts[e] = [(holders[e][0], d)]
+    for e in sorted((e for e in range(len(demand)) if len(holders[e]) > 1), key=lambda e: (-demand[e], e)):
+        hs = holders[e]
+        give = {h: 0.0 for h in hs}
+        if integer:
+            for _ in range(int(demand[e])):
+                h = min(hs, key=lambda h: (loads[h] + give[h], h))
+                give[h] += 1
+        else:  # continuous water-filling: raise the lowest holders to a common level
+            level_of = sorted(hs, key=lambda h: (loads[h], h))
+            left, k = demand[e], 1
+            while left > 0:
+                cur = [loads[h] + give[h] for h in level_of[:k]]
+                nxt = loads[level_of[k]] if k < len(level_of) else math.inf
+                room = (nxt - max(cur)) * k
+                step = min(left, room)
+                for h in level_of[:k]:
+                    give[h] += step / k
+                left -= step
+                k += 1
+        for h in hs:
+            loads[h] += give[h]
+        parts[e] = [(h, give[h]) for h in hs]
+    return parts
+
+
+def rank_loads(demand: list[float], holders: list[list[int]], ep: int) -> list[float]:
+    loads = [0.0] * ep
+    for e, pieces in enumerate(split_load(demand, holders, ep)):
+        for r, amount in pieces:
+            loads[r] += amount
+    return loads
+
+
+def balancedness(loads: list[float]) -> float:
+    """mean / max of the per-rank loads (1: perfectly even; 1/ep: all on one rank)."""
+    return (sum(loads) / len(loads) / max(loads)) if loads and max(loads) > 0 else 1.0
+
+
+def plan_replicas(cfg: ModelConfig, ep: int, demand: list[list[float]], slots: int) -> list[list[list[int]]]:
+    """A replica table for `demand` (per layer, per expert) with at most `slots` replicas per rank.
+
+    Greedy: add the replica (layer, expert, rank) that most lowers its layer's busiest-rank load,
+    relative to the layer's total, until no rank has room or no replica lowers any layer's maximum."""
+    table = native_table(cfg, ep)
+    free = [slots] * ep
+    if ep == 1 or slots == 0:
+        return table
+    while any(free):
+        best, best_gain = None, 1e-9
+        for i, d in enumerate(demand):
+            total = sum(d)
+            if total <= 0:
+                continue
+            current = max(rank_loads(d, table[i], ep))
+            loads = rank_loads(d, table[i], ep)
+            # only replicas of experts on a busiest rank can help, onto ranks with room
+            busiest = {r for r in range(ep) if loads[r] >= current - 1e-9}
+            for e in sorted(range(len(d)), key=lambda e: -d[e]):
+                if d[e] <= 0 or not busiest & set(table[i][e]):
+                    continue
+                for r in range(ep):
+                    if free[r] == 0 or r in table[i][e]:
+                        continue
+                    trial = [list(h) for h in table[i]]
+                    trial[e].append(r)
+                    gain = (current - max(rank_loads(d, trial, ep))) / total
+                    if gain > best_gain:
+                        best, best_gain = (i, e, r), gain
+        if best is None:
+            break
+        i, e, r = best
+        table[i][e].append(r)
+        free[r] -= 1
+    return table
+
+
+# -- the expert store: every expert's weights in the package (mapped), resident copies on demand ------------
+
+class ExpertStore:
+    """Reads any expert's tensors from a package or stage directory's safetensors (memory-mapped by
+    safetensors: the host tier); `load` copies one expert into resident tensors of `dtype`."""
+
+    def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype):
+        from safetensors import safe_open
+
+        from pipeline.weights import weight_files
+
+        self.src, self.cfg, self.dtype = Path(src), cfg, dtype
+        self.where = weight_files(self.src)
+        self._files = {f: safe_open(str(self.src / f), framework="pt") for f in sorted(set(self.where.values()))}
+        self.lock = threading.Lock()
+
+    def key(self, layer: int, expert: int, part: str) -> str:
+        block = self.cfg.moe_layers[layer]
+        return f"blocks.{block}.mlp.moe.deepspeed_moe.experts.deepspeed_experts.{expert}.{part}"
+
+    def load(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        with self.lock:  # safe_open handles are not shared across threads unguarded
+            return tuple(self._files[self.where[k]].get_tensor(k).to(self.dtype)
+                         for k in (self.key(layer, expert, p) for p in EXPERT_PARTS))
+
+    def nbytes(self) -> int:
+        """Bytes of one expert in the serving dtype."""
+        h, f = self.cfg.hidden, self.cfg.ffn_mult * self.cfg.hidden
+        return (2 * h * f + f + h) * torch.finfo(self.dtype).bits // 8
+
+
+@dataclass
+class PlacementStats:
+    forwards: int = 0
+    loads: list[list[float]] = field(default_factory=list)  # per layer, per rank: tokens computed (cumulative)
+    demand: list[list[float]] = field(default_factory=list)  # per layer, per expert: tokens routed (cumulative)
+    balancedness_sum: list[float] = field(default_factory=list)  # per layer: sum over forwards of mean/max
+    hits: int = 0  # experts needed by a forward that were resident (or prefetched in time)
+    misses: int = 0  # experts needed and loaded on demand
+    prefetched: int = 0
+    table_changes: int = 0
+
+
+class Placement:
+    """One rank's side: the replica table in force, the resident experts, and what it observed."""
+
+    def __init__(self, cfg: ModelConfig, store: ExpertStore, rank: int, world: int, resident_fraction: float = 1.0,
+                 group=None):
+        self.cfg, self.store, self.rank, self.ep, self.group = cfg, store, rank, world, group
+        self.table = native_table(cfg, world)
+        self.native = [{e for e in range(n) if native_rank(e, n, world) == rank} for n in cfg.experts]
+        self.resident_fraction = resident_fraction
+        natives = [(i, e) for i, s in enumerate(self.native) for e in sorted(s)]
+        # room for native experts in memory: a fraction of them; the least recently used one leaves first
+        self.capacity = max(1, round(resident_fraction * len(natives)))
+        self.resident: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.cached: OrderedDict[tuple[int, int], None] = OrderedDict()  # resident natives, LRU first
+        for key in natives[:self.capacity]:
+            self._admit(key, store.load(*key))
+        self.stats = PlacementStats(loads=[[0.0] * world for _ in cfg.experts],
+                                    demand=[[0.0] * n for n in cfg.experts],
+                                    balancedness_sum=[0.0] * len(cfg.experts))
+        self.lock = threading.Lock()
+        self._prefetch: threading.Thread | None = None
+        self._expect: list[set[int]] = [set() for _ in cfg.experts]
+
+    # -- the table ------------------------------------------------------------------------------------------
+    def apply(self, table: list[list[list[int]]] | None, expect: list[list[int]] | None = None) -> None:
+        """Use `table` from this forward on (None: keep the current one): load the replicas it gives this
+        rank, drop those it no longer does; then prefetch the experts `expect`ed in a loader thread."""
+        self._join_prefetch()
+        if table is not None and table != self.table:
+            self.stats.table_changes += 1
+            self.table = table
+            for i, layer in enumerate(table):
+                for e, holders in enumerate(layer):
+                    key = (i, e)
+                    if e in self.native[i]:
+                        continue
+                    if self.rank in holders and key not in self.resident:
+                        self.resident[key] = self.store.load(i, e)
+                    elif self.rank not in holders and key in self.resident:
+                        del self.resident[key]
+        if expect is not None and self.resident_fraction < 1.0:
+            # `expect`: per layer, the experts expected, most demanded first; prefetch what fits
+            ranked = sorted(((j, i, e) for i, es in enumerate(expect) for j, e in enumerate(es) if e in self.native[i]))
+            ours = [(i, e) for _, i, e in ranked][:self.capacity]  # each layer's likeliest first, layers interleaved
+            wanted = [key for key in ours if key not in self.resident]
+            self._expect = [{e for (i, e) in ours if i == layer} for layer in range(len(expect))]
+            with self.lock:
+                for key in ours:  # expected ones already resident: most recently used, not evicted by the prefetch
+                    if key in self.cached:
+                        self.cached.move_to_end(key)
+            if wanted:
+                self._prefetch = threading.Thread(target=self._load_all, args=(wanted,), name="prefetch", daemon=True)
+                self._prefetch.start()
+
+    def _load_all(self, keys) -> None:
+        for key in keys:
+            tensors = self.store.load(*key)
+            with self.lock:
+                if key not in self.resident:
+                    self._admit(key, tensors)
+                    self.stats.prefetched += 1
+
+    def _join_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.join()
+            self._prefetch = None
+
+    def _admit(self, key, tensors) -> None:
+        """A non-pinned native expert becomes resident, evicting the least recently used one if full."""
+        self.resident[key] = tensors
+        self.cached[key] = None
+        self.cached.move_to_end(key)
+        while len(self.cached) > self.capacity:
+            old, _ = self.cached.popitem(last=False)
+            del self.resident[old]
+
+    def weights(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        """Expert tensors for this forward: resident (a hit), being prefetched (wait: a hit if it was
+        expected), or loaded now (a miss)."""
+        key = (layer, expert)
+        with self.lock:
+            if key in self.resident:
+                self.stats.hits += 1
+                if key in self.cached:
+                    self.cached.move_to_end(key)
+                return self.resident[key]
+        if expert in self._expect[layer] and self._prefetch is not None:
+            self._join_prefetch()
+            with self.lock:
+                if key in self.resident:
+                    self.stats.hits += 1
+                    return self.resident[key]
+        tensors = self.store.load(layer, expert)
+        with self.lock:
+            self.stats.misses += 1
+            if expert in self.native[layer]:
+                self._admit(key, tensors)
+        return tensors
+
+    # -- accounting -----------------------------------------------------------------------------------------
+    def observe(self, layer: int, counts: list[int], loads: list[float]) -> None:
+        st = self.stats
+        for r, x in enumerate(loads):
+            st.loads[layer][r] += x
+        for e, c in enumerate(counts):
+            st.demand[layer][e] += c
+        st.balancedness_sum[layer] += balancedness(loads)
+        if layer == len(self.cfg.experts) - 1:
+            st.forwards += 1
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Expert bytes held now: native resident and replicas; `native_full`: all natives resident."""
+        per = self.store.nbytes()
+        replicas = sum(1 for (i, e) in self.resident if e not in self.native[i])
+        natives = len(self.resident) - replicas
+        return {"native": natives * per, "replicas": replicas * per,
+                "native_full": sum(len(s) for s in self.native) * per}
+
+
+# -- the MoE layer ----------------------------------------------------------------------------------------------
+
+class PlacedMoE(nn.Module):
+    """An MoE layer whose experts live where the placement says (module names as DeepSpeed's for the
+    gate and the residual part, so `load_weights` fills them; experts come from the `Placement`)."""
+
+    def __init__(self, cfg: ModelConfig, index: int, num_experts: int, placement: Placement):
+        super().__init__()
+        self.cfg, self.index, self.num_experts = cfg, index, num_experts
+        self.impl, self.ep_size = "placed", placement.ep
+        self.__dict__["placement"] = placement  # not a submodule
+        from pipeline.model import MLP, _Gate
+
+        self.moe = nn.Module()
+        self.moe.deepspeed_moe = nn.Module()
+        self.moe.deepspeed_moe.gate = _Gate(cfg.hidden, num_experts)
+        if cfg.mlp_type == "residual":
+            self.moe.mlp = MLP(cfg)
+            self.moe.coefficient = nn.Linear(cfg.hidden, 2)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg, E, pl = self.cfg, self.num_experts, self.placement
+        B, T, C = x.shape
+        xs = x.reshape(B * T, C)
+        probs = F.linear(xs.float(), self.moe.deepspeed_moe.gate.wg.weight.float()).softmax(dim=-1)  # [S, E]
+        top_p, top_i = probs.topk(cfg.top_k, dim=-1)
+        if cfg.top_k > 1:  # as the reference (no dropping at inference): the kept choices renormalised
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
+        counts = F.one_hot(top_i, E).sum(dim=(0, 1))
+        token, choice = torch.ones_like(top_i, dtype=torch.bool).nonzero(as_tuple=True)
+        expert = top_i[token, choice]
+        order = expert.argsort(stable=True)
+        token, choice = token[order], choice[order]
+        per_expert = torch.bincount(expert, minlength=E).tolist()
+        pieces = split_load([float(c) for c in per_expert], pl.table[self.index], pl.ep, integer=True)
+        out = torch.zeros_like(xs)
+        loads = [0.0] * pl.ep
+        start = 0
+        for e, n in enumerate(per_expert):
+            offset = start
+            for r, amount in pieces[e]:
+                k = int(amount)
+                loads[r] += k
+                if r == pl.rank and k:
+                    t, c = token[offset:offset + k], choice[offset:offset + k]
+                    w1, b1, w2, b2 = pl.weights(self.index, e)
+                    y = F.linear(F.gelu(F.linear(xs[t], w1, b1)), w2, b2)
+                    out.index_add_(0, t, y * top_p[t, c, None].to(y.dtype))
+                offset += k
+            start += n
+        if pl.ep > 1:
+            import torch.distributed as td
+
+            td.all_reduce(out, group=pl.group)
+        pl.observe(self.index, per_expert, loads)
+        out = out.view(B, T, C)
+        if cfg.mlp_type == "residual":
+            coef = self.moe.coefficient(x).softmax(dim=-1)
+            out = out * coef[..., 0:1] + self.moe.mlp(x) * coef[..., 1:]
+        return out, probs.new_zeros(()), counts
+
+
+# -- rank 0: the policies --------------------------------------------------------------------------------------
+
+class Policy:
+    """Decides the replica table for each forward (rank 0). `table_for` returns (table or None if
+    unchanged, the experts expected per layer for prefetching or None)."""
+
+    name = "none"
+
+    def __init__(self, cfg: ModelConfig, ep: int, budget: float):
+        self.cfg, self.ep, self.budget = cfg, ep, budget
+        self.slots = replica_slots(cfg, ep, budget)
+        self.table = native_table(cfg, ep)
+
+    def table_for(self, kind: str, seqs) -> tuple[list | None, list | None]:
+        """Before a forward of `kind` ("prefill": one sequence's prompt; "decode": one token of each of `seqs`)."""
+        return None, None
+
+    def submitted(self, seq) -> None:
+        """A request arrived (called from the HTTP thread)."""
+
+    def observed(self, demand: list[list[int]], kind: str, seqs) -> None:
+        """The per-layer, per-expert tokens routed in the forward that just ran."""
+
+    def close(self) -> None:
+        pass
+
+    def _set(self, table) -> list | None:
+        if table == self.table:
+            return None
+        self.table = table
+        return table
+
+
+class ReactivePolicy(Policy):
+    """EPLB-style: the mean load over the last `window` forwards, re-planned every `replan_every` forwards."""
+
+    name = "reactive"
+
+    def __init__(self, cfg, ep, budget, window: int = 32, replan_every: int = 8):
+        super().__init__(cfg, ep, budget)
+        self.window: deque = deque(maxlen=window)
+        self.replan_every, self.since = replan_every, 0
+
+    def observed(self, demand, kind, seqs):
+        self.window.append(demand)
+
+    def table_for(self, kind, seqs):
+        self.since += 1
+        if self.since < self.replan_every or not self.window:
+            return None, self._expected()
+        self.since = 0
+        mean = [[sum(d[i][e] for d in self.window) / len(self.window) for e in range(n)]
+                for i, n in enumerate(self.cfg.experts)]
+        return self._set(plan_replicas(self.cfg, self.ep, mean, self.slots)), self._expected()
+
+    def _expected(self):
+        """Experts seen in the window, most used first: those the next forward most likely uses."""
+        if not self.window:
+            return None
+        return [sorted((e for e in range(n) if any(d[i][e] for d in self.window)),
+                       key=lambda e: -sum(d[i][e] for d in self.window)) for i, n in enumerate(self.cfg.experts)]
+
+
+def make_policy(name: str, cfg: ModelConfig, ep: int, budget: float, predictor=None) -> Policy:
+    if name == "none":
+        return Policy(cfg, ep, budget)
+    if name == "reactive":
+        return ReactivePolicy(cfg, ep, budget)
+    if name == "predictive":
+        from export.predictor import PredictivePolicy
+
+        if predictor is None:
+            raise ValueError("--placement predictive needs the package's predictor: run "
+                             "`moe-pipeline predictor train PACKAGE` first")
+        return PredictivePolicy(cfg, ep, budget, predictor)
+    raise ValueError(f"--placement {name!r}: one of {', '.join(POLICIES)}")

@@ -1,0 +1,78 @@
+"""Expert placement (export/placement.py): replica tables under a budget, balanced splits, outputs unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import model_config
+from export.placement import (balancedness, count_replicas, native_table, plan_replicas, rank_loads, replica_slots,
+                              split_load)
+
+
+def test_split_load_evens_out_a_replicated_hot_expert():
+    holders = [[0], [0], [1], [1]]
+    demand = [60.0, 10.0, 20.0, 10.0]
+    assert rank_loads(demand, holders, 2) == [70.0, 30.0]
+    holders[0] = [0, 1]  # a replica of the hot expert on rank 1
+    assert rank_loads(demand, holders, 2) == [50.0, 50.0]
+    pieces = split_load(demand, holders, 2, integer=True)
+    assert sum(n for _, n in pieces[0]) == 60 and pieces[1] == [(0, 10.0)]
+    assert balancedness([50.0, 50.0]) == 1.0 and balancedness([100.0, 0.0]) == 0.5
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.25, 0.5, 1.0])
+def test_replica_table_respects_the_budget_and_never_hurts(budget):
+    cfg = model_config(experts=(4, 8))
+    gen = torch.Generator().manual_seed(0)
+    slots = replica_slots(cfg, 2, budget)
+    assert slots == int(budget * (2 + 4))
+    for _ in range(20):
+        demand = [(torch.rand(n, generator=gen) ** 4 * 100).tolist() for n in cfg.experts]  # skewed
+        table = plan_replicas(cfg, 2, demand, slots)
+        assert max(count_replicas(table, 2)) <= slots
+        for i, layer in enumerate(table):
+            assert all(len(set(h)) == len(h) and h[0] == native_table(cfg, 2)[i][e][0] for e, h in enumerate(layer))
+            before = max(rank_loads(demand[i], native_table(cfg, 2)[i], 2))
+            assert max(rank_loads(demand[i], layer, 2)) <= before + 1e-9
+
+
+def test_skewed_layers_get_balanced_as_far_as_the_budget_allows():
+    cfg = model_config(experts=(4, 8))
+    demand = [[80.0, 5.0, 10.0, 5.0], [50.0, 2.0, 2.0, 2.0, 10.0, 10.0, 12.0, 12.0]]
+    native = [balancedness(rank_loads(d, t, 2)) for d, t in zip(demand, native_table(cfg, 2))]
+    one = plan_replicas(cfg, 2, demand, slots=1)  # rank 1's one slot: the first layer's hot expert
+    assert [round(balancedness(rank_loads(d, t, 2)), 3) for d, t in zip(demand, one)] == [1.0, round(native[1], 3)]
+    two = plan_replicas(cfg, 2, demand, slots=2)
+    assert [balancedness(rank_loads(d, t, 2)) for d, t in zip(demand, two)] == [1.0, 1.0]
+    assert count_replicas(two, 2) == [0, 2]
+
+
+@pytest.fixture(scope="module")
+def package(small_run, tmp_path_factory):
+    from conftest import cli
+
+    out = tmp_path_factory.mktemp("placement") / "pkg"
+    cli("export", str(small_run), "--out", str(out))
+    return out
+
+
+@pytest.mark.parametrize("policy, resident", [("none", 1.0), ("reactive", 1.0), ("reactive", 0.25)])
+def test_placed_experts_give_the_reference_outputs(package, policy, resident):
+    from export.runtime import Engine, SamplingParams, generate
+
+    ref = Engine.from_package(package)
+    placed = Engine.from_package(package, placement=policy, replica_budget=0.5, resident_experts=resident)
+    prompts = [ref.encode(p) for p in ("And God said", "To be, or not to be", "The LORD", "O Romeo, Romeo")]
+    with torch.no_grad():
+        ids = torch.tensor([prompts[1]])
+        assert torch.allclose(ref.model(ids).logits, placed.model(ids).logits, atol=1e-5)
+    want = generate(ref, prompts, SamplingParams(max_tokens=12))
+    got = generate(placed, prompts, SamplingParams(max_tokens=12))
+    assert [s.generated for s in got] == [s.generated for s in want]
+    st = placed.placement.stats
+    assert st.forwards > 0 and st.hits + st.misses > 0
+    held = placed.placement.resident_bytes()
+    assert held["native"] <= max(resident * held["native_full"], placed.placement.store.nbytes()) + 1
+    if resident < 1:
+        assert st.misses > 0  # some experts were not resident
