@@ -98,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", metavar="PROMPT", default=None,
                    help="serve, send this one completion over HTTP, print it and shut down (port 0: a free port)")
 
+    p = sub.add_parser("predictor", help="the expert-demand predictor of a package (for serve --placement predictive)")
+    psub = p.add_subparsers(dest="predictor_command", required=True)
+    q = psub.add_parser("train", help="record router traces over the training split, train the SRU, store it in the package")
+    q.add_argument("package", type=Path)
+    q.add_argument("--train-blocks", type=_positive_int, default=400, help="training sequences traced")
+    q.add_argument("--val-blocks", type=_positive_int, default=100, help="held-out sequences for its accuracy")
+    q.add_argument("--steps", type=_positive_int, default=300)
+    q.add_argument("--dim", type=_positive_int, default=64, help="SRU width")
+    q.add_argument("--seed", type=int, default=0)
+
     p = sub.add_parser("eval", help="zero-shot evaluation with lm-evaluation-harness: models x tasks, resumable")
     p.add_argument("models", nargs="+", help="run directories (their teacher and student), stage directories or packages")
     p.add_argument("--tasks", default=None,
@@ -257,6 +267,24 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+def cmd_predictor(args) -> int:
+    from export.predictor import train_command
+
+    try:
+        info = train_command(args.package, args.train_blocks, args.val_blocks, args.steps, args.dim, args.seed)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"predictor error: {err}", file=sys.stderr)
+        return 2
+    h = info["held_out"]
+    for i, layer in enumerate(h["layers"]):
+        print(f"[predictor] MoE layer {i} ({layer['experts']} experts): next-token route top-1 "
+              f"{layer['top1_accuracy']:.3f} (most frequent expert {layer['frequency_top1_accuracy']:.3f}); "
+              f"{h['batch_tokens']}-token step demand error {layer['demand_error']:.3f} "
+              f"(frequency baseline {layer['frequency_demand_error']:.3f}), top-k recall {layer['topk_recall']:.3f}")
+    print(f"[predictor] stored in {args.package} ({info['seconds']:.0f}s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.dist import quiet_cpu_accelerator
 
@@ -276,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_verify(args)
         if args.command == "serve":
             return cmd_serve(args, argv)
+        if args.command == "predictor":
+            return cmd_predictor(args)
     except RecipeError as err:
         print(f"recipe error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,437 @@
+"""The expert-demand predictor (MoE-MPMC): a Simple Recurrent Unit over a sequence's tokens that
+predicts which expert each MoE layer will route the sequence's *next* token to.
+
+    moe-pipeline predictor train runs/tiny/package      # traces -> SRU -> predictor.* in the package
+    moe-pipeline serve runs/tiny/package --ep-size 2 --placement predictive --replica-budget 0.25
+
+Traces: the package's own model runs over blocks of its training split (the recipe in the
+manifest names the data; the tokenizer is the package's) and records, for every token and MoE
+layer, the expert the router chose (top-1; the first choice for top-2). The predictor reads tokens
+0..t and outputs, per MoE layer, a distribution over the experts of token t+1: at serving time,
+while the runtime computes a decode step, a second thread feeds it that step's tokens and sums
+the distributions of the running sequences into the next step's per-expert demand, from which it
+plans the replica table (producer/consumer, MoE-MPMC's two threads). A prompt is read whole when
+its request arrives, which predicts its prefill's demand before it runs.
+
+The SRU (Lei et al., 2018): with x~, f, r from one matrix product over all steps,
+    c_t = f_t * c_{t-1} + (1 - f_t) * x~_t,  f_t = sigmoid(W_f x_t + v_f * c_{t-1} + b_f)
+    h_t = r_t * c_t + (1 - r_t) * x_t,       r_t = sigmoid(W_r x_t + v_r * c_{t-1} + b_r)
+so the recurrence is elementwise and a step costs two small products per layer (MoE-MPMC chose it
+over SiDA-MoE's LSTM for that). MoE-MPMC's sparse attention over the SRU states is not built here.
+
+Stored in the package as `predictor.safetensors` and `predictor.json` (its shape, the expert
+frequencies of the training traces, and its held-out accuracy against a frequency baseline), both
+listed with checksums in manifest.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+WEIGHTS = "predictor.safetensors"
+CONFIG = "predictor.json"
+
+
+@dataclass
+class PredictorConfig:
+    vocab_size: int
+    experts: list[int]
+    dim: int = 64
+    layers: int = 2
+    bos_id: int = 0  # the token read before a prompt (end-of-text)
+
+
+class SRULayer(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, 3 * dim)  # x~, f, r pre-activations for every step at once
+        self.v = nn.Parameter(torch.zeros(2, dim))  # v_f, v_r
+        self.b = nn.Parameter(torch.zeros(2, dim))  # b_f, b_r
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, d], c [B, d] -> h [B, T, d], the last c."""
+        xt, uf, ur = self.proj(x).chunk(3, dim=-1)
+        hs = []
+        for t in range(x.shape[1]):
+            f = torch.sigmoid(uf[:, t] + self.v[0] * c + self.b[0])
+            r = torch.sigmoid(ur[:, t] + self.v[1] * c + self.b[1])
+            c = f * c + (1 - f) * xt[:, t]
+            hs.append(r * c + (1 - r) * x[:, t])
+        return torch.stack(hs, dim=1), c
+
+
+class SRUPredictor(nn.Module):
+    def __init__(self, cfg: PredictorConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.sru = nn.ModuleList(SRULayer(cfg.dim) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.heads = nn.ModuleList(nn.Linear(cfg.dim, e) for e in cfg.experts)
+
+    def initial_state(self, batch: int) -> torch.Tensor:
+        return torch.zeros(self.cfg.layers, batch, self.cfg.dim)
+
+    def forward(self, ids: torch.Tensor, state: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """ids [B, T] -> per MoE layer logits [B, T, experts] for the routing of each NEXT token, and the state."""
+        x = self.embed(ids)
+        state = self.initial_state(ids.shape[0]) if state is None else state
+        out = []
+        for layer, c in zip(self.sru, state):
+            x, c = layer(x, c)
+            out.append(c)
+        h = self.norm(x)
+        return [head(h) for head in self.heads], torch.stack(out)
+
+
+# -- traces ----------------------------------------------------------------------------------------------
+
+def record_routes(model, blocks: torch.Tensor, batch: int = 16) -> torch.Tensor:
+    """[N, T, moe layers] int64: the expert each MoE layer's router picks (first choice) for each token."""
+    moes = model.moe_layers()
+    seen: list[torch.Tensor] = []
+
+    def hook(module, args):
+        x = args[0]
+        wg = module.moe.deepspeed_moe.gate.wg.weight
+        seen.append(F.linear(x.reshape(-1, x.shape[-1]).float(), wg.float()).argmax(-1).view(x.shape[:-1]))
+
+    handles = [m.register_forward_pre_hook(hook) for m in moes]
+    out = []
+    try:
+        with torch.no_grad():
+            for i in range(0, len(blocks), batch):
+                seen.clear()
+                model(blocks[i:i + batch])
+                out.append(torch.stack(seen, dim=-1))
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat(out)
+
+
+def _blocks(tokens, seq_len: int, count: int, seed: int) -> torch.Tensor:
+    import numpy as np
+
+    n = len(tokens) // seq_len
+    order = np.random.default_rng(seed).permutation(n)[:count]
+    arr = np.asarray(tokens[: n * seq_len]).reshape(n, seq_len)[np.sort(order)]
+    return torch.from_numpy(arr.astype("int64"))
+
+
+def traces(pkg: Path, train_blocks: int, val_blocks: int, seed: int = 0, model=None):
+    """(train ids, train routes, val ids, val routes) from the package's model over its run's data."""
+    from export.package import MANIFEST, load_package
+    from pipeline import data as data_lib
+    from pipeline.recipe import validate
+    from pipeline.teacher import cache_root
+
+    manifest = json.loads((Path(pkg) / MANIFEST).read_text())
+    if "recipe" not in manifest:
+        raise ValueError(f"{pkg}: its manifest names no recipe, so the training text is unknown")
+    recipe = validate(manifest["recipe"])
+    prepared = data_lib.prepare_data(recipe.data, cache_root())
+    if model is None:
+        model, _ = load_package(pkg)
+    T = model.cfg.seq_len
+    tr = _blocks(prepared.train, T, train_blocks, seed)
+    va = _blocks(prepared.val, T, val_blocks, seed + 1)
+    return tr, record_routes(model, tr), va, record_routes(model, va)
+
+
+# -- training and evaluation -------------------------------------------------------------------------------
+
+def _shifted(ids: torch.Tensor, routes: torch.Tensor, bos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs [bos, x_0 .. x_{T-2}] and targets routes(x_0 .. x_{T-1}): position t predicts token t's route
+    having read only the tokens before it."""
+    inp = torch.cat([torch.full((ids.shape[0], 1), bos, dtype=ids.dtype), ids[:, :-1]], dim=1)
+    return inp, routes
+
+
+def train_predictor(cfg: PredictorConfig, ids: torch.Tensor, routes: torch.Tensor, steps: int = 300,
+                    batch: int = 16, lr: float = 3e-3, seed: int = 0, progress: bool = True) -> SRUPredictor:
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    model = SRUPredictor(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    inp, tgt = _shifted(ids, routes, cfg.bos_id)
+    g = torch.Generator().manual_seed(seed)
+    bar = tqdm(range(steps), desc="[predictor] train", unit="step", disable=not progress)
+    for _ in bar:
+        pick = torch.randint(0, len(inp), (batch,), generator=g)
+        logits, _ = model(inp[pick])
+        loss = sum(F.cross_entropy(lg.flatten(0, 1), tgt[pick][..., i].flatten()) for i, lg in enumerate(logits))
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{float(loss) / len(logits):.3f}")
+    return model.eval()
+
+
+def frequencies(routes: torch.Tensor, experts: list[int]) -> list[list[float]]:
+    return [(torch.bincount(routes[..., i].flatten(), minlength=n).float() / routes[..., i].numel()).tolist()
+            for i, n in enumerate(experts)]
+
+
+@torch.no_grad()
+def evaluate(model: SRUPredictor, ids: torch.Tensor, routes: torch.Tensor, freq: list[list[float]],
+             batch_tokens: int = 16, batches: int = 400, seed: int = 0) -> dict:
+    """Held-out accuracy. Per token: top-1 accuracy. Per simulated decode step (`batch_tokens` tokens from
+    different sequences, as a continuous batch): top-k recall of the active experts (k = how many were
+    active) and the demand error sum_e |predicted - actual| / tokens, against a frequency baseline
+    (demand = tokens x the training traces' expert frequencies)."""
+    cfg = model.cfg
+    inp, tgt = _shifted(ids, routes, cfg.bos_id)
+    per_layer = [[] for _ in cfg.experts]
+    for i in range(0, len(inp), 32):
+        for j, lg in enumerate(model(inp[i:i + 32])[0]):
+            per_layer[j].append(lg.softmax(-1))
+    probs = [torch.cat(p) for p in per_layer]  # [N, T, E]
+    g = torch.Generator().manual_seed(seed)
+    N, T = tgt.shape[:2]
+    out = {"layers": []}
+    for j, n in enumerate(cfg.experts):
+        p, y = probs[j], tgt[..., j]
+        top1 = float((p.argmax(-1) == y).float().mean())
+        err = base = recall = 0.0
+        fq = torch.tensor(freq[j])
+        for _ in range(batches):
+            seqs = torch.randperm(N, generator=g)[:batch_tokens]
+            pos = torch.randint(1, T, (len(seqs),), generator=g)
+            actual = torch.bincount(y[seqs, pos], minlength=n).float()
+            predicted = p[seqs, pos].sum(0)
+            err += float((predicted - actual).abs().sum()) / len(seqs)
+            base += float((fq * len(seqs) - actual).abs().sum()) / len(seqs)
+            k = int((actual > 0).sum())
+            recall += len(set(predicted.topk(k).indices.tolist()) & set(actual.nonzero().flatten().tolist())) / k
+        out["layers"].append({"experts": n, "top1_accuracy": round(top1, 4),
+                              "frequency_top1_accuracy": round(float((y == fq.argmax()).float().mean()), 4),
+                              "demand_error": round(err / batches, 4), "frequency_demand_error": round(base / batches, 4),
+                              "topk_recall": round(recall / batches, 4)})
+    L = out["layers"]
+    out.update(batch_tokens=batch_tokens, batches=batches, tokens=int(N * T),
+               demand_error=round(sum(x["demand_error"] for x in L) / len(L), 4),
+               frequency_demand_error=round(sum(x["frequency_demand_error"] for x in L) / len(L), 4),
+               topk_recall=round(sum(x["topk_recall"] for x in L) / len(L), 4))
+    return out
+
+
+# -- the package files ----------------------------------------------------------------------------------------
+
+def save_predictor(pkg: Path, model: SRUPredictor, info: dict) -> None:
+    """Write predictor.safetensors and predictor.json into the package and list them in its manifest
+    (each file written to a temporary name, then renamed; the manifest last)."""
+    from safetensors.torch import save_file
+
+    from export.package import MANIFEST
+    from pipeline.files import atomic_write_text, sha256_file
+
+    pkg = Path(pkg)
+    tmp = pkg / (WEIGHTS + ".tmp")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, pkg / WEIGHTS)
+    atomic_write_text(pkg / CONFIG, json.dumps({"config": asdict(model.cfg), **info}, indent=1) + "\n")
+    manifest = json.loads((pkg / MANIFEST).read_text())
+    for name in (WEIGHTS, CONFIG):
+        manifest["files"][name] = {"sha256": sha256_file(pkg / name), "size": (pkg / name).stat().st_size}
+    manifest["predictor"] = {k: info[k] for k in ("held_out",) if k in info}
+    atomic_write_text(pkg / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+def load_predictor(pkg: Path) -> tuple[SRUPredictor, dict]:
+    from safetensors.torch import load_file
+
+    pkg = Path(pkg)
+    if not (pkg / CONFIG).is_file():
+        raise ValueError(f"{pkg} has no predictor: run `moe-pipeline predictor train {pkg}` first "
+                         f"(--placement predictive needs it)")
+    info = json.loads((pkg / CONFIG).read_text())
+    model = SRUPredictor(PredictorConfig(**info["config"]))
+    model.load_state_dict(load_file(str(pkg / WEIGHTS)))
+    return model.eval().requires_grad_(False), info
+
+
+def train_command(pkg: Path, train_blocks: int = 400, val_blocks: int = 100, steps: int = 300, dim: int = 64,
+                  seed: int = 0) -> dict:
+    """`moe-pipeline predictor train PKG`: traces, training, held-out evaluation, stored in the package."""
+    from export.package import model_config_of, verify_package
+
+    pkg = Path(pkg)
+    problems = verify_package(pkg, checksums=False)
+    if problems:
+        raise ValueError(f"{pkg}: not a whole package ({problems[0]})")
+    cfg = model_config_of(pkg)
+    t0 = time.time()
+    tr_ids, tr_routes, va_ids, va_routes = traces(pkg, train_blocks, val_blocks, seed)
+    print(f"[predictor] traces: {tr_ids.numel():,} training and {va_ids.numel():,} held-out tokens "
+          f"({time.time() - t0:.1f}s)", flush=True)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(pkg))
+    pcfg = PredictorConfig(vocab_size=cfg.vocab_size, experts=list(cfg.experts), dim=dim,
+                           bos_id=tok.eos_token_id if tok.eos_token_id is not None else 0)
+    model = train_predictor(pcfg, tr_ids, tr_routes, steps=steps, seed=seed)
+    freq = frequencies(tr_routes, pcfg.experts)
+    held = evaluate(model, va_ids, va_routes, freq, seed=seed)
+    info = {"held_out": held, "frequencies": freq, "train_tokens": int(tr_ids.numel()), "steps": steps,
+            "seconds": round(time.time() - t0, 1)}
+    save_predictor(pkg, model, info)
+    return info
+
+
+# -- the predictive policy: a second thread that prepares the next table ---------------------------------------
+
+class PredictivePolicy:
+    """Replica tables from predicted demand (rank 0). A table-building thread consumes the runtime's
+    events (a prompt arrived; a decode step started with these tokens) and produces, for each prompt,
+    its prefill's table and, after each decode step's tokens, the next step's table."""
+
+    name = "predictive"
+
+    def __init__(self, cfg, ep: int, budget: float, predictor, wait_s: float = 0.2):
+        from export.placement import native_table, replica_slots
+
+        self.cfg, self.ep, self.budget = cfg, ep, budget
+        self.model, self.info = predictor
+        self.slots = replica_slots(cfg, ep, budget)
+        self.table = native_table(cfg, ep)
+        self.wait_s = wait_s
+        self.jobs: queue.Queue = queue.Queue()
+        self.state: dict[int, torch.Tensor] = {}  # sequence id -> SRU state [layers, 1, dim]
+        self.decoding: set[int] = set()  # sequences in the last decode step
+        self.next: dict[int, list[torch.Tensor]] = {}  # sequence id -> per layer, its next token's distribution
+        self.prefill: dict[int, tuple] = {}  # sequence id -> (table, expected, demand) of its prompt
+        self.decode_plan: tuple | None = None  # (step number, table, expected, demand) for the next decode step
+        self.ready = threading.Condition()
+        self.step_no = 0
+        self.recall_sum = [0.0] * len(cfg.experts)
+        self.recall_n = 0
+        self.late = 0  # decode steps whose table was not ready in time (the previous one was used)
+        self._pending_demand: list | None = None
+        self.thread = threading.Thread(target=self._run, name="predictor", daemon=True)
+        self.thread.start()
+
+    # -- the runtime's side (consumer) ---------------------------------------------------------------------------
+    def submitted(self, seq) -> None:
+        self.jobs.put(("prompt", seq.id, list(seq.prompt)))
+
+    def table_for(self, kind: str, seqs):
+        if kind == "prefill":
+            seq = seqs[0]
+            with self.ready:
+                self.ready.wait_for(lambda: seq.id in self.prefill, timeout=self.wait_s)
+                plan = self.prefill.pop(seq.id, None)
+        else:
+            step = self.step_no
+            self.step_no += 1
+            # this step's tokens go to the thread now: it prepares the NEXT step's table while this one runs
+            self.jobs.put(("step", step, [(s.id, s.generated[-1]) for s in seqs]))
+            with self.ready:
+                self.ready.wait_for(lambda: self.decode_plan is not None and self.decode_plan[0] >= step - 1,
+                                    timeout=self.wait_s if step else 0)
+                plan = self.decode_plan[1:] if self.decode_plan is not None and self.decode_plan[0] == step - 1 \
+                    else None
+            if plan is None and step:
+                self.late += 1
+        if plan is None:
+            self._pending_demand = None
+            return None, None
+        table, expected, demand = plan
+        self._pending_demand = demand
+        return self._set(table), expected
+
+    def observed(self, counts, kind, seqs) -> None:
+        if self._pending_demand is None:
+            return
+        for i, (pred, actual) in enumerate(zip(self._pending_demand, counts)):
+            active = {e for e, c in enumerate(actual) if c > 0}
+            if active:
+                top = sorted(range(len(pred)), key=lambda e: -pred[e])[:len(active)]
+                self.recall_sum[i] += len(active & set(top)) / len(active)
+        self.recall_n += 1
+
+    @property
+    def recall(self) -> list[float]:
+        return [r / self.recall_n for r in self.recall_sum] if self.recall_n else []
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=10)
+
+    def _set(self, table):
+        if table == self.table:
+            return None
+        self.table = table
+        return table
+
+    # -- the table-building thread (producer) ----------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_num_threads(1)
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                if job[0] == "prompt":
+                    self._prompt(*job[1:])
+                else:
+                    self._step(*job[1:])
+            except Exception as err:  # noqa: BLE001 - a failed prediction falls back to the current table
+                print(f"[predictor] {type(err).__name__}: {err}", flush=True)
+
+    @torch.no_grad()
+    def _prompt(self, sid: int, prompt: list[int]) -> None:
+        ids = torch.tensor([[self.model.cfg.bos_id] + prompt])
+        logits, state = self.model(ids)
+        probs = [lg[0].softmax(-1) for lg in logits]  # [T+1, E]: rows 0..T-1 the prompt's tokens, row T the next
+        demand = [p[:-1].sum(0).tolist() for p in probs]
+        self.state[sid] = state
+        self.next[sid] = [p[-1] for p in probs]
+        plan = self._plan(demand)
+        with self.ready:
+            self.prefill[sid] = plan
+            self.ready.notify_all()
+
+    @torch.no_grad()
+    def _step(self, step: int, fed: list[tuple[int, int]]) -> None:
+        """The tokens of decode step `step` -> the demand and table of step `step + 1`."""
+        known = [(sid, tok) for sid, tok in fed if sid in self.state]
+        now = {sid for sid, _ in fed}
+        for sid in self.decoding - now:  # decoded before, not any more: finished
+            self.state.pop(sid, None)
+            self.next.pop(sid, None)
+        self.decoding = now
+        if known:
+            ids = torch.tensor([[tok] for _, tok in known])
+            state = torch.cat([self.state[sid] for sid, _ in known], dim=1)
+            logits, state = self.model(ids, state)
+            for k, (sid, _) in enumerate(known):
+                self.state[sid] = state[:, k:k + 1]
+                self.next[sid] = [lg[k, 0].softmax(-1) for lg in logits]
+        demand = [torch.stack([self.next[sid][i] for sid, _ in known]).sum(0).tolist() if known else [0.0] * n
+                  for i, n in enumerate(self.cfg.experts)]
+        plan = self._plan(demand)
+        with self.ready:
+            self.decode_plan = (step, *plan)
+            self.ready.notify_all()
+
+    def _plan(self, demand: list[list[float]]):
+        from export.placement import plan_replicas
+
+        table = plan_replicas(self.cfg, self.ep, demand, self.slots)
+        expected = [sorted((e for e in range(len(d)) if d[e] >= 0.05), key=lambda e: -d[e]) for d in demand]
+        return table, expected, demand
