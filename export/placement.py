@@ -203,7 +203,9 @@ class PlacementStats:
     forwards: int = 0
     loads: list[list[float]] = field(default_factory=list)  # per layer, per rank: tokens computed (cumulative)
     demand: list[list[float]] = field(default_factory=list)  # per layer, per expert: tokens routed (cumulative)
-    balancedness_sum: list[float] = field(default_factory=list)  # per layer: sum over forwards of mean/max
+    # per layer: sum over forwards of tokens x (mean / max tokens per rank), and of tokens: a token-weighted mean
+    balancedness_sum: list[float] = field(default_factory=list)
+    balancedness_weight: list[float] = field(default_factory=list)
     hits: int = 0  # experts needed by a forward that were resident (or prefetched in time)
     misses: int = 0  # experts needed and loaded on demand
     prefetched: int = 0
@@ -228,7 +230,8 @@ class Placement:
             self._admit(key, store.load(*key))
         self.stats = PlacementStats(loads=[[0.0] * world for _ in cfg.experts],
                                     demand=[[0.0] * n for n in cfg.experts],
-                                    balancedness_sum=[0.0] * len(cfg.experts))
+                                    balancedness_sum=[0.0] * len(cfg.experts),
+                                    balancedness_weight=[0.0] * len(cfg.experts))
         self.lock = threading.Lock()
         self._prefetch: threading.Thread | None = None
         self._expect: list[set[int]] = [set() for _ in cfg.experts]
@@ -316,9 +319,15 @@ class Placement:
             st.loads[layer][r] += x
         for e, c in enumerate(counts):
             st.demand[layer][e] += c
-        st.balancedness_sum[layer] += balancedness(loads)
+        st.balancedness_sum[layer] += sum(loads) * balancedness(loads)
+        st.balancedness_weight[layer] += sum(loads)
         if layer == len(self.cfg.experts) - 1:
             st.forwards += 1
+
+    def balancedness(self) -> list[float]:
+        """Per layer: the token-weighted mean over forwards of mean/max tokens per rank (1: even)."""
+        st = self.stats
+        return [b / w if w else 1.0 for b, w in zip(st.balancedness_sum, st.balancedness_weight)]
 
     def resident_bytes(self) -> dict[str, int]:
         """Expert bytes held now: native resident and replicas; `native_full`: all natives resident."""

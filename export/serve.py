@@ -159,8 +159,8 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
                            "by MoE layer and rank", ["layer", "rank"], registry=reg)
     m_balance = Gauge("moe_expert_balancedness", "mean / max of the per-rank expert tokens, by MoE layer "
                       "(1: even)", ["layer"], registry=reg)
-    m_place_bal = Gauge("moe_placement_balancedness", "with --placement: mean over forwards of mean/max tokens per "
-                        "rank as placed (replicas included), by MoE layer", ["layer"], registry=reg)
+    m_place_bal = Gauge("moe_placement_balancedness", "with --placement: token-weighted mean over forwards of "
+                        "mean/max tokens per rank as placed (replicas included), by MoE layer", ["layer"], registry=reg)
     m_replicas = Gauge("moe_placement_replicas", "with --placement: replicas in the table in force, by MoE layer",
                        ["layer"], registry=reg)
     m_hit = Gauge("moe_expert_prefetch_hit_rate", "with --placement: experts needed that were resident or prefetched "
@@ -264,8 +264,8 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
         if pl is not None and pl.stats.forwards:
             from export.placement import count_replicas
 
-            for i, total in enumerate(pl.stats.balancedness_sum):
-                m_place_bal.labels(str(i)).set(total / pl.stats.forwards)
+            for i, value in enumerate(pl.balancedness()):
+                m_place_bal.labels(str(i)).set(value)
                 m_replicas.labels(str(i)).set(sum(count_replicas([pl.table[i]], pl.ep)))
         for i, recall in enumerate(getattr(engine.policy, "recall", None) or []):
             m_recall.labels(str(i)).set(recall)

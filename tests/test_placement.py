@@ -76,3 +76,46 @@ def test_placed_experts_give_the_reference_outputs(package, policy, resident):
     assert held["native"] <= max(resident * held["native_full"], placed.placement.store.nbytes()) + 1
     if resident < 1:
         assert st.misses > 0  # some experts were not resident
+
+
+@pytest.fixture(scope="module")
+def predicted_package(package, tmp_path_factory):
+    """The package with a predictor, trained by the CLI as a user would."""
+    import shutil
+
+    from conftest import cli
+
+    pkg = tmp_path_factory.mktemp("predicted") / "pkg"
+    shutil.copytree(package, pkg)
+    out = cli("predictor", "train", str(pkg), "--train-blocks", "300", "--val-blocks", "80", "--steps", "200")
+    assert "[predictor] stored in" in out.stdout
+    return pkg
+
+
+def test_predictor_is_stored_verifiable_and_beats_the_frequency_baseline(predicted_package):
+    import json
+
+    from conftest import cli
+
+    cli("verify", str(predicted_package))  # predictor files listed with checksums
+    info = json.loads((predicted_package / "predictor.json").read_text())
+    held = info["held_out"]
+    assert held["demand_error"] < held["frequency_demand_error"]
+    for layer in held["layers"]:  # (top-1 accuracy need not beat always-the-commonest on a barely trained router)
+        assert 0 < layer["top1_accuracy"] <= 1 and 0 < layer["topk_recall"] <= 1
+
+
+def test_predictive_placement_keeps_outputs_and_its_thread_stops(predicted_package):
+    from export.runtime import Engine, SamplingParams, generate
+
+    ref = Engine.from_package(predicted_package)
+    eng = Engine.from_package(predicted_package, placement="predictive", replica_budget=0.5, resident_experts=0.5)
+    prompts = [ref.encode(p) for p in ("And God said", "To be, or not to be", "The LORD", "O Romeo, Romeo")] * 2
+    want = generate(ref, prompts, SamplingParams(max_tokens=10))
+    got = generate(eng, prompts, SamplingParams(max_tokens=10))
+    assert [s.generated for s in got] == [s.generated for s in want]
+    policy = eng.policy
+    assert policy.thread.is_alive() and len(policy.recall) == len(eng.cfg.experts) and policy.recall_n > 0
+    assert eng.placement.stats.prefetched > 0
+    policy.close()
+    assert not policy.thread.is_alive()
