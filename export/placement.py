@@ -167,6 +167,19 @@ def plan_replicas(cfg: ModelConfig, ep: int, demand: list[list[float]], slots: i
     return table
 
 
+def keep_or_replace(current, new, demand: list[list[float]], ep: int, margin: float = 0.05):
+    """`new` if it lowers the busiest rank's expected load by more than `margin` of a layer's demand in
+    some layer, else `current`: replicas are copied in when a table changes, so a table that is
+    hardly better is not worth the copies (hysteresis)."""
+    if current is None or new == current:
+        return new
+    for i, d in enumerate(demand):
+        total = sum(d)
+        if total > 0 and (max(rank_loads(d, current[i], ep)) - max(rank_loads(d, new[i], ep))) > margin * total:
+            return new
+    return current
+
+
 # -- the expert store: every expert's weights in the package (mapped), resident copies on demand ------------
 
 class ExpertStore:
@@ -457,7 +470,8 @@ class ReactivePolicy(Policy):
         self.since = 0
         mean = [[sum(d[i][e] for d in self.window) / len(self.window) for e in range(n)]
                 for i, n in enumerate(self.cfg.experts)]
-        return self._set(plan_replicas(self.cfg, self.ep, mean, self.slots)), self._expected()
+        table = keep_or_replace(self.table, plan_replicas(self.cfg, self.ep, mean, self.slots), mean, self.ep)
+        return self._set(table), self._expected()
 
     def _expected(self):
         """Experts seen in the window, most used first: those the next forward most likely uses."""

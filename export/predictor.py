@@ -380,7 +380,7 @@ class PredictivePolicy:
 
     # -- the table-building thread (producer) ----------------------------------------------------------------------
     def _run(self) -> None:
-        torch.set_num_threads(1)
+        # (no torch.set_num_threads here: it would set the whole process's intra-op threads, the engine's too)
         while True:
             job = self.jobs.get()
             if job is None:
@@ -430,8 +430,8 @@ class PredictivePolicy:
             self.ready.notify_all()
 
     def _plan(self, demand: list[list[float]]):
-        from export.placement import plan_replicas
+        from export.placement import keep_or_replace, plan_replicas
 
-        table = plan_replicas(self.cfg, self.ep, demand, self.slots)
+        table = keep_or_replace(self.table, plan_replicas(self.cfg, self.ep, demand, self.slots), demand, self.ep)
         expected = [sorted((e for e in range(len(d)) if d[e] >= 0.05), key=lambda e: -d[e]) for d in demand]
         return table, expected, demand

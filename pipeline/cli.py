@@ -170,6 +170,17 @@ def _relaunch_if_asked(args, argv: list[str], graceful_rank0: bool = False) -> i
 
 
 def cmd_serve(args, argv: list[str]) -> int:
+    if args.placement == "predictive" and not (args.package / "predictor.json").is_file():
+        print(f"serve error: --placement predictive: {args.package} has no predictor; run "
+              f"`moe-pipeline predictor train {args.package}` first", file=sys.stderr)
+        return 2
+    if args.placement is None and args.resident_experts != 1.0:
+        print("serve error: --resident-experts needs --placement (none, reactive or predictive)", file=sys.stderr)
+        return 2
+    if not 0 < args.resident_experts <= 1 or args.replica_budget < 0:
+        print("serve error: --resident-experts takes a fraction in (0, 1] and --replica-budget a fraction >= 0",
+              file=sys.stderr)
+        return 2
     if args.nproc is None:  # `serve PKG --ep-size 2` means 2 ranks
         args.nproc = max(args.ep_size or 1, args.tp_size or 1)
     if (code := _relaunch_if_asked(args, argv, graceful_rank0=True)) is not None:

@@ -119,3 +119,16 @@ def test_predictive_placement_keeps_outputs_and_its_thread_stops(predicted_packa
     assert eng.placement.stats.prefetched > 0
     policy.close()
     assert not policy.thread.is_alive()
+
+
+def test_placement_flags_and_predictor_training_fail_clearly(package, tmp_path):
+    from conftest import cli
+
+    r = cli("serve", str(package), "--placement", "predictive", check=False)
+    assert r.returncode == 2 and "moe-pipeline predictor train" in r.stderr
+    r = cli("serve", str(package), "--resident-experts", "0.5", check=False)
+    assert r.returncode == 2 and "--resident-experts needs --placement" in r.stderr
+    r = cli("serve", str(package), "--placement", "none", "--resident-experts", "1.5", check=False)
+    assert r.returncode == 2 and "--resident-experts" in r.stderr
+    r = cli("predictor", "train", str(tmp_path / "nothing"), check=False)
+    assert r.returncode == 2 and "predictor error" in r.stderr

@@ -1,0 +1,259 @@
+"""Expert placement policies side by side: balancedness, tokens/s, memory, predictor accuracy, prefetch.
+
+    .venv/bin/python benchmarks/placement_bench.py                 # runs/tiny/package, EP 2, budget 0.25
+    .venv/bin/python benchmarks/placement_bench.py --budget 0.5 --requests 96
+
+One run. The package is copied to `--out`/pkg and its predictor trained there if it has none
+(`moe-pipeline predictor train`). Two workloads of token-id prompts (32 tokens each, 32 new tokens,
+`--concurrency` at a time) from the held-out split: `heldout` (random passages) and `skewed`
+(the passages whose tokens the router sends most to rank 0's experts, picked from router traces
+of the whole held-out split). For each workload, `moe-pipeline serve --ep-size 2 --placement P
+--replica-budget B` for P in none, reactive, predictive, and from its /metrics and /health:
+balancedness per MoE layer (token-weighted mean over forwards of mean/max tokens per rank),
+tokens/s, replica memory over the rank's native expert memory, predictor recall. Then the
+predictor's held-out accuracy (from predictor.json: demand error against a frequency baseline,
+top-k recall), and prefetching: 1 rank, `--placement predictive --resident-experts F` for F in
+1.0, 0.5, 0.25: hit rate and tokens/s. A table on stdout, placement_bench.json and
+placement_bench.png under `--out`.
+
+Targets (issue 7): on the skewed workload at equal budget, predictive balancedness >= 0.85 and >=
+reactive's; predictor demand error below the frequency baseline's; resident 0.5 keeps >= 80% of
+the all-resident tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, child_env, cli_command  # noqa: E402
+
+POLICIES = ("none", "reactive", "predictive")
+FRACTIONS = (1.0, 0.5, 0.25)
+
+
+def start_server(pkg: Path, extra: list[str]):
+    import requests
+
+    from pipeline.dist import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([*cli_command(), "serve", str(pkg), "--port", str(port), *extra], cwd=ROOT,
+                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited {proc.returncode}: moe-pipeline serve {pkg} {' '.join(extra)}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not come up")
+
+
+def run_workload(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
+    import requests
+
+    def one(p):
+        r = requests.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": new_tokens, "temperature": 0},
+                          timeout=600)
+        return r.json()["usage"]["completion_tokens"] if r.status_code == 200 else -1
+
+    requests.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 2, "temperature": 0}, timeout=60)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        made = list(pool.map(one, prompts))
+    seconds = time.perf_counter() - t0
+    metrics = requests.get(f"{url}/metrics", timeout=30).text
+    time.sleep(1.2)  # one more health check (once a second) so that rank status is current
+    health = requests.get(f"{url}/health", timeout=30).json()
+    return {"seconds": seconds, "tokens": sum(m for m in made if m > 0), "failures": sum(m < 0 for m in made),
+            "tok_s": sum(m for m in made if m > 0) / seconds, "metrics": parse_metrics(metrics),
+            "ranks": health.get("rank_status", [])}
+
+
+def parse_metrics(text: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = re.match(r'^(moe_[a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$', line)
+        if m:
+            out.setdefault(m.group(1), {})[m.group(2) or ""] = float(m.group(3))
+    return out
+
+
+def layer_values(metrics: dict, name: str) -> list[float]:
+    vals = metrics.get(name, {})
+    return [vals[k] for k in sorted(vals, key=lambda k: int(re.search(r'layer="(\d+)"', k).group(1)))]
+
+
+def workloads(pkg: Path, n: int, prompt_len: int, seed: int) -> dict[str, list[list[int]]]:
+    """Token-id prompts from the held-out split: random windows, and the windows most routed to rank 0."""
+    import torch
+
+    from export.package import load_package
+    from export.placement import native_rank
+    from export.predictor import record_routes
+
+    from pipeline import data as data_lib
+    from pipeline.recipe import validate
+    from pipeline.teacher import cache_root
+
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    prepared = data_lib.prepare_data(validate(manifest["recipe"]).data, cache_root())
+    val = torch.from_numpy(prepared.val.astype("int64"))
+    windows = val[: len(val) // prompt_len * prompt_len].view(-1, prompt_len)
+    windows = windows[(windows != prepared.eod_id).all(dim=1)]  # within one document
+    model, _ = load_package(pkg)
+    routes = record_routes(model, windows, batch=64)  # [W, T, layers]
+    share = torch.zeros(len(windows))
+    for i, experts in enumerate(model.cfg.experts):
+        on0 = torch.tensor([native_rank(e, experts, 2) == 0 for e in range(experts)])
+        share += on0[routes[..., i]].float().mean(dim=1)
+    g = torch.Generator().manual_seed(seed)
+    heldout = windows[torch.randperm(len(windows), generator=g)[:n]]
+    skewed = windows[share.argsort(descending=True)[:n]]
+    return {"heldout": heldout.tolist(), "skewed": skewed.tolist(),
+            "_share": {"heldout": float(share.mean() / len(model.cfg.experts)),
+                       "skewed": float(share.sort(descending=True).values[:n].mean() / len(model.cfg.experts))}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--package", type=Path, default=ROOT / "runs" / "tiny" / "package")
+    p.add_argument("--budget", type=float, default=0.25, help="--replica-budget for every policy")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "placement")
+    args = p.parse_args(argv)
+    if not (args.package / "manifest.json").is_file():
+        p.error(f"--package {args.package}: not a package; run README command 1 first")
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))
+    args.out.mkdir(parents=True, exist_ok=True)
+    pkg = args.out / "pkg"
+    if not (pkg / "predictor.json").is_file():
+        shutil.rmtree(pkg, ignore_errors=True)
+        shutil.copytree(args.package, pkg)
+        subprocess.run([*cli_command(), "predictor", "train", str(pkg)], cwd=ROOT, env=child_env(), check=True)
+    predictor = json.loads((pkg / "predictor.json").read_text())["held_out"]
+    loads = workloads(pkg, args.requests, args.prompt_len, args.seed)
+    res: dict = {"package": str(args.package), "budget": args.budget, "requests": args.requests,
+                 "concurrency": args.concurrency, "new_tokens": args.new_tokens, "rank0_share": loads.pop("_share"),
+                 "predictor": predictor, "placement": {}, "prefetch": {}}
+    for wl, prompts in loads.items():
+        for policy in POLICIES:
+            proc, url = start_server(pkg, ["--ep-size", "2", "--placement", policy, "--replica-budget", str(args.budget)])
+            try:
+                r = run_workload(url, prompts, args.new_tokens, args.concurrency)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=120)
+            bal = layer_values(r["metrics"], "moe_placement_balancedness")
+            native = [s.get("native_expert_bytes_all_resident", 0) for s in r["ranks"]]
+            replicas = [s.get("replica_bytes", 0) for s in r["ranks"]]
+            res["placement"].setdefault(wl, {})[policy] = {
+                "balancedness": bal, "mean_balancedness": sum(bal) / len(bal) if bal else None,
+                "tok_s": r["tok_s"], "failures": r["failures"],
+                "replica_memory": max(rp / nb for rp, nb in zip(replicas, native)) if native and min(native) else 0.0,
+                "replicas": layer_values(r["metrics"], "moe_placement_replicas"),
+                "recall": layer_values(r["metrics"], "moe_predictor_recall")}
+            print(f"[placement] {wl:8s} {policy:10s} balancedness {bal} tok/s {r['tok_s']:.1f}", flush=True)
+    for fraction in FRACTIONS:
+        proc, url = start_server(pkg, ["--placement", "predictive", "--resident-experts", str(fraction)])
+        try:
+            r = run_workload(url, loads["heldout"], args.new_tokens, args.concurrency)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=120)
+        hit = r["metrics"].get("moe_expert_prefetch_hit_rate", {}).get('{rank="0"}')
+        res["prefetch"][str(fraction)] = {"tok_s": r["tok_s"], "hit_rate": hit, "failures": r["failures"]}
+        print(f"[placement] resident {fraction}: tok/s {r['tok_s']:.1f} hit rate {hit}", flush=True)
+    report(res, args.out)
+    return 0
+
+
+def report(res: dict, out: Path) -> None:
+    B = res["budget"]
+    print(f"\n== expert placement, EP 2, replica budget {B}, {res['requests']} requests x {res['new_tokens']} tokens, "
+          f"{res['concurrency']} concurrent ==")
+    print(f"routes to rank 0's experts: heldout {res['rank0_share']['heldout']:.2f}, skewed "
+          f"{res['rank0_share']['skewed']:.2f} (prompt tokens)")
+    print(f"{'workload':9s} {'policy':11s} {'balancedness/layer':>22s} {'mean':>6s} {'tok/s':>8s} {'replica mem':>12s} "
+          f"{'recall':>14s}")
+    for wl, rows in res["placement"].items():
+        for policy, r in rows.items():
+            bal = "/".join(f"{b:.3f}" for b in r["balancedness"])
+            rec = "/".join(f"{x:.2f}" for x in r["recall"]) or "-"
+            print(f"{wl:9s} {policy:11s} {bal:>22s} {r['mean_balancedness']:6.3f} {r['tok_s']:8.1f} "
+                  f"{r['replica_memory']:12.3f} {rec:>14s}")
+    sk = res["placement"]["skewed"]
+    pb, rb = sk["predictive"]["mean_balancedness"], sk["reactive"]["mean_balancedness"]
+    print(f"target: skewed predictive balancedness {pb:.3f} >= 0.85 and >= reactive {rb:.3f}: "
+          f"{'MET' if pb >= 0.85 and pb >= rb - 1e-9 else 'MISSED'}")
+    P = res["predictor"]
+    print(f"predictor (held-out, {P['batch_tokens']}-token steps): demand error {P['demand_error']:.3f} vs frequency "
+          f"baseline {P['frequency_demand_error']:.3f} ({'MET' if P['demand_error'] < P['frequency_demand_error'] else 'MISSED'}); "
+          f"top-k recall {P['topk_recall']:.3f}; per layer top-1 "
+          + ", ".join(f"{x['top1_accuracy']:.3f} (commonest {x['frequency_top1_accuracy']:.3f})" for x in P["layers"]))
+    base = res["prefetch"]["1.0"]["tok_s"]
+    for f, r in res["prefetch"].items():
+        print(f"resident {f:>4s}: {r['tok_s']:8.1f} tok/s = {r['tok_s'] / base:.2f}x all-resident, hit rate "
+              f"{r['hit_rate'] if r['hit_rate'] is None else round(r['hit_rate'], 3)}")
+    half = res["prefetch"]["0.5"]["tok_s"] / base
+    print(f"target: resident 0.5 keeps {half:.2f} of all-resident tok/s (>= 0.80): {'MET' if half >= 0.8 else 'MISSED'}")
+    (out / "placement_bench.json").write_text(json.dumps(res, indent=1) + "\n")
+    plot(res, out / "placement_bench.png")
+    print(f"wrote {out / 'placement_bench.json'} and {out / 'placement_bench.png'}")
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    ax = axes[0]
+    wls = list(res["placement"])
+    for j, policy in enumerate(POLICIES):
+        vals = [res["placement"][wl][policy]["mean_balancedness"] for wl in wls]
+        ax.bar([i + 0.27 * (j - 1) for i in range(len(wls))], vals, width=0.27, label=policy)
+    ax.axhline(0.85, color="gray", ls="--", lw=1)
+    ax.set_xticks(range(len(wls)), wls)
+    ax.set_ylim(0.4, 1.02)
+    ax.set_title(f"balancedness (mean/max tokens per rank), budget {res['budget']}")
+    ax.legend()
+    ax = axes[1]
+    for j, policy in enumerate(POLICIES):
+        vals = [res["placement"][wl][policy]["tok_s"] for wl in wls]
+        ax.bar([i + 0.27 * (j - 1) for i in range(len(wls))], vals, width=0.27, label=policy)
+    ax.set_xticks(range(len(wls)), wls)
+    ax.set_title("tokens/s, EP 2")
+    ax = axes[2]
+    fr = list(res["prefetch"])
+    ax.bar(fr, [res["prefetch"][f]["tok_s"] for f in fr], color="tab:green")
+    for i, f in enumerate(fr):
+        h = res["prefetch"][f]["hit_rate"]
+        ax.text(i, res["prefetch"][f]["tok_s"], f"hit {h:.2f}" if h is not None else "", ha="center", va="bottom")
+    ax.set_xlabel("resident expert fraction")
+    ax.set_title("predictive prefetch, 1 rank: tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
