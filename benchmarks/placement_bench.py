@@ -10,7 +10,8 @@ One run. The package is copied to `--out`/pkg and its predictor trained there if
 of the whole held-out split). For each workload, `moe-pipeline serve --ep-size 2 --placement P
 --replica-budget B` for P in none, reactive, predictive, and from its /metrics and /health:
 balancedness per MoE layer (token-weighted mean over forwards of mean/max tokens per rank),
-tokens/s, replica memory over the rank's native expert memory, predictor recall. Then the
+tokens/s (the median of --repeats runs), replica memory over the rank's native expert memory,
+predictor recall. Then the
 predictor's held-out accuracy (from predictor.json: demand error against a frequency baseline,
 top-k recall), and prefetching: 1 rank, `--placement predictive --resident-experts F` for F in
 1.0, 0.5, 0.25: hit rate and tokens/s. A table on stdout, placement_bench.json and
@@ -62,7 +63,8 @@ def start_server(pkg: Path, extra: list[str]):
     raise SystemExit("the server did not come up")
 
 
-def run_workload(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
+def run_workload(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int, repeats: int = 3) -> dict:
+    """The workload `repeats` times on one server: the median tokens/s; metrics over all of them."""
     import requests
 
     def one(p):
@@ -71,10 +73,13 @@ def run_workload(url: str, prompts: list[list[int]], new_tokens: int, concurrenc
         return r.json()["usage"]["completion_tokens"] if r.status_code == 200 else -1
 
     requests.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 2, "temperature": 0}, timeout=60)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        made = list(pool.map(one, prompts))
-    seconds = time.perf_counter() - t0
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            made = list(pool.map(one, prompts))
+        runs.append((time.perf_counter() - t0, made))
+    seconds, made = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     metrics = requests.get(f"{url}/metrics", timeout=30).text
     time.sleep(1.2)  # one more health check (once a second) so that rank status is current
     health = requests.get(f"{url}/health", timeout=30).json()
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each workload per server; the median tokens/s")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "placement")
     args = p.parse_args(argv)
     if not (args.package / "manifest.json").is_file():
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         for policy in POLICIES:
             proc, url = start_server(pkg, ["--ep-size", "2", "--placement", policy, "--replica-budget", str(args.budget)])
             try:
-                r = run_workload(url, prompts, args.new_tokens, args.concurrency)
+                r = run_workload(url, prompts, args.new_tokens, args.concurrency, args.repeats)
             finally:
                 proc.terminate()
                 proc.wait(timeout=120)
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     for fraction in FRACTIONS:
         proc, url = start_server(pkg, ["--placement", "predictive", "--resident-experts", str(fraction)])
         try:
-            r = run_workload(url, loads["heldout"], args.new_tokens, args.concurrency)
+            r = run_workload(url, loads["heldout"], args.new_tokens, args.concurrency, args.repeats)
         finally:
             proc.terminate()
             proc.wait(timeout=120)

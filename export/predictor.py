@@ -60,13 +60,15 @@ class SRULayer(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, d], c [B, d] -> h [B, T, d], the last c."""
-        xt, uf, ur = self.proj(x).chunk(3, dim=-1)
+        d = x.shape[-1]
+        u = self.proj(x)  # [B, T, 3d]
+        xt, ufr = u[..., :d], u[..., d:] + self.b.flatten()  # x~ [B, T, d]; f, r pre-activations [B, T, 2d]
+        v = self.v.flatten()
         hs = []
-        for t in range(x.shape[1]):
-            f = torch.sigmoid(uf[:, t] + self.v[0] * c + self.b[0])
-            r = torch.sigmoid(ur[:, t] + self.v[1] * c + self.b[1])
-            c = f * c + (1 - f) * xt[:, t]
-            hs.append(r * c + (1 - r) * x[:, t])
+        for t in range(x.shape[1]):  # few ops per step: a step is what the serving thread runs per token
+            fr = torch.sigmoid(torch.addcmul(ufr[:, t], v, torch.cat([c, c], dim=-1)))  # [B, 2d]
+            c = torch.lerp(xt[:, t], c, fr[:, :d])  # f * c + (1 - f) * x~
+            hs.append(torch.lerp(x[:, t], c, fr[:, d:]))  # r * c + (1 - r) * x
         return torch.stack(hs, dim=1), c
 
 
@@ -311,9 +313,9 @@ class PredictivePolicy:
         self.table = native_table(cfg, ep)
         self.wait_s = wait_s
         self.jobs: queue.Queue = queue.Queue()
-        self.state: dict[int, torch.Tensor] = {}  # sequence id -> SRU state [layers, 1, dim]
+        # sequence id -> SRU state [layers, 1, dim] (after a prompt: (state, its last token, not yet read))
+        self.state: dict[int, object] = {}
         self.decoding: set[int] = set()  # sequences in the last decode step
-        self.next: dict[int, list[torch.Tensor]] = {}  # sequence id -> per layer, its next token's distribution
         self.prefill: dict[int, tuple] = {}  # sequence id -> (table, expected, demand) of its prompt
         self.decode_plan: tuple | None = None  # (step number, table, expected, demand) for the next decode step
         self.ready = threading.Condition()
@@ -380,7 +382,9 @@ class PredictivePolicy:
 
     # -- the table-building thread (producer) ----------------------------------------------------------------------
     def _run(self) -> None:
-        # (no torch.set_num_threads here: it would set the whole process's intra-op threads, the engine's too)
+        # one intra-op thread for the predictor: the setting is per thread (OpenMP), the engine keeps its own;
+        # with the engine's threads on every core, a multi-threaded predictor only steals them
+        torch.set_num_threads(1)
         while True:
             job = self.jobs.get()
             if job is None:
@@ -393,37 +397,40 @@ class PredictivePolicy:
             except Exception as err:  # noqa: BLE001 - a failed prediction falls back to the current table
                 print(f"[predictor] {type(err).__name__}: {err}", flush=True)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _prompt(self, sid: int, prompt: list[int]) -> None:
-        ids = torch.tensor([[self.model.cfg.bos_id] + prompt])
+        # reads [bos, x_1 .. x_{n-1}]: row j predicts token j+1's routes; x_n is read with the first decode step
+        ids = torch.tensor([[self.model.cfg.bos_id] + prompt[:-1]])
         logits, state = self.model(ids)
-        probs = [lg[0].softmax(-1) for lg in logits]  # [T+1, E]: rows 0..T-1 the prompt's tokens, row T the next
-        demand = [p[:-1].sum(0).tolist() for p in probs]
-        self.state[sid] = state
-        self.next[sid] = [p[-1] for p in probs]
+        demand = [lg[0].softmax(-1).sum(0).tolist() for lg in logits]  # the prompt's tokens, per layer [E]
+        self.state[sid] = (state, prompt[-1])
         plan = self._plan(demand)
         with self.ready:
             self.prefill[sid] = plan
             self.ready.notify_all()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _step(self, step: int, fed: list[tuple[int, int]]) -> None:
         """The tokens of decode step `step` -> the demand and table of step `step + 1`."""
         known = [(sid, tok) for sid, tok in fed if sid in self.state]
         now = {sid for sid, _ in fed}
         for sid in self.decoding - now:  # decoded before, not any more: finished
             self.state.pop(sid, None)
-            self.next.pop(sid, None)
         self.decoding = now
-        if known:
-            ids = torch.tensor([[tok] for _, tok in known])
-            state = torch.cat([self.state[sid] for sid, _ in known], dim=1)
-            logits, state = self.model(ids, state)
-            for k, (sid, _) in enumerate(known):
-                self.state[sid] = state[:, k:k + 1]
-                self.next[sid] = [lg[k, 0].softmax(-1) for lg in logits]
-        demand = [torch.stack([self.next[sid][i] for sid, _ in known]).sum(0).tolist() if known else [0.0] * n
-                  for i, n in enumerate(self.cfg.experts)]
+        if not known:
+            return
+        # a sequence's first decode step also reads its prompt's last token
+        first = [k for k, (sid, _) in enumerate(known) if isinstance(self.state[sid], tuple)]
+        for k in first:
+            sid = known[k][0]
+            state, last = self.state[sid]
+            self.state[sid] = self.model(torch.tensor([[last]]), state)[1]
+        ids = torch.tensor([[tok] for _, tok in known])  # [B, 1]
+        state = torch.cat([self.state[sid] for sid, _ in known], dim=1)  # [layers, B, dim]
+        logits, state = self.model(ids, state)
+        for k, (sid, _) in enumerate(known):
+            self.state[sid] = state[:, k:k + 1]
+        demand = [lg[:, 0].softmax(-1).sum(0).tolist() for lg in logits]  # next step's tokens, per layer [E]
         plan = self._plan(demand)
         with self.ready:
             self.decode_plan = (step, *plan)

@@ -244,6 +244,33 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def predicted_package(package, tmp_path_factory) -> Path:
+    """The package plus a (briefly trained) expert-demand predictor, for --placement predictive."""
+    import shutil
+
+    pkg = tmp_path_factory.mktemp("predicted") / "pkg"
+    shutil.copytree(package, pkg)
+    cli("predictor", "train", str(pkg), "--train-blocks", "64", "--val-blocks", "16", "--steps", "30")
+    return pkg
+
+
+def test_predictive_placement_on_two_ranks_serves_the_one_rank_tokens(server, predicted_package):
+    """--placement predictive at EP 2: the predictor thread's replica tables, half the experts resident."""
+    prompts = ["And God said", "To be, or not to be", "The LORD is my shepherd", "O Romeo, Romeo"]
+    one = [complete(server, prompt=p, max_tokens=12, temperature=0).json()["choices"][0]["text"] for p in prompts]
+    proc, url = start(predicted_package, "--ep-size", "2", "--placement", "predictive", "--replica-budget", "0.5",
+                      "--resident-experts", "0.5")
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: complete(url, prompt=p, max_tokens=12, temperature=0), prompts))
+        assert [r.json()["choices"][0]["text"] for r in got] == one
+        metrics = requests.get(f"{url}/metrics", timeout=10).text
+        assert 'moe_predictor_recall{layer="0"}' in metrics and 'moe_placement_balancedness{layer="0"}' in metrics
+    finally:
+        assert stop(proc) == 0  # the predictor thread stops with the server
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_parallel_layout_serves_the_one_rank_greedy_tokens(server, package, layout):
     """--ep-size 2, --tp-size 2 (DeepSpeed AutoTP through init_inference) and expert slicing (4 ranks, each
