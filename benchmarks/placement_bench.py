@@ -242,7 +242,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_xticks(range(len(wls)), wls)
     ax.set_ylim(0.4, 1.02)
     ax.set_title(f"balancedness (mean/max tokens per rank), budget {res['budget']}")
-    ax.legend()
+    ax.legend(loc="lower right")
     ax = axes[1]
     for j, policy in enumerate(POLICIES):
         vals = [res["placement"][wl][policy]["tok_s"] for wl in wls]

@@ -465,6 +465,16 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+
+    def watch_parent():  # `serve --nproc N`: if the command we were launched from is killed outright, stop too
+        while not server.should_exit:
+            if not dist.parent_alive():
+                print("[serve] the launching process is gone: shutting down", flush=True)
+                server.should_exit = True
+                return
+            time.sleep(1.0)
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     http.start()
     layout = engine.model.layout.describe() if getattr(engine.model, "layout", None) else f"{ranks.world} rank(s)"
     if engine.policy is not None:

@@ -206,7 +206,8 @@ def relaunch(nproc: int, module: str, args: list[str], graceful_rank0: bool = Fa
           file=sys.stderr, flush=True)
     if not graceful_rank0:
         return subprocess.call(cmd)
-    proc = subprocess.Popen(cmd)
+    # rank 0 watches this process: if it is killed outright (SIGKILL), the server stops instead of living on
+    proc = subprocess.Popen(cmd, env={**os.environ, PARENT_ENV: str(os.getpid())})
 
     def forward(sig, frame):
         target = _rank0_of(proc.pid)
@@ -218,6 +219,23 @@ def relaunch(nproc: int, module: str, args: list[str], graceful_rank0: bool = Fa
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
     return proc.wait()
+
+
+PARENT_ENV = "MOE_PIPELINE_PARENT_PID"
+
+
+def parent_alive() -> bool:
+    """False once the process that relaunched us under the launcher (PARENT_ENV) has gone."""
+    pid = os.environ.get(PARENT_ENV)
+    if not pid:
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
 
 
 def _rank0_of(launcher_pid: int) -> int | None:

@@ -294,3 +294,26 @@ def test_every_parallel_layout_serves_the_one_rank_greedy_tokens(server, package
             assert 'moe_placement_balancedness{layer="0"}' in metrics and "moe_expert_prefetch_hit_rate" in metrics
     finally:
         assert stop(proc) == 0
+
+
+def test_killing_the_launching_command_stops_every_rank(package):
+    """`serve --nproc 2` killed outright (SIGKILL, no handler runs): rank 0 notices and every rank exits."""
+    import os
+
+    proc, url = start(package, nproc=2)
+    port = url.rsplit(":", 1)[1]
+    pattern = f"-u -m pipeline.cli serve {package} --port {port}"
+    ranks = [int(p) for p in subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True,
+                                            text=True).stdout.split()]
+    assert len(ranks) == 2
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.time() + 30
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True).returncode == 0:
+        time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
+    try:
+        assert not left, "ranks outlived the command that launched them"
+    finally:
+        for pid in left:
+            os.kill(int(pid), signal.SIGKILL)
