@@ -180,7 +180,7 @@ def train_predictor(cfg: PredictorConfig, ids: torch.Tensor, routes: torch.Tenso
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        bar.set_postfix(loss=f"{float(loss) / len(logits):.3f}")
+        bar.set_postfix(loss=f"{loss.item() / len(logits):.3f}")
     return model.eval()
 
 
