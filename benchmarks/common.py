@@ -23,3 +23,37 @@ def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     return env
+
+
+def start_server(pkg: Path, extra: list[str] = (), threads: int | None = None):
+    """`moe-pipeline serve PKG --port P EXTRA` as a separate process, once /health answers: (process, url)."""
+    import subprocess
+    import time
+
+    import requests
+
+    from pipeline.dist import free_port
+
+    port = free_port()
+    env = child_env()
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen([*cli_command(), "serve", str(pkg), "--port", str(port), *extra], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited {proc.returncode}: moe-pipeline serve {pkg} {' '.join(extra)}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not come up")
+
+
+def stop_server(proc) -> None:
+    """SIGTERM (the server drains, then exits) and wait."""
+    proc.terminate()
+    proc.wait(timeout=120)

@@ -36,31 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, child_env, cli_command  # noqa: E402
+from common import ROOT, child_env, cli_command, start_server, stop_server  # noqa: E402
 
 POLICIES = ("none", "reactive", "predictive")
 FRACTIONS = (1.0, 0.5, 0.25)
-
-
-def start_server(pkg: Path, extra: list[str]):
-    import requests
-
-    from pipeline.dist import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([*cli_command(), "serve", str(pkg), "--port", str(port), *extra], cwd=ROOT,
-                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited {proc.returncode}: moe-pipeline serve {pkg} {' '.join(extra)}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not come up")
 
 
 def run_workload(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int, repeats: int = 3) -> dict:
@@ -166,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 r = run_workload(url, prompts, args.new_tokens, args.concurrency, args.repeats)
             finally:
-                proc.terminate()
-                proc.wait(timeout=120)
+                stop_server(proc)
             bal = layer_values(r["metrics"], "moe_placement_balancedness")
             native = [s.get("native_expert_bytes_all_resident", 0) for s in r["ranks"]]
             replicas = [s.get("replica_bytes", 0) for s in r["ranks"]]
@@ -183,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             r = run_workload(url, loads["heldout"], args.new_tokens, args.concurrency, args.repeats)
         finally:
-            proc.terminate()
-            proc.wait(timeout=120)
+            stop_server(proc)
         hit = r["metrics"].get("moe_expert_prefetch_hit_rate", {}).get('{rank="0"}')
         res["prefetch"][str(fraction)] = {"tok_s": r["tok_s"], "hit_rate": hit, "failures": r["failures"]}
         print(f"[placement] resident {fraction}: tok/s {r['tok_s']:.1f} hit rate {hit}", flush=True)

@@ -22,14 +22,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, child_env, cli_command  # noqa: E402
+from common import ROOT, start_server, stop_server  # noqa: E402
 
 PROMPTS = ["And God said", "To be, or not to be", "In the beginning", "Now the serpent was more subtil",
            "What light through yonder window", "Blessed are the meek", "Friends, Romans, countrymen",
@@ -40,32 +39,6 @@ PROMPTS = ["And God said", "To be, or not to be", "In the beginning", "Now the s
 
 LAYOUTS = {"ep2": ["--ep-size", "2"], "tp2": ["--nproc", "2", "--tp-size", "2"],
            "expert-slicing-4": ["--nproc", "4", "--ep-size", "2"]}
-
-
-def start_server(pkg: Path, threads: int, extra: list[str] = ()):
-    import requests
-
-    from pipeline.dist import free_port
-
-    port = free_port()
-    env = child_env()
-    env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.Popen([*cli_command(), "serve", str(pkg), "--port", str(port), *extra], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not come up")
-
-
-def stop_server(proc) -> None:
-    proc.terminate()
-    proc.wait(timeout=120)
 
 
 def server_run(url: str, prompts: list[str], new_tokens: int, concurrency: int) -> tuple[float, int, list[float], int]:
@@ -147,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.new_tokens
     res: dict = {"new_tokens": n, "threads": args.threads, "package": str(args.package)}
 
-    proc, url = start_server(args.package, args.threads)
+    proc, url = start_server(args.package, threads=args.threads)
     try:
         server_run(url, PROMPTS[:2], 4, 2)  # warm-up
         s1 = best_of(args.repeats, lambda: server_run(url, PROMPTS[:1] * 3, n, 1))
@@ -164,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                       "p50_s": statistics.median(lats), "p99_s": lats[int(0.99 * (len(lats) - 1))],
                       "tok_s": lat[1] / lat[0]}
     if args.teacher is not None:
-        proc, url = start_server(args.teacher, args.threads)
+        proc, url = start_server(args.teacher, threads=args.threads)
         try:
             server_run(url, PROMPTS[:2], 4, 2)
             t16 = best_of(args.repeats, lambda: server_run(url, PROMPTS[:16], n, 16))
@@ -172,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(proc)
         res["teacher_sixteen_tok_s"] = t16[1] / t16[0]
     for name in args.layouts:
-        proc, url = start_server(args.package, args.threads, LAYOUTS[name])
+        proc, url = start_server(args.package, LAYOUTS[name], threads=args.threads)
         try:
             server_run(url, PROMPTS[:2], 4, 2)
             r = best_of(args.repeats, lambda: server_run(url, PROMPTS[:16], n, 16))
