@@ -10,7 +10,9 @@
    model.experts=[64,64,128] teacher.train.steps=2 ...`) and `moe-pipeline export --stage teacher`.
    Then `export.package.load_package` in a fresh process, once alone (EP 1) and once on 2 ranks
    through the DeepSpeed launcher (EP 2, each rank holds half of every layer's experts and reads
-   only those tensors). Each rank first verifies the package once (a warm-up: building the model on
+   only those tensors), on 2 ranks with the dense part tensor-sliced as well (`--tp-size 2`: each rank reads
+   only its slices), and on 4 ranks with experts in pairs of ranks (expert slicing: each rank reads
+   half of each of its experts). Each rank first verifies the package once (a warm-up: building the model on
    the meta device faults in ~80 MB of torch's code pages, once per process, not weights), resets
    its peak (`/proc/self/clear_refs`), loads, and reports the peak resident memory (VmHWM) minus
    its resident memory just before loading, the growth of its anonymous memory, and the bytes of
@@ -36,6 +38,9 @@ BIG = ["model.hidden=256", "model.heads=4", "model.experts=[64,64,128]", "teache
        "teacher.train.warmup_steps=1", "teacher.train.eval_batches=1", "teacher.train.eval_every=2",
        "teacher.train.checkpoint_every=2", "teacher.train.micro_batch_size=2", "teacher.train.global_batch_size=2"]
 TARGET = 0.60
+# name: (ranks, --ep-size, --tp-size; 0 = default): expert parallel alone, plus tensor slicing of the dense
+# part, and expert slicing (4 ranks, experts in pairs of ranks, each expert's FFN cut in two)
+LAYOUTS = {"ep1": (1, 0, 0), "ep2": (2, 0, 0), "ep2+tp2": (2, 0, 2), "ep2+slice2": (4, 2, 0)}
 
 
 def _status_kb(field: str) -> int:
@@ -45,7 +50,7 @@ def _status_kb(field: str) -> int:
     raise KeyError(field)
 
 
-def worker(pkg: str, out: str) -> None:
+def worker(pkg: str, out: str, ep: str = "0", tp: str = "0") -> None:
     """One rank: load the package, report memory (run alone or under the DeepSpeed launcher)."""
     sys.path.insert(0, str(ROOT))
     from export.package import load_package, verify_package
@@ -61,7 +66,7 @@ def worker(pkg: str, out: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak) to the current RSS
     before, anon_before = _status_kb("VmRSS"), _status_kb("RssAnon")
     t0 = time.perf_counter()
-    model, _ = load_package(pkg, ranks, checksums=False)
+    model, _ = load_package(pkg, ranks, checksums=False, ep_size=int(ep) or None, tp_size=int(tp) or None)
     seconds = time.perf_counter() - t0
     peak = _status_kb("VmHWM")
     after, anon_after = _status_kb("VmRSS"), _status_kb("RssAnon")
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny-run", type=Path, default=ROOT / "runs" / "tiny")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    p.add_argument("--worker", nargs=2, metavar=("PKG", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=4, metavar=("PKG", "OUT", "EP", "TP"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(*args.worker)
@@ -138,17 +143,17 @@ def main(argv: list[str] | None = None) -> int:
                         expert_bytes += 4 * n
     from pipeline.dist import free_port
 
-    for world in (1, 2):
-        out = work / f"ep{world}"
-        for old in work.glob(f"ep{world}.rank*.json"):
+    for name, (world, ep, tp) in LAYOUTS.items():
+        out = work / name
+        for old in work.glob(f"{name}.rank*.json"):
             old.unlink()
-        script = [str(Path(__file__).resolve()), "--worker", str(pkg), str(out)]
+        script = [str(Path(__file__).resolve()), "--worker", str(pkg), str(out), str(ep), str(tp)]
         if world == 1:
             _run([sys.executable, *script])
         else:
-            _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+            _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world), "--master_port",
                   str(free_port()), "--no_local_rank", *script])
-        result["memory"][f"ep{world}"] = [json.loads((work / f"ep{world}.rank{r}.json").read_text()) for r in range(world)]
+        result["memory"][name] = [json.loads((work / f"{name}.rank{r}.json").read_text()) for r in range(world)]
     result["big_package"] = {"path": str(pkg), "weights_bytes": whole, "expert_bytes": expert_bytes,
                              "expert_share": round(expert_bytes / whole, 3), "params": manifest["params"]}
 
@@ -163,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  bf16 / fp32 weights: {result['sizes']['bf16']['weights_bytes'] / result['sizes']['fp32']['weights_bytes']:.3f}")
     print(f"== loading an experts-dominated package ({whole / mb:.1f} MiB of weights, experts "
           f"{100 * expert_bytes / whole:.0f}% of them) ==")
-    print(f"{'layout':<8} {'rank':>4} {'params held MiB':>15} {'peak - before MiB':>17} {'/ whole':>8} "
+    print(f"{'layout':<10} {'rank':>4} {'params held MiB':>15} {'peak - before MiB':>17} {'/ whole':>8} "
           f"{'anon growth MiB':>15} {'load s':>7} {'warm-up MiB':>11}")
     for key, recs in result["memory"].items():
         for r in recs:
-            print(f"{key:<8} {r['rank']:>4} {r['param_bytes_held'] / mb:>15.1f} {r['weight_peak_bytes'] / mb:>17.1f} "
+            print(f"{key:<10} {r['rank']:>4} {r['param_bytes_held'] / mb:>15.1f} {r['weight_peak_bytes'] / mb:>17.1f} "
                   f"{r['weight_peak_bytes'] / whole:>8.2f} {r['anon_growth_bytes'] / mb:>15.1f} {r['load_seconds']:>7.2f} "
                   f"{r['warmup_growth_bytes'] / mb:>11.1f}")
     print("(peak - before: VmHWM reset after a warm-up verification, minus VmRSS then; anon growth: RssAnon after "

@@ -33,6 +33,7 @@ a rank reads only its own tensors). Weights are read only from safetensors, neve
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -413,7 +414,8 @@ def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None
     `deepspeed.init_inference` (export/parallel.py). `placed`: the MoE layers place their experts by a
     replica table instead (export/placement.py; `resident_fraction` of the native experts resident).
     Collective with several ranks."""
-    from export.parallel import parallelize, plan_layout, slice_experts
+    from export.parallel import (mark_for_autotp, materialize, materialize_tp_layers, parallelize, plan_layout,
+                                 slice_experts, tp_targets)
     from pipeline import dist
     from pipeline.teacher import _set_groups
     from pipeline.weights import load_weights
@@ -422,7 +424,9 @@ def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None
     if placed:
         return placed_model(cfg, src, ranks, ep_size, dtype, tp_size, resident_fraction)
     layout = plan_layout(cfg, ranks.world, ep_size, tp_size)
-    model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
+    # several ranks: built on the meta device, so that no rank allocates (or initialises) what it will not hold
+    with torch.device("meta") if ranks.world > 1 else contextlib.nullcontext():
+        model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
     if model.moe_layers() and model.moe_layers()[0].impl == "deepspeed":
         _set_groups(model)
         slice_experts(model, layout, ranks.rank)
@@ -430,11 +434,17 @@ def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None
     for name, module in model.named_modules():
         if name.endswith("deepspeed_moe.gate"):
             module.wg.float()
-    load_weights(model, src)
-    model = model.to(device=dist.device()).eval().requires_grad_(False)
     if ranks.world > 1:
+        mark_for_autotp(model)
+        materialize(model, skip=tp_targets(model) if layout.tp > 1 else set())
         # kept outside the module tree (the engine is a Module that holds the model)
         model.__dict__["inference_engine"] = parallelize(model, layout)
+        materialize_tp_layers(model)
+    tied_head = ranks.world > 1 and cfg.tie_embeddings and model.lm_head.weight is not model.wte.weight
+    # init_inference always slices the output layer (DeepSpeed's set_lm_head): a tied one reads its slice of
+    # the embedding, which the weights store once
+    load_weights(model, src, rename=(lambda n: "wte.weight" if n == "lm_head.weight" else n) if tied_head else None)
+    model = model.to(device=dist.device()).eval().requires_grad_(False)
     model.layout = layout
     return model
 

@@ -20,9 +20,9 @@ layouts, as DeepSpeed-MoE's inference system describes them:
     every local expert's FFN (fc1 by output, fc2 by input) and all-reduce the partial outputs.
     They receive the same tokens, so the slices add up to the whole expert's output.
 
-A rank reads only its experts and, with expert slicing, keeps only its slice of them
-(`pipeline.weights.load_weights` honours a parameter's `shard`). Tensor slicing happens after
-loading: DeepSpeed slices the loaded dense weights in place.
+A rank reads only its part of the weights: the model is built on the meta device, AutoTP slices
+the (still empty) linears, and `pipeline.weights.load_weights` then reads each rank's experts, its
+slice of each sliced expert, and its slice of each tensor-sliced linear (a parameter's `shard`).
 """
 
 from __future__ import annotations
@@ -101,8 +101,9 @@ class SlicedExpert(MLP):
         self.dropout = nn.Dropout(cfg.dropout)
         self.index, self.parts, self.group = index, parts, None
         # what pipeline.weights.load_weights keeps of the whole tensor: (dim, index, parts)
-        self.fc1.weight.shard = self.fc1.bias.shard = (0, index, parts)
-        self.fc2.weight.shard = (1, index, parts)
+        whole = cfg.ffn_mult * cfg.hidden
+        self.fc1.weight.shard = self.fc1.bias.shard = (0, index * width, whole)
+        self.fc2.weight.shard = (1, index * width, whole)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import deepspeed.comm as dist
@@ -131,7 +132,50 @@ def slice_experts(model: GPT, layout: Layout, rank: int) -> None:
 
 # -- DeepSpeed's inference engine -------------------------------------------------------------------------
 
-def _mark_for_autotp(model: GPT) -> None:
+def tp_targets(model: GPT) -> set[int]:
+    """ids of the linears AutoTP will slice: every nn.Linear of a block outside the modules it skips."""
+    out = set()
+    for block in model.blocks:
+        skipped: list[str] = []
+        for name, module in block.named_modules():
+            if getattr(module, "_is_autoep_layer", False):
+                skipped.append(name + ".")
+            elif isinstance(module, nn.Linear) and not any((name + ".").startswith(p) for p in skipped):
+                out.add(id(module))
+    return out
+
+
+def materialize(model: GPT, skip: set[int] = frozenset()) -> None:
+    """Give every meta parameter and buffer real (uninitialised) storage on the CPU, except in the modules of
+    `skip` (their weights are still to be sliced); the tied output layer stays the embedding."""
+    for module in model.modules():
+        if id(module) in skip:
+            continue
+        if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+            module.to_empty(device="cpu", recurse=False)
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.wte.weight
+
+
+def materialize_tp_layers(model: GPT) -> None:
+    """After AutoTP: storage for this rank's slice of each sliced linear, marked with the slice it holds so
+    that `load_weights` reads only that part of the stored tensor."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+
+    for module in model.modules():
+        if not isinstance(module, (LinearLayer, LinearAllreduce)):
+            continue
+        dim = 1 if isinstance(module, LinearAllreduce) else 0  # row-parallel: inputs; column-parallel: outputs
+        sizes, index = module._partition_sizes, module.tp_index
+        start, whole = sum(sizes[:index]), sum(sizes)
+        if module.weight.is_meta:
+            module.to_empty(device="cpu", recurse=False)
+        module.weight.shard = (dim, start, whole)
+        if module.bias is not None and dim == 0:  # a row-parallel bias is whole (added after the all-reduce)
+            module.bias.shard = (0, start, whole)
+
+
+def mark_for_autotp(model: GPT) -> None:
     """AutoTP skips a module flagged `_is_autoep_layer` (DeepSpeed's flag for expert-parallel layers,
     whose experts are not tensor-sliced): the gate and experts, and the residual coefficient."""
     for moe in model.moe_layers():
@@ -141,16 +185,18 @@ def _mark_for_autotp(model: GPT) -> None:
 
 
 def parallelize(model: GPT, layout: Layout):
-    """Wrap a loaded multi-rank model with `deepspeed.init_inference` (expert-parallel groups; tensor
-    slicing with tp > 1) and give the sliced experts their groups. Collective. Returns the engine."""
+    """Wrap a multi-rank model with `deepspeed.init_inference` (expert-parallel groups; tensor slicing with
+    tp > 1) and give the sliced experts their groups. Collective. Returns the engine. The model's linears
+    to be sliced may still be on the meta device (`materialize_tp_layers` then gives them storage)."""
     import deepspeed
     import deepspeed.comm as dist
 
     dtype = next(p.dtype for n, p in model.named_parameters() if not n.endswith("gate.wg.weight"))
     gates = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("gate.wg.weight")}
-    _mark_for_autotp(model)
     moe_type = "residual" if model.cfg.mlp_type == "residual" else "standard"
-    kwargs = dict(dtype=dtype, replace_with_kernel_inject=False,
+    # keep_module_on_host: the sliced layers are still meta here (filled after, slice by slice); the caller
+    # moves the loaded model to its device
+    kwargs = dict(dtype=dtype, replace_with_kernel_inject=False, keep_module_on_host=True,
                   moe={"enabled": True, "ep_size": max(layout.ep), "moe_experts": list(model.cfg.experts),
                        "type": moe_type},
                   # slices in whole heads: AutoTP splits dimensions in grains of tp_grain_size (default 64)

@@ -183,27 +183,36 @@ def keep_or_replace(current, new, demand: list[list[float]], ep: int, margin: fl
 # -- the expert store: every expert's weights in the package (mapped), resident copies on demand ------------
 
 class ExpertStore:
-    """Reads any expert's tensors from a package or stage directory's safetensors (memory-mapped by
-    safetensors: the host tier); `load` copies one expert into resident tensors of `dtype`."""
+    """Every expert's tensors in the package (or stage directory), memory-mapped: the host tier. `load`
+    copies one expert into resident tensors of `dtype` (on a GPU machine this would be the host-to-device
+    copy). The mapping is private copy-on-write, read only here: the files are never changed."""
 
     def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype):
-        from safetensors import safe_open
+        import mmap
 
-        from pipeline.weights import weight_files
+        from pipeline.weights import _ST_DTYPES, read_header, weight_files
 
         self.src, self.cfg, self.dtype = Path(src), cfg, dtype
         self.where = weight_files(self.src)
-        self._files = {f: safe_open(str(self.src / f), framework="pt") for f in sorted(set(self.where.values()))}
-        self.lock = threading.Lock()
+        self._maps, self._views = {}, {}
+        for f in sorted(set(self.where.values())):
+            with open(self.src / f, "rb") as fh:
+                header, start = read_header(fh, self.src / f)
+                self._maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            for key, info in header.items():
+                if ".deepspeed_experts." in key:
+                    begin, end = info["data_offsets"]
+                    dt = _ST_DTYPES[info["dtype"]]
+                    count = (end - begin) // torch.empty((), dtype=dt).element_size()
+                    view = torch.frombuffer(self._maps[f], dtype=dt, count=count, offset=start + begin)
+                    self._views[key] = view.view(info["shape"])
 
     def key(self, layer: int, expert: int, part: str) -> str:
         block = self.cfg.moe_layers[layer]
         return f"blocks.{block}.mlp.moe.deepspeed_moe.experts.deepspeed_experts.{expert}.{part}"
 
     def load(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
-        with self.lock:  # safe_open handles are not shared across threads unguarded
-            return tuple(self._files[self.where[k]].get_tensor(k).to(self.dtype)
-                         for k in (self.key(layer, expert, p) for p in EXPERT_PARTS))
+        return tuple(self._views[self.key(layer, expert, p)].to(self.dtype, copy=True) for p in EXPERT_PARTS)
 
     def nbytes(self) -> int:
         """Bytes of one expert in the serving dtype."""

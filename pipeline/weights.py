@@ -127,12 +127,15 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
 
     `rename` maps a global parameter name of `model` to the name it has in `src` (a student takes
     teacher block 5 as its block 2, say); by default the names are the same. A parameter with a
-    `shard` attribute (dim, index, parts) receives that slice of the stored tensor (expert slicing).
+    `shard` attribute (dim, start, whole size) receives that slice of the stored tensor: expert and
+    tensor slicing read only a rank's part (export/parallel.py).
     """
     src = Path(src)
     where = weight_files(src)
     rename = rename or (lambda name: name)
-    wanted = {rename(global_name(model, name, ep_rank_of)): p for name, p in unique_params(model)}
+    wanted: dict[str, list[torch.Tensor]] = {}  # stored name -> the parameters it fills (a tied, sliced head: 2)
+    for name, p in unique_params(model):
+        wanted.setdefault(rename(global_name(model, name, ep_rank_of)), []).append(p)
     missing = sorted(set(wanted) - set(where))
     if missing:
         raise ValueError(f"{src} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[0]}: "
@@ -145,21 +148,25 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
             with open(src / f, "rb") as fh:
                 header, data_start = read_header(fh, src / f)
                 for key in sorted(keys, key=lambda k: header[k]["data_offsets"][0]):  # in file order
-                    p = wanted[key]
-                    shard = getattr(p, "shard", None)  # (dim, index, parts): keep one slice (export.parallel)
-                    whole = list(p.shape)
-                    if shard is not None:
-                        whole[shard[0]] *= shard[2]
-                    if list(header[key]["shape"]) != whole:
-                        raise ValueError(f"{src / f}: {key} has shape {tuple(header[key]['shape'])}, "
-                                         f"the model expects {tuple(whole)}")
-                    direct = (shard is None and p.device.type == "cpu" and p.is_contiguous()
-                              and _ST_DTYPES.get(header[key]["dtype"]) == p.dtype)
+                    params = wanted[key]
+                    for p in params:
+                        shard = getattr(p, "shard", None)  # (dim, start, whole size): one slice (export.parallel)
+                        whole = list(p.shape)
+                        if shard is not None:
+                            whole[shard[0]] = shard[2]
+                        if list(header[key]["shape"]) != whole:
+                            raise ValueError(f"{src / f}: {key} has shape {tuple(header[key]['shape'])}, "
+                                             f"the model expects {tuple(whole)}")
+                    p = params[0]
+                    direct = (len(params) == 1 and getattr(p, "shard", None) is None and p.device.type == "cpu"
+                              and p.is_contiguous() and _ST_DTYPES.get(header[key]["dtype"]) == p.dtype)
                     t = _read_tensor(fh, header, key, data_start, src / f, out=p.data if direct else None)
-                    if shard is not None:
-                        t = t.chunk(shard[2], dim=shard[0])[shard[1]]
-                    if not direct:
-                        p.copy_(t.to(p.dtype))
+                    if direct:
+                        continue
+                    for p in params:
+                        shard = getattr(p, "shard", None)
+                        part = t.narrow(shard[0], shard[1], p.shape[shard[0]]) if shard is not None else t
+                        p.copy_(part.to(p.dtype))
 
 
 # -- reading safetensors tensor by tensor ----------------------------------------------------------
