@@ -12,8 +12,9 @@
    through the DeepSpeed launcher (EP 2, each rank holds half of every layer's experts and reads
    only those tensors), on 2 ranks with the dense part tensor-sliced as well (`--tp-size 2`: each rank reads
    only its slices), and on 4 ranks with experts in pairs of ranks (expert slicing: each rank reads
-   half of each of its experts). Each rank first verifies the package once (a warm-up: building the model on
-   the meta device faults in ~80 MB of torch's code pages, once per process, not weights), resets
+   half of each of its experts). Each rank first verifies the package once and imports the modules
+   tensor slicing uses (a warm-up: building the model on the meta device faults in ~80 MB of torch's
+   code pages, and AutoTP imports transformers, once per process, not weights), resets
    its peak (`/proc/self/clear_refs`), loads, and reports the peak resident memory (VmHWM) minus
    its resident memory just before loading, the growth of its anonymous memory, and the bytes of
    the parameters it holds. Target: an EP-2 rank's weight memory at most
@@ -62,6 +63,9 @@ def worker(pkg: str, out: str, ep: str = "0", tp: str = "0") -> None:
     # warm-up: verification builds the model on the meta device, which faults in ~80 MB of torch's
     # and DeepSpeed's code pages (file-backed, shared, once per process): not weight memory
     verify_package(pkg, checksums=False)
+    # and the modules tensor slicing imports (DeepSpeed's AutoTP imports transformers): code, not weights
+    import deepspeed.module_inject.auto_tp  # noqa: F401
+    import transformers.pytorch_utils  # noqa: F401
     warm = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (the peak) to the current RSS
     before, anon_before = _status_kb("VmRSS"), _status_kb("RssAnon")
