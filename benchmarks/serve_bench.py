@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", nargs="*", default=[], choices=sorted(LAYOUTS),
                    help="(f) also serve 16 concurrent requests with these multi-rank layouts (the ranks share "
                         "--threads cores: on a small CPU this measures the layouts' overhead, not a speed-up)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of (a), (b), (c) each; the median is reported")
+    p.add_argument("--repeats", type=int, default=5, help="runs of (a), (b), (c) each; the median is reported")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     if not (args.package / "manifest.json").is_file():

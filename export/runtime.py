@@ -275,30 +275,34 @@ class Engine:
         seq.params.max_tokens = len(seq.generated)  # retired at the next step
 
     def _forward(self, rows: list[int], tokens: torch.Tensor, reset: list[int] = (), kind: str = "decode",
-                 seqs: list[Sequence] = ()) -> torch.Tensor:
-        """Logits [B, T, V] (fp32) of `tokens` [B, T] appended to `rows`; every rank runs it. With expert
-        placement, rank 0's policy gives the replica table (and the experts to prefetch) for this forward."""
+                 seqs: list[Sequence] = (), last_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] (fp32) of `tokens` [B, T] appended to `rows` ([B, 1, V]: the last position's only,
+        with `last_only`); every rank runs it. With expert placement, rank 0's policy gives the replica
+        table (and the experts to prefetch) for this forward."""
         from pipeline import dist
 
         table = expect = None
         if self.policy is not None:
             table, expect = self.policy.table_for(kind, seqs)
         if self.ranks is not None and self.ranks.world > 1:
-            dist.broadcast_json(["forward", rows, tokens.tolist(), list(reset), table, expect])
+            dist.broadcast_json(["forward", rows, tokens.tolist(), list(reset), table, expect, last_only])
         if self.placement is not None:
             self.placement.apply(table, expect)
-        logits = self._run(rows, tokens)
+        logits = self._run(rows, tokens, last_only)
         if self.policy is not None:
             self.policy.observed(self._last_counts, kind, seqs)
         return logits
 
     @torch.no_grad()
-    def _run(self, rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    def _run(self, rows: list[int], tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         self.stats["forwards"] += 1
-        out = self.model(tokens.to(self.device), cache=self.cache.select(rows))
+        # last_only (a prefill): project to the vocabulary at the position that is sampled from only
+        out = self.model(tokens.to(self.device), cache=self.cache.select(rows), hidden_only=last_only)
         self._last_counts = [c.to("cpu", torch.long).tolist() for c in out.expert_counts]
         for total, counts in zip(self.expert_tokens, out.expert_counts):
             total += counts.to("cpu", torch.long)
+        if last_only:
+            return self.model.lm_head(out.hidden[:, -1:]).float()
         return out.logits.float()
 
     def expert_ranks(self) -> list[list[list[int]]]:
@@ -332,10 +336,11 @@ class Engine:
         made = 0
         for seq in admitted:
             seq.slot = self.cache.acquire()
+            scored = seq.params.echo and seq.params.logprobs is not None  # every prompt position's logits
             logits = self._forward([seq.slot], torch.tensor([seq.prompt]), reset=[seq.slot], kind="prefill",
-                                   seqs=[seq])[0]  # [T, V]
+                                   seqs=[seq], last_only=not scored)[0]  # [T, V] or [1, V]
             self.stats["tokens_in"] += len(seq.prompt)
-            if seq.params.echo and seq.params.logprobs is not None:
+            if scored:
                 self._prompt_logprobs(seq, logits)
             self.running.append(seq)
             self._emit(seq, logits[-1])
@@ -416,12 +421,12 @@ class Engine:
             if msg[0] == "ping":  # rank 0 checks that every rank is alive and asks how it is
                 self._status()
                 continue
-            _, rows, tokens, reset, table, expect = msg
+            _, rows, tokens, reset, table, expect, last_only = msg
             for r in reset:  # a prefill starts its row at length 0
                 self.cache.lens[r] = 0
             if self.placement is not None:
                 self.placement.apply(table, expect)
-            self._run(rows, torch.tensor(tokens))
+            self._run(rows, torch.tensor(tokens), last_only)
 
     def ping(self) -> None:
         """Rank 0: one round trip with every rank (a dead rank makes it raise within the collective's
