@@ -10,7 +10,7 @@ One run. The package is copied to `--out`/pkg and its predictor trained there if
 of the whole held-out split). For each workload, `moe-pipeline serve --ep-size 2 --placement P
 --replica-budget B` for P in none, reactive, predictive, and from its /metrics and /health:
 balancedness per MoE layer (token-weighted mean over forwards of mean/max tokens per rank),
-tokens/s (the median of --repeats runs), replica memory over the rank's native expert memory,
+tokens/s (the median of --repeats runs; the three servers take turns run by run), replica memory over the rank's native expert memory,
 predictor recall. Then the
 predictor's held-out accuracy (from predictor.json: demand error against a frequency baseline,
 top-k recall), and prefetching: 1 rank, `--placement predictive --resident-experts F` for F in
@@ -42,29 +42,53 @@ POLICIES = ("none", "reactive", "predictive")
 FRACTIONS = (1.0, 0.5, 0.25)
 
 
-def run_workload(url: str, prompts: list[list[int]], new_tokens: int, concurrency: int, repeats: int = 3) -> dict:
-    """The workload `repeats` times on one server: the median tokens/s; metrics over all of them."""
+def run_workloads(urls: dict[str, str], prompts: list[list[int]], new_tokens: int, concurrency: int,
+                  repeats: int = 3) -> dict[str, dict]:
+    """The workload `repeats` times on each server, the servers taking turns run by run (this machine's speed
+    drifts; all of them see the same drift): per server the median tokens/s and its metrics after all runs."""
     import requests
 
-    def one(p):
+    def one(url, p):
         r = requests.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": new_tokens, "temperature": 0},
                           timeout=600)
         return r.json()["usage"]["completion_tokens"] if r.status_code == 200 else -1
 
-    requests.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 2, "temperature": 0}, timeout=60)
-    runs = []
+    for url in urls.values():  # warm-up
+        requests.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 2, "temperature": 0},
+                      timeout=60)
+    runs: dict[str, list] = {name: [] for name in urls}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            made = list(pool.map(one, prompts))
-        runs.append((time.perf_counter() - t0, made))
-    seconds, made = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-    metrics = requests.get(f"{url}/metrics", timeout=30).text
+        for name, url in urls.items():
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(concurrency) as pool:
+                made = list(pool.map(lambda p: one(url, p), prompts))
+            runs[name].append((time.perf_counter() - t0, made))
     time.sleep(1.2)  # one more health check (once a second) so that rank status is current
-    health = requests.get(f"{url}/health", timeout=30).json()
-    return {"seconds": seconds, "tokens": sum(m for m in made if m > 0), "failures": sum(m < 0 for m in made),
-            "tok_s": sum(m for m in made if m > 0) / seconds, "metrics": parse_metrics(metrics),
-            "ranks": health.get("rank_status", [])}
+    out = {}
+    for name, url in urls.items():
+        seconds, made = sorted(runs[name], key=lambda r: r[0])[len(runs[name]) // 2]
+        metrics = requests.get(f"{url}/metrics", timeout=30).text
+        health = requests.get(f"{url}/health", timeout=30).json()
+        out[name] = {"seconds": seconds, "tokens": sum(m for m in made if m > 0),
+                     "failures": sum(m < 0 for r in runs[name] for m in r[1] if m < 0),
+                     "tok_s": sum(m for m in made if m > 0) / seconds, "metrics": parse_metrics(metrics),
+                     "ranks": health.get("rank_status", [])}
+    return out
+
+
+def serving(pkg: Path, flags: dict[str, list[str]]):
+    """Start one server per entry of `flags`; returns ({name: url}, a function that stops them all)."""
+    procs, urls = [], {}
+    try:
+        for name, extra in flags.items():
+            proc, url = start_server(pkg, extra)
+            procs.append(proc)
+            urls[name] = url
+    except BaseException:
+        for proc in procs:
+            stop_server(proc)
+        raise
+    return urls, lambda: [stop_server(p) for p in procs]
 
 
 def parse_metrics(text: str) -> dict[str, dict[str, float]]:
@@ -140,15 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                  "concurrency": args.concurrency, "new_tokens": args.new_tokens, "rank0_share": loads.pop("_share"),
                  "predictor": predictor, "placement": {}, "prefetch": {}}
     for wl, prompts in loads.items():
-        for policy in POLICIES:
-            proc, url = start_server(pkg, ["--ep-size", "2", "--placement", policy, "--replica-budget", str(args.budget)])
-            try:
-                r = run_workload(url, prompts, args.new_tokens, args.concurrency, args.repeats)
-            finally:
-                stop_server(proc)
+        urls, stop = serving(pkg, {policy: ["--ep-size", "2", "--placement", policy, "--replica-budget", str(args.budget)]
+                                   for policy in POLICIES})
+        try:
+            results = run_workloads(urls, prompts, args.new_tokens, args.concurrency, args.repeats)
+        finally:
+            stop()
+        for policy, r in results.items():
             bal = layer_values(r["metrics"], "moe_placement_balancedness")
-            native = [s.get("native_expert_bytes_all_resident", 0) for s in r["ranks"]]
-            replicas = [s.get("replica_bytes", 0) for s in r["ranks"]]
+            native = [st.get("native_expert_bytes_all_resident", 0) for st in r["ranks"]]
+            replicas = [st.get("replica_bytes", 0) for st in r["ranks"]]
             res["placement"].setdefault(wl, {})[policy] = {
                 "balancedness": bal, "mean_balancedness": sum(bal) / len(bal) if bal else None,
                 "tok_s": r["tok_s"], "failures": r["failures"],
@@ -156,14 +181,14 @@ def main(argv: list[str] | None = None) -> int:
                 "replicas": layer_values(r["metrics"], "moe_placement_replicas"),
                 "recall": layer_values(r["metrics"], "moe_predictor_recall")}
             print(f"[placement] {wl:8s} {policy:10s} balancedness {bal} tok/s {r['tok_s']:.1f}", flush=True)
-    for fraction in FRACTIONS:
-        proc, url = start_server(pkg, ["--placement", "predictive", "--resident-experts", str(fraction)])
-        try:
-            r = run_workload(url, loads["heldout"], args.new_tokens, args.concurrency, args.repeats)
-        finally:
-            stop_server(proc)
+    urls, stop = serving(pkg, {str(f): ["--placement", "predictive", "--resident-experts", str(f)] for f in FRACTIONS})
+    try:
+        results = run_workloads(urls, loads["heldout"], args.new_tokens, args.concurrency, args.repeats)
+    finally:
+        stop()
+    for fraction, r in results.items():
         hit = r["metrics"].get("moe_expert_prefetch_hit_rate", {}).get('{rank="0"}')
-        res["prefetch"][str(fraction)] = {"tok_s": r["tok_s"], "hit_rate": hit, "failures": r["failures"]}
+        res["prefetch"][fraction] = {"tok_s": r["tok_s"], "hit_rate": hit, "failures": r["failures"]}
         print(f"[placement] resident {fraction}: tok/s {r['tok_s']:.1f} hit rate {hit}", flush=True)
     report(res, args.out)
     return 0

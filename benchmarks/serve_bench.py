@@ -62,21 +62,29 @@ def server_run(url: str, prompts: list[str], new_tokens: int, concurrency: int) 
     return time.perf_counter() - t0, sum(r[1] for r in results), [r[0] for r in results], sum(not r[2] for r in results)
 
 
-def best_of(repeats: int, run):
-    """The median-time result of `repeats` runs (each result starts with its seconds)."""
-    results = sorted((run() for _ in range(repeats)), key=lambda r: r[0])
+def median_run(results: list):
+    """The median-time result (each result starts with its seconds)."""
+    results = sorted(results, key=lambda r: r[0])
     return results[len(results) // 2]
 
 
-def hf_run(pkg: Path, prompts: list[str], new_tokens: int) -> tuple[float, int]:
-    """HF generate, one prompt after another (greedy, its own KV cache)."""
+def load_hf(pkg: Path):
+    """The package through transformers (its remote code), warmed up: (model, tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(pkg), trust_remote_code=True).eval()
     tok = AutoTokenizer.from_pretrained(str(pkg), trust_remote_code=True)
-    with torch.no_grad():  # warm-up
-        model.generate(torch.tensor([tok.encode(prompts[0])]), max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        model.generate(torch.tensor([tok.encode(PROMPTS[0])]), max_new_tokens=4, do_sample=False)
+    return model, tok
+
+
+def hf_run(hf, prompts: list[str], new_tokens: int) -> tuple[float, int]:
+    """HF generate, one prompt after another (greedy, its own KV cache)."""
+    import torch
+
+    model, tok = hf
     t0, total = time.perf_counter(), 0
     with torch.no_grad():
         for p in prompts:
@@ -120,16 +128,22 @@ def main(argv: list[str] | None = None) -> int:
     n = args.new_tokens
     res: dict = {"new_tokens": n, "threads": args.threads, "package": str(args.package)}
 
+    hf = load_hf(args.package)
     proc, url = start_server(args.package, threads=args.threads)
     try:
         server_run(url, PROMPTS[:2], 4, 2)  # warm-up
-        s1 = best_of(args.repeats, lambda: server_run(url, PROMPTS[:1] * 3, n, 1))
-        s16 = best_of(args.repeats, lambda: server_run(url, PROMPTS[:16], n, 16))
+        # server and HF alternate, run by run: this machine's speed drifts, and both see the same drift
+        runs = {"s1": [], "h1": [], "s16": [], "h16": []}
+        for _ in range(args.repeats):
+            runs["s1"].append(server_run(url, PROMPTS[:1] * 3, n, 1))
+            runs["h1"].append(hf_run(hf, PROMPTS[:1] * 3, n))
+        for _ in range(args.repeats):
+            runs["s16"].append(server_run(url, PROMPTS[:16], n, 16))
+            runs["h16"].append(hf_run(hf, PROMPTS[:16], n))
         lat = server_run(url, [PROMPTS[i % 16] for i in range(320)], 16, 32)
     finally:
         stop_server(proc)
-    h1 = best_of(args.repeats, lambda: hf_run(args.package, PROMPTS[:1] * 3, n))
-    h16 = best_of(args.repeats, lambda: hf_run(args.package, PROMPTS[:16], n))
+    s1, h1, s16, h16 = (median_run(runs[k]) for k in ("s1", "h1", "s16", "h16"))
     res["one_request"] = {"server_tok_s": s1[1] / s1[0], "hf_tok_s": h1[1] / h1[0]}
     res["sixteen"] = {"server_tok_s": s16[1] / s16[0], "hf_tok_s": h16[1] / h16[0], "failures": s16[3]}
     lats = sorted(lat[2])
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start_server(args.teacher, threads=args.threads)
         try:
             server_run(url, PROMPTS[:2], 4, 2)
-            t16 = best_of(args.repeats, lambda: server_run(url, PROMPTS[:16], n, 16))
+            t16 = median_run([server_run(url, PROMPTS[:16], n, 16) for _ in range(args.repeats)])
         finally:
             stop_server(proc)
         res["teacher_sixteen_tok_s"] = t16[1] / t16[0]
@@ -148,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start_server(args.package, LAYOUTS[name], threads=args.threads)
         try:
             server_run(url, PROMPTS[:2], 4, 2)
-            r = best_of(args.repeats, lambda: server_run(url, PROMPTS[:16], n, 16))
+            r = median_run([server_run(url, PROMPTS[:16], n, 16) for _ in range(args.repeats)])
         finally:
             stop_server(proc)
         res.setdefault("layouts", {})[name] = {"args": LAYOUTS[name], "tok_s": r[1] / r[0], "failures": r[3]}
