@@ -223,8 +223,6 @@ class ExpertStore:
 @dataclass
 class PlacementStats:
     forwards: int = 0
-    loads: list[list[float]] = field(default_factory=list)  # per layer, per rank: tokens computed (cumulative)
-    demand: list[list[float]] = field(default_factory=list)  # per layer, per expert: tokens routed (cumulative)
     # per layer: sum over forwards of tokens x (mean / max tokens per rank), and of tokens: a token-weighted mean
     balancedness_sum: list[float] = field(default_factory=list)
     balancedness_weight: list[float] = field(default_factory=list)
@@ -250,9 +248,7 @@ class Placement:
         self.cached: OrderedDict[tuple[int, int], None] = OrderedDict()  # resident natives, LRU first
         for key in natives[:self.capacity]:
             self._admit(key, store.load(*key))
-        self.stats = PlacementStats(loads=[[0.0] * world for _ in cfg.experts],
-                                    demand=[[0.0] * n for n in cfg.experts],
-                                    balancedness_sum=[0.0] * len(cfg.experts),
+        self.stats = PlacementStats(balancedness_sum=[0.0] * len(cfg.experts),
                                     balancedness_weight=[0.0] * len(cfg.experts))
         self.lock = threading.Lock()
         self._prefetch: threading.Thread | None = None
@@ -335,12 +331,9 @@ class Placement:
         return tensors
 
     # -- accounting -----------------------------------------------------------------------------------------
-    def observe(self, layer: int, counts: list[int], loads: list[float]) -> None:
+    def observe(self, layer: int, loads: list[float]) -> None:
+        """This forward's tokens per rank in `layer`, as placed."""
         st = self.stats
-        for r, x in enumerate(loads):
-            st.loads[layer][r] += x
-        for e, c in enumerate(counts):
-            st.demand[layer][e] += c
         st.balancedness_sum[layer] += sum(loads) * balancedness(loads)
         st.balancedness_weight[layer] += sum(loads)
         if layer == len(self.cfg.experts) - 1:
@@ -418,7 +411,7 @@ class PlacedMoE(nn.Module):
             import torch.distributed as td
 
             td.all_reduce(out, group=pl.group)
-        pl.observe(self.index, per_expert, loads)
+        pl.observe(self.index, loads)
         out = out.view(B, T, C)
         if cfg.mlp_type == "residual":
             coef = self.moe.coefficient(x).softmax(dim=-1)

@@ -169,6 +169,10 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
                             registry=reg)
     m_recall = Gauge("moe_predictor_recall", "with --placement predictive: predicted-active experts among those "
                      "used, by MoE layer (running mean)", ["layer"], registry=reg)
+    m_changes = Gauge("moe_placement_table_changes", "with --placement: replica tables swapped in since start",
+                      registry=reg)
+    m_late = Gauge("moe_predictor_late_steps", "with --placement predictive: decode steps whose predicted table was "
+                   "not ready in time (the one in force was kept)", registry=reg)
     m_rank_rss = Gauge("moe_rank_resident_mib", "resident memory of each rank at its last health check", ["rank"],
                        registry=reg)
     seen_batches = [0]
@@ -269,6 +273,10 @@ def build_app(worker: EngineLoop, model_name: str, api_key: str | None = None, m
                 m_replicas.labels(str(i)).set(sum(count_replicas([pl.table[i]], pl.ep)))
         for i, recall in enumerate(getattr(engine.policy, "recall", None) or []):
             m_recall.labels(str(i)).set(recall)
+        if pl is not None:
+            m_changes.set(pl.stats.table_changes)
+        if hasattr(engine.policy, "late"):
+            m_late.set(engine.policy.late)
         return PlainTextResponse(generate_latest(reg).decode(), media_type="text/plain; version=0.0.4")
 
     def logprobs_body(seq: Sequence, echo: bool, offset0: int) -> dict:
