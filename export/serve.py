@@ -112,9 +112,9 @@ class EngineLoop:
     def run(self, keep_going) -> None:
         """Step while there is work or `keep_going()`; then return with nothing pending. Raises what the engine raised
         after failing every pending request (a dead rank, say)."""
-        self.alive = True
         try:
-            self.engine.ping()
+            self.engine.ping()  # every rank answers once before /health says ok (and lists them)
+            self.alive = True
             last_ping = time.monotonic()
             while True:
                 if time.monotonic() - last_ping > self.PING_SECONDS:  # busy or idle: are the other ranks there?
