@@ -38,6 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from export.placement import Policy, keep_or_replace, plan_replicas
+
 WEIGHTS = "predictor.safetensors"
 CONFIG = "predictor.json"
 
@@ -297,7 +299,7 @@ def train_command(pkg: Path, train_blocks: int = 400, val_blocks: int = 100, ste
 
 # -- the predictive policy: a second thread that prepares the next table ---------------------------------------
 
-class PredictivePolicy:
+class PredictivePolicy(Policy):
     """Replica tables from predicted demand (rank 0). A table-building thread consumes the runtime's
     events (a prompt arrived; a decode step started with these tokens) and produces, for each prompt,
     its prefill's table and, after each decode step's tokens, the next step's table."""
@@ -305,12 +307,8 @@ class PredictivePolicy:
     name = "predictive"
 
     def __init__(self, cfg, ep: int, budget: float, predictor, wait_s: float = 0.2):
-        from export.placement import native_table, replica_slots
-
-        self.cfg, self.ep, self.budget = cfg, ep, budget
+        super().__init__(cfg, ep, budget)
         self.model, self.info = predictor
-        self.slots = replica_slots(cfg, ep, budget)
-        self.table = native_table(cfg, ep)
         self.wait_s = wait_s
         self.jobs: queue.Queue = queue.Queue()
         # sequence id -> SRU state [layers, 1, dim] (after a prompt: (state, its last token, not yet read))
@@ -374,12 +372,6 @@ class PredictivePolicy:
         self.jobs.put(None)
         self.thread.join(timeout=10)
 
-    def _set(self, table):
-        if table == self.table:
-            return None
-        self.table = table
-        return table
-
     # -- the table-building thread (producer) ----------------------------------------------------------------------
     def _run(self) -> None:
         # one intra-op thread for the predictor: the setting is per thread (OpenMP), the engine keeps its own;
@@ -437,8 +429,6 @@ class PredictivePolicy:
             self.ready.notify_all()
 
     def _plan(self, demand: list[list[float]]):
-        from export.placement import keep_or_replace, plan_replicas
-
         table = keep_or_replace(self.table, plan_replicas(self.cfg, self.ep, demand, self.slots), demand, self.ep)
         expected = [sorted((e for e in range(len(d)) if d[e] >= 0.05), key=lambda e: -d[e]) for d in demand]
         return table, expected, demand

@@ -446,8 +446,6 @@ def serve(pkg, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     ranks = dist.init()
     if port == 0:
         port = dist.free_port()
-    if placement is None and (resident_experts != 1.0):
-        raise ValueError("--resident-experts needs --placement (none, reactive or predictive)")
     engine = Engine.from_package(pkg, ranks, ep_size=ep_size, dtype=dtype, max_batch=max_batch, tp_size=tp_size,
                                  placement=placement, replica_budget=replica_budget,
                                  resident_experts=resident_experts)
