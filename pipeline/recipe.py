@@ -4,6 +4,9 @@ A recipe names everything a run needs: data, the teacher's architecture, how tea
 train, and how many ranks run it. Defaults live here and nowhere else; an unknown key, a wrong
 type, an out-of-range value or an inconsistent combination raises `RecipeError`, whose one-line
 message names the key path, the value and what was expected (the CLI prints it and exits 2).
+Rules across fields are pydantic model validators on the section they involve (on `Recipe` when
+they span sections); those that depend on the world size read it from the validation context,
+`Recipe.model_validate(raw, context={"world_size": N})`, which `validate` and `load_recipe` pass.
 
     python -m pipeline.recipe recipes/tiny.yaml --set teacher.train.steps=50   # print the resolved recipe
 """
@@ -13,10 +16,10 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 # GPT-2's 50,257 entries padded to 50,304, as Megatron's make-vocab-size-divisible-by 128 does:
 # matmuls over a multiple of 128 are faster, and the paper's parameter counts assume it.
@@ -25,7 +28,11 @@ GPT2_VOCAB = 50257
 
 
 class RecipeError(ValueError):
-    """A recipe problem: the key path, the value found and what was expected."""
+    """A recipe problem: the key path, the value found and what was expected.
+
+    Validators raise it with the key's full path; pydantic wraps it (it is a ValueError) and
+    `_first_error` unwraps it again, so the message is the same as raised.
+    """
 
     def __init__(self, path: str, value: Any, expected: str):
         self.path, self.value, self.expected = path, value, expected
@@ -72,6 +79,26 @@ class ModelSpec(Section):
     tie_embeddings: bool = True
     init_std: float = Field(0.014, gt=0)  # paper: 0.014; output projections are scaled by 1/sqrt(2*layers)
 
+    def moe_layer_count(self, layers: int) -> int:
+        """MoE layers in a stack of `layers` (the teacher's, or a student's)."""
+        return layers // self.moe_every
+
+    @model_validator(mode="after")
+    def _layout(self) -> Self:
+        if self.hidden % self.heads:
+            raise RecipeError("model.heads", self.heads, f"must divide model.hidden ({self.hidden})")
+        n_moe = self.moe_layer_count(self.layers)
+        if n_moe == 0:
+            raise RecipeError("model.moe_every", self.moe_every,
+                              f"must be <= model.layers ({self.layers}) so some layer is MoE")
+        if len(self.experts) != n_moe:
+            raise RecipeError("model.experts", self.experts, f"one entry per MoE layer: {n_moe} entries "
+                              f"({self.layers} layers, MoE every {self.moe_every})")
+        for i, e in enumerate(self.experts):
+            if e < self.top_k:
+                raise RecipeError(f"model.experts.{i}", e, f"at least model.top_k ({self.top_k}) experts")
+        return self
+
 
 class TrainSpec(Section):
     steps: int = Field(ge=1)  # optimizer steps
@@ -111,6 +138,15 @@ class StudentSpec(Section):
     train: TrainSpec
 
 
+STOP_AT_FORMS = 'a step (an integer, e.g. 180) or a share of student.train.steps as a percentage string (e.g. "60%")'
+
+
+def _percent(text: str) -> float | None:
+    """60 for "60%", 12.5 for "12.5%"; None if `text` is not a percentage."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)%", text)
+    return float(m.group(1)) if m else None
+
+
 class KDSpec(Section):
     """total = alpha*CE + beta(step)*T^2*D(p_teacher(T) || p_student(T)) + aux_loss_coef*aux."""
 
@@ -118,10 +154,34 @@ class KDSpec(Section):
     beta: float = Field(1.0, ge=0)  # weight of the distillation term (paper: 1); 0 = no KD at all
     temperature: float = Field(1.0, gt=0)  # T (paper: 1)
     divergence: Literal["kl", "reverse_kl", "jsd"] = "kl"  # kl: forward KL(teacher || student), the paper's
-    # staged KD: after this step (an int) or fraction of student.train.steps (a float in (0, 1]), beta = 0 and
-    # the teacher no longer runs; None: KD all the way. Paper: stop for the last ~40% of training.
-    stop_at: int | float | None = 0.6
+    # staged KD: from this step (an int, e.g. 180) or share of student.train.steps (a percentage string,
+    # e.g. "60%"), beta = 0 and the teacher no longer runs; None: KD all the way. A bare float is refused:
+    # 1 and 1.0 would read alike. Paper: stop for the last ~40% of training.
+    stop_at: int | str | None = "60%"
     decay_steps: int = Field(0, ge=0)  # ramp beta linearly to 0 over this many steps before stop_at (0: a cut)
+
+    @field_validator("stop_at", mode="before")
+    @classmethod
+    def _stop_at_form(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            return value  # a step; checked against student.train.steps by Recipe
+        if isinstance(value, str) and (share := _percent(value)) is not None:
+            if not 0 < share <= 100:
+                raise RecipeError("kd.stop_at", value, 'a share of student.train.steps in (0%, 100%], e.g. "60%"')
+            return value
+        expected = STOP_AT_FORMS
+        if isinstance(value, float):  # the old spelling: say what it becomes
+            fixes = [f'"{value * 100:g}%" if it meant a share'] if 0 < value <= 1 else []
+            fixes += [f"{int(value)} if it meant a step"] if value.is_integer() and value >= 0 else []
+            expected += f"; write {' or '.join(fixes)}" if fixes else ""
+        raise RecipeError("kd.stop_at", value, expected)
+
+    @model_validator(mode="after")
+    def _decay_needs_a_stop(self) -> Self:
+        if self.decay_steps and self.stop_at is None:
+            raise RecipeError("kd.decay_steps", self.decay_steps, "a ramp down to kd.stop_at, which is null (KD all "
+                              'the way): set kd.stop_at (a step, or a share such as "60%") or kd.decay_steps to 0')
+        return self
 
 
 class DistributedSpec(Section):
@@ -142,7 +202,7 @@ class Recipe(Section):
     # -- derived facts, computed from the fields above (never stored twice) --
 
     def moe_layer_count(self, layers: int) -> int:
-        return layers // self.model.moe_every
+        return self.model.moe_layer_count(layers)
 
     def student_experts(self) -> list[int]:
         """The student's experts per MoE layer: given, or the teacher's top ones (the paper's rule)."""
@@ -154,14 +214,85 @@ class Recipe(Section):
     def kd_stop_step(self) -> int | None:
         """The first student step without KD, or None for KD all the way."""
         stop, steps = self.kd.stop_at, self.student.train.steps
-        if stop is None:
-            return None
-        return round(stop * steps) if isinstance(stop, float) else stop
+        if isinstance(stop, str):
+            return round(_percent(stop) * steps / 100)
+        return stop
 
     def vocab_size(self) -> int:
         """The model's embedding rows: the tokenizer's size padded to a multiple of VOCAB_MULTIPLE."""
         n = GPT2_VOCAB if self.data.tokenizer == "gpt2" else self.data.vocab_size
         return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    def _world(self, info: ValidationInfo) -> int:
+        """The world size a recipe is checked for: the caller's (context "world_size"), else distributed.nproc."""
+        return (info.context or {}).get("world_size") or self.distributed.nproc
+
+    # -- rules across sections (each section's own rules are on its class); run in this order --
+
+    @model_validator(mode="after")
+    def _student_fits_teacher(self) -> Self:
+        m, s = self.model, self.student
+        if s.layers >= m.layers:
+            raise RecipeError("student.layers", s.layers, f"must be < teacher layers ({m.layers})")
+        n_student_moe = self.moe_layer_count(s.layers)
+        if n_student_moe == 0:
+            raise RecipeError("student.layers", s.layers,
+                              f"at least model.moe_every ({m.moe_every}) so the student keeps an MoE layer")
+        student_experts = self.student_experts()
+        if len(student_experts) != n_student_moe:
+            raise RecipeError("student.experts", s.experts, f"one entry per student MoE layer: {n_student_moe} "
+                              f"entries ({s.layers} layers, MoE every {m.moe_every})")
+        for i, e in enumerate(student_experts):
+            if e < m.top_k:
+                raise RecipeError(f"student.experts.{i}", e, f"at least model.top_k ({m.top_k}) experts")
+        return self
+
+    @model_validator(mode="after")
+    def _schedules(self) -> Self:
+        for name, train in (("teacher.train", self.teacher.train), ("student.train", self.student.train)):
+            if train.min_lr > train.lr:
+                raise RecipeError(f"{name}.min_lr", train.min_lr, f"<= {name}.lr ({train.lr})")
+            if train.warmup_steps > train.steps:
+                raise RecipeError(f"{name}.warmup_steps", train.warmup_steps, f"<= {name}.steps ({train.steps})")
+            if not all(0 <= b < 1 for b in train.betas):
+                raise RecipeError(f"{name}.betas", train.betas, "two numbers in [0, 1)")
+        return self
+
+    @model_validator(mode="after")
+    def _kd_stop_within_student_steps(self) -> Self:
+        stop, steps = self.kd.stop_at, self.student.train.steps
+        if isinstance(stop, int) and not 0 <= stop <= steps:
+            raise RecipeError("kd.stop_at", stop, f"a step between 0 and student.train.steps ({steps})")
+        stop_step = self.kd_stop_step()
+        if stop_step is not None and self.kd.decay_steps > stop_step:
+            raise RecipeError("kd.decay_steps", self.kd.decay_steps, f"<= the kd.stop_at step ({stop_step})")
+        return self
+
+    @model_validator(mode="after")
+    def _experts_split_over_world(self, info: ValidationInfo) -> Self:
+        world, ep = self._world(info), self.distributed.ep_size
+        if ep is not None and world % ep:
+            raise RecipeError("distributed.ep_size", ep, f"must divide the world size ({world})")
+        for key, experts in (("model.experts", self.model.experts), ("student.experts", self.student_experts())):
+            for i, e in enumerate(experts):
+                if ep is not None and e % ep:
+                    raise RecipeError(f"{key}.{i}", e, f"divisible by distributed.ep_size ({ep})")
+                degree = ep or min(world, e)  # the default: as many ranks as experts, at most the world
+                if ep is None and (e % degree or world % degree):
+                    raise RecipeError(f"{key}.{i}", e, f"experts split evenly over {world} ranks (expert-parallel "
+                                      f"degree min(world, experts) = {degree}); set distributed.ep_size to a common "
+                                      f"divisor of the expert counts and the world size")
+        return self
+
+    @model_validator(mode="after")
+    def _batches_split_over_world(self, info: ValidationInfo) -> Self:
+        world = self._world(info)
+        for name, train in (("teacher.train", self.teacher.train), ("student.train", self.student.train)):
+            per_step = train.micro_batch_size * world
+            if train.global_batch_size % per_step:
+                raise RecipeError(f"{name}.global_batch_size", train.global_batch_size, f"a multiple of "
+                                  f"micro_batch_size x world size ({train.micro_batch_size} x {world} = {per_step})")
+        return self
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -202,72 +333,17 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 def _first_error(err: ValidationError) -> RecipeError:
     e = err.errors(include_url=False)[0]
-    path = ".".join(str(p) for p in e["loc"]) or "(recipe)"
     more = f" (and {err.error_count() - 1} more problem(s))" if err.error_count() > 1 else ""
+    raised = e.get("ctx", {}).get("error")
+    if isinstance(raised, RecipeError):  # from a validator of ours: its path and words, as raised
+        return RecipeError(raised.path, raised.value, raised.expected + more)
+    path = ".".join(str(p) for p in e["loc"]) or "(recipe)"
     expected = e["msg"]
     if e["type"] == "extra_forbidden":
         expected = "unknown key; check its spelling against pipeline/recipe.py"
     elif e["type"] == "missing":
         expected = "required key is missing"
     return RecipeError(path, e.get("input"), expected + more)
-
-
-def check_consistency(recipe: Recipe, world_size: int | None = None) -> None:
-    """Cross-field rules that a single field's type cannot express."""
-    m, s = recipe.model, recipe.student
-    if m.hidden % m.heads:
-        raise RecipeError("model.heads", m.heads, f"must divide model.hidden ({m.hidden})")
-    n_moe = recipe.moe_layer_count(m.layers)
-    if n_moe == 0:
-        raise RecipeError("model.moe_every", m.moe_every, f"must be <= model.layers ({m.layers}) so some layer is MoE")
-    if len(m.experts) != n_moe:
-        raise RecipeError("model.experts", m.experts,
-                          f"one entry per MoE layer: {n_moe} entries ({m.layers} layers, MoE every {m.moe_every})")
-    if s.layers >= m.layers:
-        raise RecipeError("student.layers", s.layers, f"must be < teacher layers ({m.layers})")
-    n_student_moe = recipe.moe_layer_count(s.layers)
-    if n_student_moe == 0:
-        raise RecipeError("student.layers", s.layers, f"at least model.moe_every ({m.moe_every}) so the student keeps an MoE layer")
-    student_experts = recipe.student_experts()
-    if len(student_experts) != n_student_moe:
-        raise RecipeError("student.experts", s.experts,
-                          f"one entry per student MoE layer: {n_student_moe} entries ({s.layers} layers, MoE every {m.moe_every})")
-    for name, train in (("teacher.train", recipe.teacher.train), ("student.train", s.train)):
-        if train.min_lr > train.lr:
-            raise RecipeError(f"{name}.min_lr", train.min_lr, f"<= {name}.lr ({train.lr})")
-        if train.warmup_steps > train.steps:
-            raise RecipeError(f"{name}.warmup_steps", train.warmup_steps, f"<= {name}.steps ({train.steps})")
-        if not all(0 <= b < 1 for b in train.betas):
-            raise RecipeError(f"{name}.betas", train.betas, "two numbers in [0, 1)")
-    stop = recipe.kd.stop_at
-    if isinstance(stop, float) and not 0 < stop <= 1:
-        raise RecipeError("kd.stop_at", stop, "a step (an integer) or a fraction of student.train.steps in (0, 1]")
-    if isinstance(stop, int) and not 0 <= stop <= s.train.steps:
-        raise RecipeError("kd.stop_at", stop, f"a step between 0 and student.train.steps ({s.train.steps})")
-    if recipe.kd.decay_steps and recipe.kd_stop_step() is not None and recipe.kd.decay_steps > recipe.kd_stop_step():
-        raise RecipeError("kd.decay_steps", recipe.kd.decay_steps, f"<= the kd.stop_at step ({recipe.kd_stop_step()})")
-    if recipe.data.seq_len < 1 or (recipe.data.tokenizer == "bpe" and recipe.data.vocab_size < 260):
-        raise RecipeError("data.vocab_size", recipe.data.vocab_size, ">= 260 (256 bytes + specials)")
-    world = world_size or recipe.distributed.nproc
-    ep = recipe.distributed.ep_size
-    if ep is not None and world % ep:
-        raise RecipeError("distributed.ep_size", ep, f"must divide the world size ({world})")
-    for key, experts in (("model.experts", m.experts), ("student.experts", student_experts)):
-        for i, e in enumerate(experts):
-            if e < max(1, m.top_k):
-                raise RecipeError(f"{key}.{i}", e, f"at least model.top_k ({m.top_k}) experts")
-            if ep is not None and e % ep:
-                raise RecipeError(f"{key}.{i}", e, f"divisible by distributed.ep_size ({ep})")
-            degree = ep or min(world, e)  # the default: as many ranks as experts, at most the world
-            if ep is None and (e % degree or world % degree):
-                raise RecipeError(f"{key}.{i}", e, f"experts split evenly over {world} ranks (expert-parallel "
-                                  f"degree min(world, experts) = {degree}); set distributed.ep_size to a common "
-                                  f"divisor of the expert counts and the world size")
-    for name, train in (("teacher.train", recipe.teacher.train), ("student.train", s.train)):
-        per_step = train.micro_batch_size * world
-        if train.global_batch_size % per_step:
-            raise RecipeError(f"{name}.global_batch_size", train.global_batch_size,
-                              f"a multiple of micro_batch_size x world size ({train.micro_batch_size} x {world} = {per_step})")
 
 
 def load_recipe(path: str | Path, overrides: list[str] = (), world_size: int | None = None) -> Recipe:
@@ -286,12 +362,11 @@ def load_recipe(path: str | Path, overrides: list[str] = (), world_size: int | N
 
 
 def validate(raw: dict, world_size: int | None = None) -> Recipe:
+    """A recipe from a parsed mapping, checked for `world_size` ranks (None: its distributed.nproc)."""
     try:
-        recipe = Recipe.model_validate(raw)
+        return Recipe.model_validate(raw, context={"world_size": world_size})
     except ValidationError as err:
         raise _first_error(err) from None
-    check_consistency(recipe, world_size)
-    return recipe
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -1,27 +1,58 @@
-"""Recipes: every shipped YAML loads; bad input stops with exit 2 and one line naming the key."""
+"""Recipes: every shipped YAML loads, builds its DeepSpeed config and plans; bad input stops with exit 2
+and one line naming the key."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
 
 import pydantic
 import pytest
+import yaml
 
 from conftest import ROOT, cli, sets
-from pipeline.recipe import RecipeError, load_recipe
+from pipeline.cli import main
+from pipeline.recipe import KDSpec, Recipe, RecipeError, dump_recipe, load_recipe, validate
+from pipeline.train import deepspeed_config
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+TINY = ROOT / "recipes" / "tiny.yaml"
+PAPER_WORLD = 128  # the README's `moe-pipeline plan recipes/1.3b.yaml --world-size 128`
+
+
+def _worlds(path):
+    """World sizes a shipped recipe is run at: its distributed.nproc; the paper recipes also at PAPER_WORLD."""
+    nproc = load_recipe(path).distributed.nproc
+    return [nproc] if path.stem == "tiny" else [nproc, PAPER_WORLD]
+
+
+SHIPPED = [(path, world) for path in RECIPES for world in _worlds(path)]
 
 
 def test_recipes_folder_has_the_three_recipes():
     assert {p.stem for p in RECIPES} >= {"tiny", "350m", "1.3b"}
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
-def test_every_shipped_recipe_loads(path):
-    recipe = load_recipe(path)
+@pytest.mark.parametrize("path, world", SHIPPED, ids=[f"{p.stem}-world{w}" for p, w in SHIPPED])
+def test_every_shipped_recipe_loads_builds_its_deepspeed_config_and_plans(path, world, capsys, monkeypatch):
+    recipe = load_recipe(path, world_size=world)
     assert recipe.name == path.stem
     assert len(recipe.model.experts) == recipe.model.layers // recipe.model.moe_every
+    for train in (recipe.teacher.train, recipe.student.train):
+        ds = json.loads(json.dumps(deepspeed_config(train, world)))  # plain JSON, as DeepSpeed reads it
+        assert ds["train_batch_size"] == train.global_batch_size
+        assert ds["gradient_accumulation_steps"] >= 1
+        assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world == train.global_batch_size
+        assert ds["fp16"]["enabled"] == (train.precision == "fp16") and ds["bf16"]["enabled"] == (train.precision == "bf16")
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # main() may set it; restored after the test
+    assert main(["plan", str(path), "--world-size", str(world), "--json"]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out)  # exactly one JSON object on stdout
+    teacher, student = plan["teacher"], plan["student"]
+    assert 0 < student["params_total"] < teacher["params_total"]
+    assert 0 < student["params_active_per_token"] <= teacher["params_active_per_token"]
+    assert (teacher["layers"], student["layers"]) == (recipe.model.layers, recipe.student.layers)
+    assert student["experts"] == recipe.student_experts()
 
 
 def test_paper_recipes_follow_the_paper():
@@ -57,6 +88,13 @@ def test_recipe_is_frozen():
     ("model.heads=5", "model.heads", "must divide model.hidden"),
     ("student.layers=6", "student.layers", "must be < teacher layers"),
     ("model.mlp_type=dense", "model.mlp_type", "residual"),
+    ("model.moe_every=7", "model.moe_every", "must be <= model.layers (6) so some layer is MoE"),
+    ("model.experts=[4, 0, 8]", "model.experts.1", "at least model.top_k (1) experts"),
+    ("student.layers=1", "student.layers", "at least model.moe_every (2) so the student keeps an MoE layer"),
+    ("student.experts=[4, 8, 8]", "student.experts", "one entry per student MoE layer: 2 entries"),
+    ("teacher.train.min_lr=0.5", "teacher.train.min_lr", "<= teacher.train.lr (0.002)"),
+    ("student.train.warmup_steps=301", "student.train.warmup_steps", "<= student.train.steps (300)"),
+    ("student.train.betas=[0.9, 1.0]", "student.train.betas", "two numbers in [0, 1)"),
 ])
 def test_bad_values_name_the_key(override, key, words):
     with pytest.raises(RecipeError) as err:
@@ -93,12 +131,98 @@ def test_cli_data_error_exits_2_and_writes_nothing(tmp_path):
     assert not run_dir.exists()
 
 
-def test_kd_stop_at_is_a_step_or_a_fraction():
-    tiny = ROOT / "recipes" / "tiny.yaml"
-    assert load_recipe(tiny, ["kd.stop_at=0.6", "student.train.steps=300"]).kd_stop_step() == 180
-    assert load_recipe(tiny, ["kd.stop_at=120"]).kd_stop_step() == 120
-    assert load_recipe(tiny, ["kd.stop_at=null"]).kd_stop_step() is None
-    with pytest.raises(RecipeError, match="kd.stop_at = 1.5"):
-        load_recipe(tiny, ["kd.stop_at=1.5"])
-    with pytest.raises(RecipeError, match="kd.decay_steps"):
-        load_recipe(tiny, ["kd.stop_at=10", "kd.decay_steps=20"])
+def _tiny_raw() -> dict:
+    return yaml.safe_load(TINY.read_text())
+
+
+def test_kd_stop_at_is_a_step_or_a_percentage():
+    steps = ["student.train.steps=300"]
+    assert load_recipe(TINY, ["kd.stop_at=60%", *steps]).kd_stop_step() == 180
+    assert load_recipe(TINY, ["kd.stop_at=12.5%", *steps]).kd_stop_step() == 38  # 37.5 rounded to even
+    assert load_recipe(TINY, ["kd.stop_at=100%", *steps]).kd_stop_step() == 300
+    assert load_recipe(TINY, ["kd.stop_at=1", *steps]).kd_stop_step() == 1  # a step, not the whole run
+    assert load_recipe(TINY, ["kd.stop_at=0", *steps]).kd_stop_step() == 0  # no KD at all
+    assert load_recipe(TINY, ["kd.stop_at=120"]).kd_stop_step() == 120
+    assert load_recipe(TINY, ["kd.stop_at=null"]).kd_stop_step() is None
+    raw = _tiny_raw()
+    del raw["kd"]["stop_at"]
+    raw["student"]["train"]["steps"] = 300
+    assert validate(raw).kd.stop_at == "60%" and validate(raw).kd_stop_step() == 180  # the default
+
+
+SHARE_RANGE = 'a share of student.train.steps in (0%, 100%], e.g. "60%"'
+BOTH_FORMS = 'a step (an integer, e.g. 180) or a share of student.train.steps as a percentage string (e.g. "60%")'
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0.6", f'kd.stop_at = 0.6: {BOTH_FORMS}; write "60%" if it meant a share'),
+    ("1.0", f'kd.stop_at = 1.0: {BOTH_FORMS}; write "100%" if it meant a share or 1 if it meant a step'),
+    ("180.0", f"kd.stop_at = 180.0: {BOTH_FORMS}; write 180 if it meant a step"),
+    ("1.5", f"kd.stop_at = 1.5: {BOTH_FORMS}"),
+    ("sixty", f"kd.stop_at = 'sixty': {BOTH_FORMS}"),
+    ("60 %", f"kd.stop_at = '60 %': {BOTH_FORMS}"),
+    ("'180'", f"kd.stop_at = '180': {BOTH_FORMS}"),
+    ("true", f"kd.stop_at = True: {BOTH_FORMS}"),
+    ("0%", f"kd.stop_at = '0%': {SHARE_RANGE}"),
+    ("150%", f"kd.stop_at = '150%': {SHARE_RANGE}"),
+    ("301", "kd.stop_at = 301: a step between 0 and student.train.steps (300)"),
+    ("-1", "kd.stop_at = -1: a step between 0 and student.train.steps (300)"),
+])
+def test_kd_stop_at_refuses_other_forms(value, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(TINY, [f"kd.stop_at={value}", "student.train.steps=300"])
+    assert err.value.path == "kd.stop_at" and str(err.value) == message
+
+
+def test_kd_decay_steps_needs_a_stop_before_which_it_fits():
+    with pytest.raises(RecipeError) as err:
+        load_recipe(TINY, ["kd.stop_at=null", "kd.decay_steps=20"])
+    assert err.value.path == "kd.decay_steps"
+    assert str(err.value) == ('kd.decay_steps = 20: a ramp down to kd.stop_at, which is null (KD all the way): '
+                              'set kd.stop_at (a step, or a share such as "60%") or kd.decay_steps to 0')
+    with pytest.raises(RecipeError, match=r"^kd.decay_steps = 20: <= the kd.stop_at step \(10\)$"):
+        load_recipe(TINY, ["kd.stop_at=10", "kd.decay_steps=20"])
+    with pytest.raises(RecipeError, match=r"^kd.decay_steps = 200: <= the kd.stop_at step \(180\)$"):
+        load_recipe(TINY, ["kd.stop_at=60%", "kd.decay_steps=200", "student.train.steps=300"])
+    assert load_recipe(TINY, ["kd.stop_at=10", "kd.decay_steps=10"]).kd.decay_steps == 10
+
+
+def test_section_rules_hold_for_a_section_built_alone():
+    with pytest.raises(pydantic.ValidationError, match=r"kd.stop_at = 0.6: a step"):
+        KDSpec(stop_at=0.6)
+    with pytest.raises(pydantic.ValidationError, match=r"kd.decay_steps = 4: a ramp down"):
+        KDSpec(stop_at=None, decay_steps=4)
+    assert KDSpec(stop_at=6, decay_steps=4).stop_at == 6
+
+
+def test_world_size_checks_read_the_validation_context():
+    raw = _tiny_raw()
+    assert Recipe.model_validate(raw, context={"world_size": 2}).distributed.nproc == 1
+    with pytest.raises(pydantic.ValidationError, match=r"experts split evenly over 3 ranks"):
+        Recipe.model_validate(raw, context={"world_size": 3})
+    with pytest.raises(RecipeError) as err:  # no world size given: distributed.nproc is the world
+        validate({**raw, "distributed": {"nproc": 3}})
+    assert err.value.path == "model.experts.0"
+    with pytest.raises(RecipeError) as err:
+        validate(raw, world_size=4)  # 16 sequences a step do not split into 8 per rank x 4 ranks
+    assert str(err.value) == ("teacher.train.global_batch_size = 16: a multiple of micro_batch_size x world size "
+                              "(8 x 4 = 32)")
+    with pytest.raises(RecipeError, match=r"^distributed.ep_size = 2: must divide the world size \(3\)$"):
+        load_recipe(TINY, ["distributed.ep_size=2", "teacher.train.global_batch_size=24",
+                           "student.train.global_batch_size=24"], world_size=3)
+
+
+def test_a_dumped_recipe_validates_back_to_itself():
+    """A run directory stores dump_recipe's YAML and re-validates it on resume (pipeline.runs)."""
+    for path in RECIPES:
+        recipe = load_recipe(path)
+        assert validate(yaml.safe_load(dump_recipe(recipe))) == recipe
+
+
+def test_cli_kd_stop_at_forms(capsys, monkeypatch):
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # main() may set it; restored after the test
+    assert main(["plan", str(TINY), "--set", "kd.stop_at=0.6"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f'recipe error: kd.stop_at = 0.6: {BOTH_FORMS}; write "60%" if it meant a share']
+    assert main(["plan", str(TINY), "--set", "kd.stop_at=60%", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["student"]["params_total"] > 0
