@@ -48,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["MOE_EVAL_QUIET"] = "1"
 
     import torch
     from lm_eval.tasks import TaskManager
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from eval.adapter import MoEPipelineLM
     from eval.tasks import bundled_task_dir
 
-    lm = MoEPipelineLM(path=str(args.model), batch_size=1, dtype=args.dtype)
+    lm = MoEPipelineLM(path=str(args.model), batch_size=1, dtype=args.dtype, progress=False)
     dtype_name = str(next(lm.model.parameters()).dtype).replace("torch.", "")
     task = TaskManager(include_path=str(bundled_task_dir()), include_defaults=False).load_task_or_group(
         [args.task])[args.task]

@@ -5,6 +5,23 @@
 
 or from Python: `MoEPipelineLM(path=...)` passed to `lm_eval.simple_evaluate(model=lm, ...)`.
 
+`model_args` (each also a keyword argument of `MoEPipelineLM`; an unknown one is an error naming it):
+
+  path            a run directory (then `stage` picks teacher or student), a stage directory or a package
+  stage           `student` (default) or `teacher`, for a run directory
+  batch_size      requests per forward (default 16; lm-eval's `auto` means 32)
+  max_length      context window used, at most the model's (default the model's `seq_len`)
+  dtype           `float32`, `bfloat16` or `float16` (default: the model's own; fp32 for a stage directory)
+  ep_size         expert-parallel degree (default: the world size, at most each MoE layer's experts)
+  max_gen_toks    generate_until's default budget when a request sets none (default 256)
+  seed            of sampled generation (default 1234)
+  progress        progress bars on rank 0 (default true; `moe-pipeline eval` turns them off)
+
+lm-eval itself also passes `batch_size`, `max_batch_size` and `device` (its `--batch_size`,
+`--max_batch_size`, `--device`) and, with `--trust_remote_code`, `trust_remote_code=True`:
+accepted, and `max_batch_size`, `device` and `trust_remote_code` are ignored (the device is this
+rank's, chosen when the model is loaded; no remote code is ever run).
+
   * `loglikelihood` (via lm-eval's `TemplateLM`): requests sorted longest first (lm-eval's
     `Collator`) and batched `batch_size` at a time, right-padded (the model is causal and MoE
     routing in eval mode drops no tokens, so padding changes no real position), context and
@@ -24,7 +41,8 @@ shows progress; callers write results from rank 0 only (`self.dist_rank`).
 
 from __future__ import annotations
 
-import os
+import difflib
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +63,15 @@ class MoEPipelineLM(TemplateLM):
 
     def __init__(self, path: str, stage: str = "student", batch_size: int | str = 16, max_length: int | None = None,
                  dtype: str | None = None, ep_size: int | None = None, max_gen_toks: int = 256, seed: int = 1234,
-                 device: str | None = None, max_batch_size: int | None = None, **_ignored) -> None:
+                 progress: bool = True, device: str | None = None, max_batch_size: int | None = None,
+                 trust_remote_code: bool = False, **unknown) -> None:
+        # device, max_batch_size, trust_remote_code: lm-eval passes them (module docstring); any other key is a typo
+        if unknown:  # before anything is loaded
+            raise ValueError(unknown_args_message(unknown))
+        if not isinstance(progress, bool):
+            raise ValueError(f"progress={progress!r}: true or false")
         super().__init__()
+        self.progress = progress
         from eval.models import STAGES, load_model, resolve
         from pipeline import dist
 
@@ -112,7 +137,7 @@ class MoEPipelineLM(TemplateLM):
         return self.tokenizer.decode(tokens)
 
     def _bar(self, total: int, desc: str, disable: bool):
-        return tqdm(total=total, desc=desc, disable=disable or self.dist_rank != 0 or os.environ.get("MOE_EVAL_QUIET"))
+        return tqdm(total=total, desc=desc, disable=disable or not self.progress or self.dist_rank != 0)
 
     # -- scoring ----------------------------------------------------------------------------------
 
@@ -231,3 +256,17 @@ class MoEPipelineLM(TemplateLM):
             bar.update(1)
         bar.close()
         return results
+
+
+def model_args() -> list[str]:
+    """The `model_args` keys `MoEPipelineLM` accepts, in its signature's order."""
+    params = inspect.signature(MoEPipelineLM.__init__).parameters.values()
+    return [p.name for p in params if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+
+def unknown_args_message(unknown: dict) -> str:
+    accepted = model_args()
+    keys = ", ".join(repr(k) for k in unknown)
+    hints = [f"{m[0]!r} for {k!r}" for k in unknown if (m := difflib.get_close_matches(str(k), accepted, n=1))]
+    return (f"model_args: unknown key{'s' if len(unknown) > 1 else ''} {keys} for {NAME}; accepted: "
+            f"{', '.join(accepted)}" + (f" (did you mean {', '.join(hints)}?)" if hints else ""))

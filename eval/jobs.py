@@ -5,38 +5,33 @@
     moe-pipeline eval runs/tiny --include-path my_tasks/ --tasks my_task --limit 200
     moe-pipeline eval runs/tiny --nproc 2                        # expert parallel over 2 ranks
 
-For every (model, task) cell `lm_eval.simple_evaluate` runs the task zero-shot on our adapter
-(`eval.adapter.MoEPipelineLM`) and the cell's result is written at once to
-`OUT/cells/<model>/<task>.json` (lm-eval's result schema for that one task, plus wall time), so a
-killed job restarted with the same arguments skips what is done. Tasks: any lm-eval task or
-group name, the `--include-path` folders' YAMLs, and the bundled offline tasks (`eval.tasks`,
-always on the search path). A task whose data cannot be loaded (offline and not cached, say) is
-reported in one line naming it and why, and the other tasks still run.
+    from eval.jobs import run_eval
+    run_eval(["runs/tiny"], ["tiny_lastword"], Path("runs/tiny/eval"), limit=100)   # collective over ranks
 
-Outputs, rewritten after every cell from all cells on disk:
-  results.json   {model name: lm-eval's result dict (results, versions, n-shot, higher_is_better,
-                  n-samples, configs, config)} plus "_retention" and "_failed";
-  results.md     models as rows, tasks as columns (the main metric, ± lm-eval's stderr), then each
-                 student's retention of its teacher's score in % (higher-is-better metrics: student
-                 / teacher; lower-is-better ones such as perplexity or bits per byte: teacher /
-                 student), then every metric of every task;
-  results.png    one panel per task, a bar per model with its stderr.
+For every (model, task) cell `lm_eval.simple_evaluate` runs the task zero-shot on our adapter
+(`eval.adapter.MoEPipelineLM`, its own progress bars off: the job shows one bar over all cells)
+and the cell's result is written at once to `OUT/cells/<model>/<task>.json` (lm-eval's result
+schema for that one task, plus wall time), so a killed job restarted with the same arguments
+skips what is done. Tasks: any lm-eval task or group name, the `--include-path` folders' YAMLs,
+and the bundled offline tasks (`eval.tasks`, always on the search path). A task whose data cannot
+be loaded (offline and not cached, say) is reported in one line naming it and why, and the other
+tasks still run.
+
+After every cell, rank 0 rewrites `OUT/results.json`, `OUT/results.md` and `OUT/results.png` from
+all cells on disk (`eval.report`, which describes the three files).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.files import atomic_write_text
-
-# the metric a task's column shows: the first of these the task reports, else its first metric
-MAIN_METRICS = ("acc", "exact_match", "bits_per_byte", "word_perplexity", "perplexity", "acc_norm", "f1", "mcc")
+from eval.report import write_reports
+from pipeline.artifacts import atomic_write_text
 
 
 @dataclass
@@ -48,6 +43,11 @@ class Cell:
 
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "__", name).strip("_") or "model"
+
+
+def cell_path(out: Path, model: str, task: str) -> Path:
+    """Where a cell's result lives: OUT/cells/<model>/<task>.json."""
+    return out / "cells" / slug(model) / f"{slug(task)}.json"
 
 
 def task_manager(include_path: list[str] | None):
@@ -125,8 +125,7 @@ def run_eval(models: list[str], tasks: list[str] | None, out: Path, batch_size: 
     if ranks.rank == 0:
         for task, why in failed.items():
             print(f"[eval] {task}: skipped: {why}", flush=True)
-    cells = [Cell(name, task, out / "cells" / slug(name) / f"{slug(task)}.json")
-             for name in names for task in ok_tasks]
+    cells = [Cell(name, task, cell_path(out, name, task)) for name in names for task in ok_tasks]
     pending = [c for c in cells if not c.path.is_file()]  # decided before any rank writes
     dist.barrier()
     if ranks.rank == 0:
@@ -134,12 +133,12 @@ def run_eval(models: list[str], tasks: list[str] | None, out: Path, batch_size: 
               f"{len(pending)} to run -> {out}", flush=True)
     bar = tqdm(total=len(cells), initial=len(cells) - len(pending), desc="eval cells", unit="cell",
                disable=ranks.rank != 0)
-    os.environ["MOE_EVAL_QUIET"] = "1"  # one bar for the whole job, not one per request type
     for ref, name in zip(refs, names):
         todo = [c for c in pending if c.model == name]
         if not todo:
             continue
-        lm = MoEPipelineLM(path=str(ref.path), batch_size=batch_size, dtype=dtype, ep_size=ep_size)
+        # progress off: one bar for the whole job, not one per request type and cell
+        lm = MoEPipelineLM(path=str(ref.path), batch_size=batch_size, dtype=dtype, ep_size=ep_size, progress=False)
         lm.ref = type(ref)(name, ref.path, ref.stage, ref.run)
         for cell in todo:
             bar.set_postfix_str(f"{name} {cell.task}")
@@ -156,13 +155,13 @@ def run_eval(models: list[str], tasks: list[str] | None, out: Path, batch_size: 
                 result["model"] = {"name": name, "stage": ref.stage, "run": ref.run, **lm.get_model_info()}
                 cell.path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(cell.path, json.dumps(result, indent=1) + "\n")
-                write_reports(out, names, refs, ok_tasks, failed)
+                write_reports(out, collect(out, names, ok_tasks), names, refs, ok_tasks, failed)
             bar.update(1)
         del lm
     bar.close()
     summary = {}
     if ranks.rank == 0:
-        summary = write_reports(out, names, refs, ok_tasks, failed)
+        summary = write_reports(out, collect(out, names, ok_tasks), names, refs, ok_tasks, failed)
         print(f"[eval] results: {out / 'results.md'}, {out / 'results.json'}, chart {out / 'results.png'}", flush=True)
     dist.barrier()
     return summary
@@ -177,156 +176,14 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
-# -- reports ---------------------------------------------------------------------------------------
-
-def _metrics(task_result: dict) -> dict[str, tuple[float, float | None]]:
-    """{'acc': (value, stderr)} from lm-eval's 'acc,none' / 'acc_stderr,none' keys."""
-    out = {}
-    for key, value in task_result.items():
-        if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
-            continue
-        metric, flt = key.split(",", 1)
-        err = task_result.get(f"{metric}_stderr,{flt}")
-        out[metric if flt == "none" else f"{metric} ({flt})"] = (
-            float(value), float(err) if isinstance(err, (int, float)) and math.isfinite(err) else None)
-    return out
-
-
-def main_metric(metrics: dict) -> str | None:
-    for m in MAIN_METRICS:
-        if m in metrics:
-            return m
-    return next(iter(metrics), None)
-
+# -- the cells on disk --------------------------------------------------------------------------
 
 def collect(out: Path, names: list[str], tasks: list[str]) -> dict:
     """{model: {task: cell dict}} for the cells on disk."""
     table: dict[str, dict[str, dict]] = {}
     for name in names:
         for task in tasks:
-            path = out / "cells" / slug(name) / f"{slug(task)}.json"
+            path = cell_path(out, name, task)
             if path.is_file():
                 table.setdefault(name, {})[task] = json.loads(path.read_text())
     return table
-
-
-def retention(table: dict, refs, names: list[str], tasks: list[str]) -> dict:
-    """{student name: {task: % of its run's teacher's main metric}} for students whose teacher was evaluated."""
-    by_run = {(r.run, r.stage): n for r, n in zip(refs, names) if r.run}
-    out: dict[str, dict[str, float]] = {}
-    for (run, stage), student in by_run.items():
-        teacher = by_run.get((run, "teacher"))
-        if stage != "student" or teacher is None:
-            continue
-        for task in tasks:
-            s_cell, t_cell = table.get(student, {}).get(task), table.get(teacher, {}).get(task)
-            if not s_cell or not t_cell:
-                continue
-            s_m, t_m = _metrics(s_cell["results"].get(task, {})), _metrics(t_cell["results"].get(task, {}))
-            metric = main_metric(t_m)
-            if metric is None or metric not in s_m:
-                continue
-            higher = t_cell.get("higher_is_better", {}).get(task, {}).get(metric, True)
-            s, t = s_m[metric][0], t_m[metric][0]
-            if higher and t:
-                out.setdefault(student, {})[task] = 100 * s / t
-            elif not higher and s:
-                out.setdefault(student, {})[task] = 100 * t / s
-    return out
-
-
-def write_reports(out: Path, names: list[str], refs, tasks: list[str], failed: dict[str, str]) -> dict:
-    table = collect(out, names, tasks)
-    keep = retention(table, refs, names, tasks)
-    merged = {}
-    for name, cells in table.items():
-        res = {"results": {}, "versions": {}, "n-shot": {}, "higher_is_better": {}, "n-samples": {}, "configs": {}}
-        for cell in cells.values():
-            for k in res:
-                res[k].update(cell.get(k, {}))
-            res["config"] = {**cell.get("config", {}), "model_args": str(cell.get("model", {}).get("path", ""))}
-            res["model"] = cell.get("model")
-        merged[name] = res
-    summary = {**merged, "_retention": keep, "_failed": failed}
-    atomic_write_text(out / "results.json", json.dumps(summary, indent=1) + "\n")
-    atomic_write_text(out / "results.md", markdown(table, keep, names, tasks, failed))
-    plot(out / "results.png", table, names, tasks)
-    return summary
-
-
-def _fmt(value: float, err: float | None) -> str:
-    digits = 4 if abs(value) < 10 else 2
-    return f"{value:.{digits}f}" + (f" ± {err:.{digits}f}" if err is not None else "")
-
-
-def markdown(table: dict, keep: dict, names: list[str], tasks: list[str], failed: dict[str, str]) -> str:
-    rows = [n for n in names if n in table]
-    done_tasks = [t for t in tasks if any(t in table[n] for n in rows)]
-    main = {}
-    for t in done_tasks:
-        first = next(table[n][t] for n in rows if t in table[n])
-        main[t] = main_metric(_metrics(first["results"].get(t, {})))
-    lines = ["# Zero-shot evaluation (lm-evaluation-harness)", ""]
-    lines += ["| model | " + " | ".join(f"{t} ({main[t]})" for t in done_tasks) + " |",
-              "|---|" + "---:|" * len(done_tasks)]
-    for n in rows:
-        vals = []
-        for t in done_tasks:
-            m = _metrics(table[n][t]["results"].get(t, {})) if t in table[n] else {}
-            vals.append(_fmt(*m[main[t]]) if main[t] in m else "–")
-        lines.append(f"| {n} | " + " | ".join(vals) + " |")
-    if keep:
-        lines += ["", "Student's retention of its teacher's score (%; for lower-is-better metrics teacher / student):", "",
-                  "| student | " + " | ".join(done_tasks) + " | mean |", "|---|" + "---:|" * (len(done_tasks) + 1)]
-        for student, per in keep.items():
-            vals = [f"{per[t]:.1f}" if t in per else "–" for t in done_tasks]
-            mean = sum(per.values()) / len(per) if per else float("nan")
-            lines.append(f"| {student} | " + " | ".join(vals) + f" | {mean:.1f} |")
-    lines += ["", "## All metrics", "", "| model | task | metric | value | stderr | n |", "|---|---|---|---:|---:|---:|"]
-    for n in rows:
-        for t in done_tasks:
-            if t not in table[n]:
-                continue
-            cell = table[n][t]
-            n_samples = cell.get("n-samples", {}).get(t, {}).get("effective", "")
-            for metric, (v, e) in _metrics(cell["results"].get(t, {})).items():
-                lines.append(f"| {n} | {t} | {metric} | {v:.4f} | {'' if e is None else f'{e:.4f}'} | {n_samples} |")
-    if failed:
-        lines += ["", "## Not evaluated", ""] + [f"- `{k}`: {v}" for k, v in failed.items()]
-    return "\n".join(lines) + "\n"
-
-
-def plot(path: Path, table: dict, names: list[str], tasks: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [n for n in names if n in table]
-    done_tasks = [t for t in tasks if any(t in table[n] for n in rows)]
-    if not done_tasks:
-        return
-    fig, axes = plt.subplots(1, len(done_tasks), figsize=(3.6 * len(done_tasks), 3.4), dpi=90, squeeze=False)
-    for ax, t in zip(axes[0], done_tasks):
-        first = next(table[n][t] for n in rows if t in table[n])
-        metric = main_metric(_metrics(first["results"].get(t, {})))
-        vals, errs, labels = [], [], []
-        for n in rows:
-            m = _metrics(table[n][t]["results"].get(t, {})) if t in table[n] else {}
-            if metric in m:
-                vals.append(m[metric][0])
-                errs.append(m[metric][1] or 0.0)
-                labels.append(n)
-        ax.bar(range(len(vals)), vals, yerr=errs, capsize=3, color=[f"C{i}" for i in range(len(vals))])
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
-        higher = first.get("higher_is_better", {}).get(t, {}).get(metric, True)
-        ax.set_title(f"{t}\n{metric} ({'higher' if higher else 'lower'} is better)", fontsize=8)
-        ax.set_xticks(range(len(vals)), [lab.replace("/", "/\n") for lab in labels], fontsize=7)
-        ax.tick_params(axis="y", labelsize=7)
-    fig.suptitle("zero-shot evaluation (lm-eval), error bars: stderr", fontsize=9)
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)

@@ -1,8 +1,10 @@
-"""The lm-eval adapter against the model's own logits: log-likelihoods, is_greedy, rolling windows, generation."""
+"""The lm-eval adapter (eval/adapter.py): its model_args, and its answers against the model's own logits
+(log-likelihoods, is_greedy, rolling windows, generation).
+
+    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 .venv/bin/python -m pytest -q tests/test_eval_adapter.py
+"""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -10,14 +12,39 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-os.environ["MOE_EVAL_QUIET"] = "1"
-
 
 @pytest.fixture(scope="module")
 def lm(small_run):
     from eval.adapter import MoEPipelineLM
 
-    return MoEPipelineLM(path=str(small_run), stage="student", batch_size=3)
+    return MoEPipelineLM(path=str(small_run), stage="student", batch_size=3, progress=False)
+
+
+def test_an_unknown_model_arg_is_an_error_naming_it_before_any_model_is_loaded(tmp_path):
+    from eval.adapter import MoEPipelineLM
+
+    # the path does not exist: had the key check come after loading, this would be a FileNotFoundError
+    with pytest.raises(ValueError) as err:
+        MoEPipelineLM(path=str(tmp_path / "nope"), batchsize=8)
+    msg = str(err.value)
+    assert "'batchsize'" in msg and "moe-pipeline" in msg and "did you mean 'batch_size' for 'batchsize'?" in msg
+    assert "accepted: path, stage, batch_size, max_length, dtype, ep_size" in msg
+    with pytest.raises(ValueError, match="unknown keys 'pretrained', 'stages'"):
+        MoEPipelineLM(path=str(tmp_path / "nope"), pretrained="gpt2", stages="teacher")
+    with pytest.raises(ValueError, match="progress='no': true or false"):
+        MoEPipelineLM(path=str(tmp_path / "nope"), progress="no")
+
+
+def test_the_keys_lm_eval_itself_passes_are_accepted(small_run):
+    """`lm-eval run` adds batch_size, max_batch_size and device (evaluator.simple_evaluate's additional_config,
+    None values dropped) and, with --trust_remote_code, trust_remote_code=True to the model_args."""
+    from eval.adapter import MoEPipelineLM, model_args
+
+    lm = MoEPipelineLM.create_from_arg_string(
+        f"path={small_run},stage=student,progress=false,trust_remote_code=True",
+        {"batch_size": "auto:4", "max_batch_size": 64, "device": "cuda:0"})
+    assert lm.batch_size == 32 and lm.progress is False and lm.ref.stage == "student"
+    assert {"batch_size", "max_batch_size", "device", "trust_remote_code", "progress"} <= set(model_args())
 
 
 def direct_score(lm, ctx: list[int], cont: list[int]) -> tuple[float, bool]:

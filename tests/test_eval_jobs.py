@@ -1,4 +1,8 @@
-"""`moe-pipeline eval`: batch jobs over a run's teacher and student, bundled and custom tasks, offline failures, resume, 2 ranks."""
+"""`moe-pipeline eval`: batch jobs over a run's teacher and student, bundled and custom tasks, offline failures, resume,
+2 ranks (eval/jobs.py, slow: real runs of the CLI); and the tables and plot made from the cells (eval/report.py, unit).
+
+    HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 .venv/bin/python -m pytest -q tests/test_eval_jobs.py   # -m "not slow": unit only
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,6 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-
-pytestmark = pytest.mark.slow
 
 CUSTOM_TASK = """task: my_yes_no
 dataset_path: json
@@ -45,6 +47,7 @@ def job(small_run, custom_tasks, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_every_model_and_task_has_a_result_in_lm_evals_schema(job):
     out, _ = job
     results = json.loads((out / "results.json").read_text())
@@ -62,6 +65,7 @@ def test_every_model_and_task_has_a_result_in_lm_evals_schema(job):
         assert "versions" in r and "configs" in r
 
 
+@pytest.mark.slow
 def test_an_offline_task_without_data_is_reported_in_one_line_and_the_rest_runs(job):
     out, proc = job
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("[eval] lambada_openai: skipped:")]
@@ -69,6 +73,7 @@ def test_an_offline_task_without_data_is_reported_in_one_line_and_the_rest_runs(
     assert "lambada_openai" in json.loads((out / "results.json").read_text())["_failed"]
 
 
+@pytest.mark.slow
 def test_markdown_table_png_and_the_students_retention(job):
     out, _ = job
     md = (out / "results.md").read_text()
@@ -84,6 +89,7 @@ def test_markdown_table_png_and_the_students_retention(job):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+@pytest.mark.slow
 def test_a_rerun_resumes_from_the_stored_cells(job, small_run, custom_tasks):
     out, _ = job
     cell = out / "cells" / "small__student" / "tiny_nextline.json"
@@ -96,6 +102,7 @@ def test_a_rerun_resumes_from_the_stored_cells(job, small_run, custom_tasks):
     assert cell.stat().st_mtime_ns == before and cell_removed.is_file()
 
 
+@pytest.mark.slow
 def test_two_ranks_expert_parallel_give_the_same_scores(small_run, job, tmp_path):
     out1, _ = job
     out2 = tmp_path / "ep2"
@@ -108,6 +115,86 @@ def test_two_ranks_expert_parallel_give_the_same_scores(small_run, job, tmp_path
         one["tiny_heldout_ppl"]["word_perplexity,none"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_bad_model_path_is_one_line_and_exit_2(tmp_path):
     proc = cli("eval", str(tmp_path / "nope"), check=False)
     assert proc.returncode == 2 and "no such run, stage or package directory" in proc.stderr
+
+
+# -- eval/report.py on cells made by hand: the exact tables -------------------------------------------
+
+def _cell(task: str, results: dict, higher: dict, n: int, name: str) -> dict:
+    """One cell as eval.jobs.run_cell stores it."""
+    return {"results": {task: {"alias": task, **results}}, "versions": {task: 1.0}, "n-shot": {task: 0},
+            "higher_is_better": {task: higher}, "n-samples": {task: {"original": 100, "effective": n}},
+            "configs": {task: {"task": task}}, "config": {"model": "moe-pipeline", "batch_size": 8},
+            "wall_seconds": 1.5, "limit": n, "model": {"name": name, "path": f"/m/{name}"}}
+
+
+REPORT_MD = """# Zero-shot evaluation (lm-evaluation-harness)
+
+| model | t_acc (acc) | t_ppl (bits_per_byte) |
+|---|---:|---:|
+| r/teacher | 0.5000 ± 0.0500 | 1.2000 |
+| r/student | 0.4000 ± 0.0500 | 1.5000 |
+| other | 0.3000 ± 0.0500 | – |
+
+Student's retention of its teacher's score (%; for lower-is-better metrics teacher / student):
+
+| student | t_acc | t_ppl | mean |
+|---|---:|---:|---:|
+| r/student | 80.0 | 80.0 | 80.0 |
+
+## All metrics
+
+| model | task | metric | value | stderr | n |
+|---|---|---|---:|---:|---:|
+| r/teacher | t_acc | acc | 0.5000 | 0.0500 | 8 |
+| r/teacher | t_acc | acc_norm | 0.5100 |  | 8 |
+| r/teacher | t_ppl | bits_per_byte | 1.2000 |  | 20 |
+| r/teacher | t_ppl | word_perplexity | 13.0000 |  | 20 |
+| r/student | t_acc | acc | 0.4000 | 0.0500 | 8 |
+| r/student | t_acc | acc_norm | 0.4100 |  | 8 |
+| r/student | t_ppl | bits_per_byte | 1.5000 |  | 20 |
+| r/student | t_ppl | word_perplexity | 17.5000 |  | 20 |
+| other | t_acc | acc | 0.3000 | 0.0500 | 8 |
+| other | t_acc | acc_norm | 0.3100 |  | 8 |
+
+## Not evaluated
+
+- `lambada_openai`: offline
+- `other:t_ppl`: RuntimeError: boom
+"""
+
+
+def test_report_tables_retention_and_plot_from_cells(tmp_path):
+    from eval.models import ModelRef
+    from eval.report import write_reports
+
+    scores = {"r/teacher": (0.5, 1.2, 13.0), "r/student": (0.4, 1.5, 17.5), "other": (0.3, None, None)}
+    table = {}
+    for name, (acc, bpb, wppl) in scores.items():
+        table[name] = {"t_acc": _cell("t_acc", {"acc,none": acc, "acc_stderr,none": 0.05, "acc_norm,none": acc + 0.01,
+                                                "acc_norm_stderr,none": float("nan")},  # NaN stderr: none shown
+                                      {"acc": True, "acc_norm": True}, 8, name)}
+        if bpb is not None:
+            table[name]["t_ppl"] = _cell("t_ppl", {"bits_per_byte,none": bpb, "bits_per_byte_stderr,none": "N/A",
+                                                   "word_perplexity,none": wppl},
+                                         {"bits_per_byte": False, "word_perplexity": False}, 20, name)
+    names = list(scores)
+    refs = [ModelRef("r/teacher", Path("/m/t"), "teacher", "r"), ModelRef("r/student", Path("/m/s"), "student", "r"),
+            ModelRef("other", Path("/m/o"))]  # no run: no retention row
+    failed = {"lambada_openai": "offline", "other:t_ppl": "RuntimeError: boom"}
+    summary = write_reports(tmp_path, table, names, refs, ["t_acc", "t_ppl", "t_never_ran"], failed)
+
+    assert (tmp_path / "results.md").read_text() == REPORT_MD
+    assert summary["_retention"] == {"r/student": {"t_acc": pytest.approx(80.0), "t_ppl": pytest.approx(80.0)}}
+    assert json.loads((tmp_path / "results.json").read_text(), parse_constant=str) == json.loads(
+        json.dumps(summary), parse_constant=str)
+    assert set(summary) == {*names, "_retention", "_failed"} and summary["_failed"] == failed
+    student = summary["r/student"]
+    assert set(student["results"]) == {"t_acc", "t_ppl"} and student["n-samples"]["t_ppl"]["effective"] == 20
+    assert student["config"]["model_args"] == "/m/r/student" and student["model"]["name"] == "r/student"
+    png = (tmp_path / "results.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert not list(tmp_path.glob("*.tmp*"))  # written under a temporary name, then renamed
