@@ -54,7 +54,8 @@ def _status_kb(field: str) -> int:
 def worker(pkg: str, out: str, ep: str = "0", tp: str = "0") -> None:
     """One rank: load the package, report memory (run alone or under the DeepSpeed launcher)."""
     sys.path.insert(0, str(ROOT))
-    from export.package import load_package, verify_package
+    from export.inference import load_package
+    from export.package import verify_package
     from pipeline import dist
 
     ranks = dist.init()

@@ -18,9 +18,9 @@ a few percent of its teacher. Here with our own code path (`moe-pipeline`), on `
 
        no_kd_scratch              student.init=random, kd.beta=0 (no KD; the teacher never runs)
        kd_all_scratch             student.init=random, kd.stop_at=null (KD all the way)
-       staged_scratch             student.init=random, kd.stop_at=0.6 (the paper's MoS)
-       staged_teacher_paper       student.init=teacher, layer_selection=paper, kd.stop_at=0.6
-       staged_teacher_importance  student.init=teacher, layer_selection=importance, kd.stop_at=0.6
+       staged_scratch             student.init=random, kd.stop_at="60%" (the paper's MoS)
+       staged_teacher_paper       student.init=teacher, layer_selection=paper, kd.stop_at="60%"
+       staged_teacher_importance  student.init=teacher, layer_selection=importance, kd.stop_at="60%"
 
 All variants train the same number of student steps (`student.train.steps`, or `--steps`) on the
 same data order (the recipe's seed), and the three from-scratch ones start from the same random
@@ -61,12 +61,12 @@ VARIANTS: dict[str, tuple[dict[str, str], str]] = {
                       "random init, no KD"),
     "kd_all_scratch": ({"student.init": "random", "kd.stop_at": "null"},
                        "random init, KD all the way"),
-    "staged_scratch": ({"student.init": "random", "kd.stop_at": "0.6"},
+    "staged_scratch": ({"student.init": "random", "kd.stop_at": "60%"},
                        "random init, KD for 60% (MoS)"),
-    "staged_teacher_paper": ({"student.init": "teacher", "student.layer_selection": "paper", "kd.stop_at": "0.6"},
+    "staged_teacher_paper": ({"student.init": "teacher", "student.layer_selection": "paper", "kd.stop_at": "60%"},
                              "teacher init (paper layers), KD 60%"),
     "staged_teacher_importance": ({"student.init": "teacher", "student.layer_selection": "importance",
-                                   "kd.stop_at": "0.6"},
+                                   "kd.stop_at": "60%"},
                                   "teacher init (importance layers), KD 60%"),
 }
 

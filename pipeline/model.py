@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -81,8 +82,39 @@ def default_ep_size(num_experts: int, world_size: int, override: int | None = No
 
 # -- attention --------------------------------------------------------------------------------
 
+@runtime_checkable
+class Cache(Protocol):
+    """What `GPT.forward` needs of a key/value cache (a forward of T new tokens per row):
+
+      * `length`: tokens already cached before this forward (the longest row's), read for the
+        context check and by every layer; it does not change during the forward;
+      * `update(layer, k, v)`: store the layer's new keys/values [B, H, T, D], return all keys/values
+        the new queries attend to [B, H, keys, D];
+      * `positions(T)`: [B, T] position ids when rows have their own lengths, else None (every row
+        continues at `length`);
+      * `attention_mask(T)`: [B, 1, T, keys] bool when rows have their own lengths, else None
+        (causal masking after `length` cached tokens is exact);
+      * `advance(T)`: called once after the last layer: the T new tokens are now cached.
+
+    Implemented by `KVCache` (below: one length for the whole batch), by the serving runtime's
+    `SlotCache` (export/serve/engine.py: a length per row, rows of different lengths decoding
+    together) and by the Hugging Face wrapper's view of HF's own `Cache` (export/hf/)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def positions(self, T: int) -> torch.Tensor | None: ...
+
+    def attention_mask(self, T: int) -> torch.Tensor | None: ...
+
+    def advance(self, T: int) -> None: ...
+
+
 class KVCache:
-    """Per-layer key/value buffers for incremental decoding: [B, heads, max_len, head_dim]."""
+    """Per-layer key/value buffers for incremental decoding: [B, heads, max_len, head_dim]; one length
+    for the whole batch (a `Cache`)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
         shape = (batch, cfg.heads, max_len, cfg.hidden // cfg.heads)
@@ -99,6 +131,15 @@ class KVCache:
         self.v[layer][:, :, self.length:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def positions(self, T: int) -> None:
+        return None
+
+    def attention_mask(self, T: int) -> None:
+        return None
+
+    def advance(self, T: int) -> None:
+        self.length += T
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -112,7 +153,7 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Cache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         H = self.num_heads
         # [B, T, C] -> [B, H, T, C/H]
@@ -121,8 +162,7 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.update(layer, k, v)  # [B, H, past+T, C/H]
-            if hasattr(cache, "attention_mask"):  # a cache whose rows have their own lengths (serving)
-                mask = cache.attention_mask(T)  # [B, 1, T, keys]
+            mask = cache.attention_mask(T)  # [B, 1, T, keys] when rows have their own lengths (serving), else None
         if mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif past == 0:
@@ -151,7 +191,7 @@ class MLP(nn.Module):
         return self.dropout(self.fc2(F.gelu(self.fc1(x))))
 
 
-class _Gate(nn.Module):
+class Gate(nn.Module):
     def __init__(self, hidden: int, num_experts: int):
         super().__init__()
         self.wg = nn.Linear(hidden, num_experts, bias=False)  # DeepSpeed's name; always run in fp32
@@ -163,49 +203,89 @@ class _Experts(nn.Module):
         self.deepspeed_experts = nn.ModuleList(MLP(cfg) for _ in range(num_experts))
 
 
+class Routing(NamedTuple):
+    """A router's decision for S tokens choosing k of E experts."""
+
+    weights: torch.Tensor  # [S, k] fp32: each choice's mixing weight (0 where dropped)
+    experts: torch.Tensor  # [S, k] long: the chosen experts, best first
+    keep: torch.Tensor  # [S, k] bool: the choice fits its expert's capacity
+    counts: torch.Tensor  # [E] long: tokens routed to each expert (dropped ones included)
+    aux: torch.Tensor  # (): GShard's load-balancing loss
+
+
+def router_logits(x: torch.Tensor, wg: torch.Tensor) -> torch.Tensor:
+    """[S, C] tokens -> [S, E] router logits, in fp32 whatever the model's dtype (as DeepSpeed's gate)."""
+    return F.linear(x.float(), wg.float())
+
+
+def expert_capacity(tokens: int, experts: int, factor: float, top_k: int, min_capacity: int) -> int:
+    """Tokens an expert takes before dropping (DeepSpeed's rule): factor x an even share, at least min_capacity."""
+    return max(math.ceil(tokens / experts * factor * top_k), min_capacity)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, capacity: int | None = None) -> Routing:
+    """Top-k routing from fp32 router logits [S, E]: softmax, the k most probable experts per token,
+    choices past an expert's `capacity` dropped in token order (all first choices before second
+    ones; None: no dropping), and the kept choices' weights renormalised to sum to 1 if `renormalize`
+    (DeepSpeed does so for k >= 2; top-1 keeps the raw probability)."""
+    S, E = logits.shape
+    probs = logits.softmax(dim=-1)  # [S, E]
+    top_p, top_i = probs.topk(top_k, dim=-1)  # [S, k]
+    first = F.one_hot(top_i[:, 0], E).float()  # [S, E]
+    aux = E * (probs.mean(0) * first.mean(0)).sum()
+    counts = F.one_hot(top_i, E).sum(dim=(0, 1))  # [E]
+    keep = torch.ones_like(top_p, dtype=torch.bool)  # [S, k]
+    if capacity is not None:
+        onehot = F.one_hot(top_i.t().reshape(-1), E)  # [k*S, E]: all first choices, then second
+        position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # slot of each (choice, token)
+        keep = (position < capacity).view(top_k, S).t()
+    weights = top_p * keep
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).eps)
+    return Routing(weights, top_i, keep, counts, aux)
+
+
+def group_by_expert(r: Routing, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The kept (token, choice) pairs grouped by expert (stable: token order within an expert), and each
+    expert's count, read to the host in one sync so that only the experts that received tokens run."""
+    token, choice = r.keep.nonzero(as_tuple=True)
+    expert = r.experts[token, choice]
+    order = expert.argsort(stable=True)
+    return token[order], choice[order], torch.bincount(expert, minlength=num_experts).tolist()
+
+
+def mix_residual(moe: nn.Module, x: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
+    """PR-MoE's residual MLP: expert(x)*c0 + mlp(x)*c1, (c0, c1) = softmax(coefficient(x)) per token
+    (DeepSpeed's use_residual). `moe` holds `mlp` and `coefficient`."""
+    coef = moe.coefficient(x).softmax(dim=-1)  # [B, T, 2]: expert weight, dense MLP weight
+    return expert_out * coef[..., 0:1] + moe.mlp(x) * coef[..., 1:]
+
+
 class _ReferenceDispatch(nn.Module):
     """Top-k routing over local experts; module names mirror DeepSpeed's `deepspeed_moe`."""
 
     def __init__(self, cfg: ModelConfig, num_experts: int):
         super().__init__()
         self.cfg, self.num_experts = cfg, num_experts
-        self.gate = _Gate(cfg.hidden, num_experts)
+        self.gate = Gate(cfg.hidden, num_experts)
         self.experts = _Experts(cfg, num_experts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg, E = self.cfg, self.num_experts
         S, C = x.shape  # tokens, hidden
-        logits = F.linear(x.float(), self.gate.wg.weight.float())  # [S, E], fp32 as DeepSpeed's gate
-        probs = logits.softmax(dim=-1)
-        top_p, top_i = probs.topk(cfg.top_k, dim=-1)  # [S, k]
-        first = F.one_hot(top_i[:, 0], E).float()  # [S, E]
-        aux = E * (probs.mean(0) * first.mean(0)).sum()  # GShard load-balancing loss
-        counts = F.one_hot(top_i, E).sum(dim=(0, 1))  # [E] tokens routed per expert
-        keep = torch.ones_like(top_p, dtype=torch.bool)  # [S, k]
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
-        if factor is not None:  # drop tokens past an expert's capacity, in token order
-            capacity = max(math.ceil(S / E * factor * cfg.top_k), cfg.min_capacity)
-            onehot = F.one_hot(top_i.t().reshape(-1), E)  # [k*S, E]: all first choices, then second
-            position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # slot of each (choice, token)
-            keep = (position < capacity).view(cfg.top_k, S).t()
-        if cfg.top_k > 1:  # top-2 mixes the kept choices renormalised (as DeepSpeed); top-1 keeps the raw probability
-            top_p = top_p * keep
-            top_p = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
+        capacity = None if factor is None else expert_capacity(S, E, factor, cfg.top_k, cfg.min_capacity)
+        r = route(router_logits(x, self.gate.wg.weight), cfg.top_k, cfg.top_k > 1, capacity)
         out = torch.zeros_like(x)
-        # the kept (token, choice) pairs grouped by expert (stable: token order within an expert), so
-        # that only the experts that received tokens run, after one host sync for their counts
-        token, choice = keep.nonzero(as_tuple=True)
-        expert = top_i[token, choice]
-        order = expert.argsort(stable=True)
-        token, choice = token[order], choice[order]
+        token, choice, per_expert = group_by_expert(r, E)
         start = 0
-        for e, n in enumerate(torch.bincount(expert, minlength=E).tolist()):
+        for e, n in enumerate(per_expert):
             if n:
                 t, c = token[start:start + n], choice[start:start + n]
                 y = self.experts.deepspeed_experts[e](x[t])
-                out.index_add_(0, t, y * top_p[t, c, None].to(y.dtype))
+                out.index_add_(0, t, y * r.weights[t, c, None].to(y.dtype))
                 start += n
-        return out, aux, counts
+        return out, r.aux, r.counts
 
 
 class MoE(nn.Module):
@@ -260,8 +340,7 @@ class MoE(nn.Module):
         out, aux, counts = self.moe.deepspeed_moe(x.reshape(B * T, C))  # [B*T, C]
         out = out.view(B, T, C)
         if self.cfg.mlp_type == "residual":
-            coef = self.moe.coefficient(x).softmax(dim=-1)  # [B, T, 2]: expert weight, dense MLP weight
-            out = out * coef[..., 0:1] + self.moe.mlp(x) * coef[..., 1:]
+            out = mix_residual(self.moe, x, out)
         return out, aux, counts
 
 
@@ -318,7 +397,7 @@ class GPT(nn.Module):
         return [b.mlp for b in self.blocks if b.is_moe]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                loss_mask: torch.Tensor | None = None, cache: Cache | None = None,
                 hidden_only: bool = False) -> Output:
         """hidden_only: skip the vocabulary projection (Output.hidden, no logits), for callers that
         need logits at a few positions only (scoring continuations: `lm_head(hidden[rows, cols])`)."""
@@ -326,9 +405,8 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if start + T > self.cfg.seq_len:
             raise ValueError(f"{start + T} tokens exceed the model's context of {self.cfg.seq_len}")
-        if hasattr(cache, "positions"):  # per-row positions (a serving cache)
-            pos = cache.positions(T)  # [B, T]
-        else:
+        pos = cache.positions(T) if cache is not None else None  # [B, T]: rows with their own lengths
+        if pos is None:
             pos = torch.arange(start, start + T, device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))  # [B, T, C]
         aux_losses, counts = [], []
@@ -338,13 +416,15 @@ class GPT(nn.Module):
                 aux_losses.append(aux)
                 counts.append(c)
         if cache is not None:
-            cache.length += T
+            cache.advance(T)
         if hidden_only:
             out = Output(logits=None, expert_counts=counts, hidden=self.ln_f(x))
         else:
             logits = self.lm_head(self.ln_f(x))  # [B, T, vocab]
             out = Output(logits=logits, expert_counts=counts)
-        out.aux_loss = self.cfg.aux_loss_coef * torch.stack([a.float() for a in aux_losses]).sum()
+        # a dense model (no MoE layer) has no balancing loss
+        aux = torch.stack([a.float() for a in aux_losses]).sum() if aux_losses else x.new_zeros((), dtype=torch.float32)
+        out.aux_loss = self.cfg.aux_loss_coef * aux
         if labels is not None:
             if hidden_only:
                 raise ValueError("labels need logits: drop hidden_only")
@@ -367,28 +447,37 @@ def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, loss_mask: 
 _EXPERT_KEY = ".deepspeed_experts."
 
 
-def split_expert_key(name: str) -> tuple[str, int, str] | None:
-    """'blocks.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts.3.fc1.weight' -> (prefix, 3, 'fc1.weight')."""
+class ExpertKey(NamedTuple):
+    """The parts of an expert parameter's name, e.g.
+    'blocks.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts.3.fc1.weight'."""
+
+    prefix: str  # 'blocks.1.mlp.moe.deepspeed_moe.experts'
+    block: int  # 1: the model's layer (block) index
+    expert: int  # 3: global or local expert id, as the name has it
+    suffix: str  # 'fc1.weight'
+
+
+def split_expert_key(name: str) -> ExpertKey | None:
+    """An expert parameter's name split into its parts; None for every other parameter."""
     if _EXPERT_KEY not in name:
         return None
     prefix, rest = name.split(_EXPERT_KEY, 1)
     index, suffix = rest.split(".", 1)
-    return prefix, int(index), suffix
+    return ExpertKey(prefix, int(prefix.split(".")[1]), int(index), suffix)
 
 
-def expert_layer(model: GPT, prefix: str) -> MoE:
-    """The MoE module owning the expert parameters under `prefix` (e.g. 'blocks.1.mlp.moe...experts')."""
-    return model.blocks[int(prefix.split(".")[1])].mlp
+def expert_key(block: int, expert: int, suffix: str) -> str:
+    """The name of expert `expert`'s parameter `suffix` in block `block` (the inverse of split_expert_key)."""
+    return f"blocks.{block}.mlp.moe.deepspeed_moe.experts{_EXPERT_KEY}{expert}.{suffix}"
 
 
 def global_name(model: GPT, name: str, ep_rank_of) -> str:
     """A parameter's name with its local expert index replaced by the global expert id."""
-    parts = split_expert_key(name)
-    if parts is None:
+    key = split_expert_key(name)
+    if key is None:
         return name
-    prefix, local, suffix = parts
-    moe = expert_layer(model, prefix)
-    return f"{prefix}{_EXPERT_KEY}{ep_rank_of(moe) * moe.num_local_experts + local}.{suffix}"
+    moe = model.blocks[key.block].mlp
+    return f"{key.prefix}{_EXPERT_KEY}{ep_rank_of(moe) * moe.num_local_experts + key.expert}.{key.suffix}"
 
 
 def init_weights(model: GPT, seed: int, ep_rank_of=lambda moe: 0) -> None:
@@ -431,13 +520,13 @@ def param_counts(model: GPT) -> dict[str, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        parts = split_expert_key(name)
-        if parts is None:
+        key = split_expert_key(name)
+        if key is None:
             total += p.numel()
             active += p.numel()
             continue
-        moe = expert_layer(model, parts[0])
-        if parts[1] == 0:  # count one expert's shape once per layer, scaled to all experts
+        moe = model.blocks[key.block].mlp
+        if key.expert == 0:  # count one expert's shape once per layer, scaled to all experts
             total += p.numel() * moe.num_experts
             active += p.numel() * moe.cfg.top_k
     return {"total": total, "active_per_token": active}

@@ -5,6 +5,7 @@
       <stage>.partial/  a stage at work: DeepSpeed checkpoints, resumable
       <stage>/          a finished stage (renamed from .partial when complete), with DONE.json
       metrics.jsonl     one JSON object per logged step, every stage
+      metrics.png       the training curves drawn from it (loss, held-out loss, KD beta), redrawn as each stage ends
 
 A stage that finished is skipped on a re-run; one that was interrupted resumes from its
 `.partial` directory. Only rank 0 writes these files.
@@ -20,11 +21,12 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.files import atomic_write_text, sha256_file
+from pipeline.artifacts import RECIPE_FILE, atomic_write_text, sha256_file
+
+METRICS = "metrics.jsonl"
+METRICS_PLOT = "metrics.png"
+from pipeline.dist import Ranks, barrier
 from pipeline.recipe import Recipe, RecipeError, diff_recipes, dump_recipe, validate
-
-
-RECIPE_FILE = "recipe.yaml"
 
 
 class RunDir:
@@ -37,7 +39,7 @@ class RunDir:
 
     @property
     def metrics_path(self) -> Path:
-        return self.root / "metrics.jsonl"
+        return self.root / METRICS
 
     def stage(self, name: str) -> Path:
         return self.root / name
@@ -88,6 +90,7 @@ class RunDir:
         if final.exists():
             shutil.rmtree(final)
         os.replace(work, final)
+        plot_metrics(self.metrics_path, self.root / METRICS_PLOT)
         return final
 
     def log(self, record: dict) -> None:
@@ -107,3 +110,71 @@ class RunDir:
             if not (rec.get("stage") == stage and rec.get("step", -1) > after_step):
                 keep.append(line)
         atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
+
+
+def check_world_size(work: Path, ranks: Ranks) -> None:
+    """A stage resumes only at the world size it started with (its checkpoints are split that way)."""
+    path = work / "world_size"
+    if path.is_file() and int(path.read_text()) != ranks.world:
+        started = int(path.read_text())
+        raise RecipeError("--nproc", ranks.world, f"{work} was started with {started} ranks and resumes only with "
+                          f"--nproc {started}; or pass --redo to start over")
+    barrier()
+    if ranks.rank == 0:
+        atomic_write_text(path, str(ranks.world))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (a line torn by a kill mid-write is skipped)."""
+    out = []
+    for line in Path(path).read_text().splitlines() if Path(path).is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def plot_metrics(metrics: Path, out: Path) -> Path | None:
+    """Training curves of every stage in `metrics` (metrics.jsonl) as one PNG: training loss (CE for a student)
+    and held-out loss (with the teacher's next to a student's), and KD's beta when a stage logged it."""
+    records = read_metrics(metrics)
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = list(dict.fromkeys(r["stage"] for r in records if "stage" in r))
+    has_beta = any("beta" in r for r in records)
+    fig, axes = plt.subplots(1, 2 + has_beta, figsize=(4.2 * (2 + has_beta), 3.3), dpi=90, squeeze=False)
+    ax_train, ax_val = axes[0][0], axes[0][1]
+    for i, stage in enumerate(stages):
+        rows = [r for r in records if r.get("stage") == stage]
+        train = [(r["step"], r.get("lm_loss", r.get("loss"))) for r in rows if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        if train:
+            ax_train.plot(*zip(*train), color=f"C{i}", lw=1, label=stage)
+        if val:
+            ax_val.plot(*zip(*val), "o-", color=f"C{i}", ms=3, label=stage)
+        teacher = [(r["step"], r["teacher_val_loss"]) for r in rows if "teacher_val_loss" in r]
+        if teacher:
+            ax_val.plot(*zip(*teacher), "--", color="gray", lw=1, label=f"teacher (during {stage})")
+        beta = [(r["step"], r["beta"]) for r in rows if "beta" in r]
+        if beta:
+            axes[0][2].step(*zip(*beta), where="post", color=f"C{i}", label=stage)
+    ax_train.set(title="training loss (CE)", xlabel="step", ylabel="nats/token")
+    ax_val.set(title="held-out loss", xlabel="step", ylabel="nats/token")
+    if has_beta:
+        axes[0][2].set(title="KD weight beta (staged KD)", xlabel="student step")
+    for ax in axes[0]:
+        ax.legend(fontsize=7)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(f"{Path(metrics).parent.name}: training", fontsize=9)
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

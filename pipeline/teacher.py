@@ -16,43 +16,17 @@ import time
 from pathlib import Path
 
 from pipeline import data as data_lib
+from pipeline.artifacts import CONFIG, INDEX, TOKENIZER, WEIGHTS, atomic_write_text, cache_root, read_model_config
 from pipeline import dist
 from pipeline.dist import Ranks, barrier
-from pipeline.model import GPT, ModelConfig, init_weights, param_counts
+from pipeline.build import build_model, load_frozen, meta_counts, teacher_config
+from pipeline.model import ModelConfig, init_weights
 from pipeline.recipe import Recipe, RecipeError
-from pipeline.files import atomic_write_text
-from pipeline.runs import RunDir
+from pipeline.runs import RunDir, check_world_size
 from pipeline.train import evaluate, train_model
-from pipeline.weights import WEIGHTS, INDEX, ep_rank_of, load_weights, save_weights
+from pipeline.weights import ep_rank_of, load_weights, save_weights
 
 STAGE = "teacher"
-CONFIG = "config.json"
-TOKENIZER = "tokenizer"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOE_PIPELINE_CACHE", Path.home() / ".cache" / "moe-pipeline"))
-
-
-def model_config(recipe: Recipe) -> ModelConfig:
-    """The teacher's ModelConfig: MoE on layers moe_every, 2*moe_every, ... (1-indexed). A student's comes
-    from the teacher's and the layers it keeps (distill.student.student_config)."""
-    m = recipe.model
-    return ModelConfig(vocab_size=recipe.vocab_size(), seq_len=recipe.data.seq_len,
-                       layers=m.layers, hidden=m.hidden, heads=m.heads, experts=tuple(m.experts),
-                       moe_layers=tuple(range(m.moe_every - 1, m.layers, m.moe_every)),
-                       mlp_type=m.mlp_type,
-                       top_k=m.top_k, capacity_factor=m.capacity_factor,
-                       eval_capacity_factor=m.eval_capacity_factor, min_capacity=m.min_capacity,
-                       aux_loss_coef=m.aux_loss_coef, ffn_mult=m.ffn_mult, dropout=m.dropout,
-                       tie_embeddings=m.tie_embeddings, init_std=m.init_std)
-
-
-def read_model_config(stage_dir: Path) -> ModelConfig:
-    path = Path(stage_dir) / CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: make it with `moe-pipeline teacher RECIPE`")
-    return ModelConfig(**json.loads(path.read_text()))
 
 
 def prepare(recipe: Recipe, ranks: Ranks) -> data_lib.PreparedData:
@@ -90,7 +64,7 @@ def check_loadable(recipe: Recipe, src: Path) -> ModelConfig:
     except FileNotFoundError:
         raise RecipeError("teacher.load", str(src), "a teacher directory with config.json, model.safetensors and "
                           "tokenizer/ (one made by `moe-pipeline teacher`)") from None
-    want = model_config(recipe)
+    want = teacher_config(recipe)
     diff = [f"{k} {getattr(loaded, k)} (recipe: {getattr(want, k)})" for k in ARCHITECTURE
             if getattr(loaded, k) != getattr(want, k)]
     if diff:
@@ -118,7 +92,7 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
         return run.stage(STAGE)
     check_hardware(recipe)
     src = Path(recipe.teacher.load) if recipe.teacher.load else None
-    cfg = check_loadable(recipe, src) if src else model_config(recipe)
+    cfg = check_loadable(recipe, src) if src else teacher_config(recipe)
     prepared = prepare(recipe, ranks)  # data errors stop us here, before anything is written
     if src and data_lib.load_tokenizer(src / TOKENIZER).get_vocab() != prepared.tokenizer.get_vocab():
         raise RecipeError("teacher.load", str(src), "a teacher whose tokenizer is the one data.* builds "
@@ -133,10 +107,7 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
     info: dict = {"inputs": {"recipe_sha256": run.recipe_sha256(), "data_cache": prepared.cache_dir.name}}
 
     if src:
-        model = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world, ep_size=recipe.distributed.ep_size)
-        model.to(dist.device())
-        _set_groups(model)
-        load_weights(model, src)
+        model = load_frozen(src, ranks.world, recipe.distributed.ep_size, dist.device())
         summary = {"loaded_from": str(src.resolve()),
                    "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
                                         recipe.teacher.train.micro_batch_size, ranks)}
@@ -145,14 +116,14 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
                 if (src / name).is_file():
                     _link_or_copy(src / name, work / name)
     else:
-        model = GPT(cfg, moe_impl="deepspeed", world_size=ranks.world, ep_size=recipe.distributed.ep_size)
+        model = build_model(cfg, ranks.world, recipe.distributed.ep_size, groups=False)  # deepspeed.initialize makes them
         init_weights(model, recipe.seed, ep_rank_of)
         train = data_lib.PackedTokens(prepared.train, recipe.data.seq_len, prepared.eod_id)
         summary = train_model(model, recipe.teacher.train, train, val, run, STAGE, work, recipe.seed, ranks)
         save_weights(model, work, {"stage": STAGE, "recipe": recipe.name})
     if ranks.rank == 0:
         write_stage_files(work, cfg, prepared)
-        info.update(summary, params=_meta_counts(cfg), world_size=ranks.world,
+        info.update(summary, params=meta_counts(cfg), world_size=ranks.world,
                     wall_seconds=round(time.time() - t0, 1),
                     # the same tokens val_loss scores (EOD included): the loss a unigram model would get
                     val_unigram_entropy=data_lib.unigram_entropy(prepared.val))
@@ -162,31 +133,6 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
               flush=True)
     barrier()
     return run.stage(STAGE)
-
-
-def check_world_size(work: Path, ranks: Ranks) -> None:
-    """A stage resumes only at the world size it started with (its checkpoints are split that way)."""
-    path = work / "world_size"
-    if path.is_file() and int(path.read_text()) != ranks.world:
-        started = int(path.read_text())
-        raise RecipeError("--nproc", ranks.world, f"{work} was started with {started} ranks and resumes only with "
-                          f"--nproc {started}; or pass --redo to start over")
-    barrier()
-    if ranks.rank == 0:
-        atomic_write_text(path, str(ranks.world))
-
-
-def _meta_counts(cfg: ModelConfig) -> dict[str, int]:
-    import torch
-
-    with torch.device("meta"):
-        return param_counts(GPT(cfg, moe_impl="reference"))
-
-
-def _set_groups(model: GPT) -> None:
-    """Outside deepspeed.initialize, DeepSpeed's MoE layers need their expert-parallel groups made by hand."""
-    for moe in model.moe_layers():
-        moe.moe.set_deepspeed_parallelism()
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

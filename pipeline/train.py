@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from pipeline.data import PackedTokens, global_sample_ids
 from pipeline.dist import Ranks, barrier, rng_state, set_rng_state
-from pipeline.files import atomic_write_text
+from pipeline.artifacts import atomic_write_text
 from pipeline.model import GPT
 from pipeline.recipe import TrainSpec
 from pipeline.runs import RunDir

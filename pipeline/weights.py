@@ -18,11 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.files import atomic_write_text
+from pipeline.artifacts import INDEX, WEIGHTS, atomic_write_text
 from pipeline.model import GPT, global_name, split_expert_key
-
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 
 def ep_rank_of(moe) -> int:
@@ -64,7 +61,7 @@ def _owned(model: GPT, rank: int) -> dict[str, torch.Tensor]:
             if rank == 0:
                 out[name] = p
         else:
-            moe = model.blocks[int(parts[0].split(".")[1])].mlp
+            moe = model.blocks[parts.block].mlp
             if rank < moe.ep_size:  # ranks 0..ep-1 (the first group) hold every expert of the layer once
                 out[global_name(model, name, ep_rank_of)] = p
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
@@ -128,7 +125,7 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
     `rename` maps a global parameter name of `model` to the name it has in `src` (a student takes
     teacher block 5 as its block 2, say); by default the names are the same. A parameter with a
     `shard` attribute (dim, start, whole size) receives that slice of the stored tensor: expert and
-    tensor slicing read only a rank's part (export/parallel.py).
+    tensor slicing read only a rank's part (export/inference.py).
     """
     src = Path(src)
     where = weight_files(src)
@@ -150,7 +147,7 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
                 for key in sorted(keys, key=lambda k: header[k]["data_offsets"][0]):  # in file order
                     params = wanted[key]
                     for p in params:
-                        shard = getattr(p, "shard", None)  # (dim, start, whole size): one slice (export.parallel)
+                        shard = getattr(p, "shard", None)  # (dim, start, whole size): one slice (export.inference)
                         whole = list(p.shape)
                         if shard is not None:
                             whole[shard[0]] = shard[2]
@@ -159,7 +156,7 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
                                              f"the model expects {tuple(whole)}")
                     p = params[0]
                     direct = (len(params) == 1 and getattr(p, "shard", None) is None and p.device.type == "cpu"
-                              and p.is_contiguous() and _ST_DTYPES.get(header[key]["dtype"]) == p.dtype)
+                              and p.is_contiguous() and SAFETENSORS_DTYPES.get(header[key]["dtype"]) == p.dtype)
                     t = _read_tensor(fh, header, key, data_start, src / f, out=p.data if direct else None)
                     if direct:
                         continue
@@ -177,7 +174,7 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
 # {name: {dtype, shape, data_offsets}}, then the raw little-endian data); a rank's resident memory
 # is then its parameters plus one tensor in flight. No pickle: only dtype, shape and raw bytes.
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
 
@@ -207,7 +204,7 @@ def read_header(fh, path: Path) -> tuple[dict, int]:
 def _read_tensor(fh, header: dict, key: str, data_start: int, path: Path, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor `key`, read into `out` (a contiguous CPU tensor of its dtype and shape) or a new tensor."""
     info = header[key]
-    dtype = _ST_DTYPES.get(info["dtype"])
+    dtype = SAFETENSORS_DTYPES.get(info["dtype"])
     if dtype is None:
         raise ValueError(f"{path}: tensor {key} has dtype {info['dtype']}, which this loader does not read")
     if sys.byteorder != "little":

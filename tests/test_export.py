@@ -92,7 +92,8 @@ def corrupted(src: Path, dst: Path, how: str) -> Path:
 @pytest.mark.parametrize("how, names", [("flip", "model.safetensors: sha256 differs"),
                                         ("truncate", "truncated or changed"), ("missing", "tokenizer.json: missing")])
 def test_damage_is_reported_by_verify_and_refused_at_load(package, sharded, tmp_path, how, names):
-    from export.package import PackageError, load_package
+    from export.inference import load_package
+    from export.package import PackageError
 
     bad = corrupted(sharded if how == "truncate" else package, tmp_path / how, how)
     proc = cli("verify", str(bad), check=False)
@@ -155,7 +156,7 @@ print(json.dumps({{"ids": ids[0].tolist(), "tokens": out[0, ids.shape[1]:].tolis
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]  # AutoTokenizer without trust_remote_code asks first (stdin closed: no)
     got = json.loads(last[last.index("{"):])
-    from export.package import load_package
+    from export.inference import load_package
 
     model, tok = load_package(package)
     assert got["ids"] == tok.encode("And God said")
@@ -183,7 +184,7 @@ def test_eval_accepts_a_package_and_scores_it_like_its_stage(package, small_run,
 
 def test_parallel_layouts_are_checked_before_loading():
     from conftest import model_config
-    from export.parallel import plan_layout
+    from export.inference import plan_layout
 
     cfg = model_config(hidden=32, heads=4, experts=(2, 4))
     assert plan_layout(cfg, 4, ep_size=2).slices(0) == 2  # 4 ranks, experts in pairs: each expert sliced in 2

@@ -171,3 +171,45 @@ def test_param_counts_count_every_expert_and_active_ones():
     dense_part = sum(p.numel() for n, p in GPT(cfg).named_parameters() if "deepspeed_experts" not in n)
     assert counts["total"] == dense_part + 6 * expert
     assert counts["active_per_token"] == dense_part + 2 * expert  # one routed expert per MoE layer (top-1)
+
+
+def test_a_model_without_moe_layers_works():
+    """A dense student (no MoE layer): forward, loss without a balancing term, cache decoding, counts."""
+    cfg = config(experts=(), moe_layers=())
+    model = GPT(cfg).eval()
+    init_weights(model, 0)
+    assert model.moe_layers() == []
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = model(ids, labels=ids)
+    assert out.aux_loss.item() == 0.0 and out.expert_counts == [] and torch.isfinite(out.loss)
+    cache = KVCache(cfg, batch=2, max_len=12)
+    steps = [model(ids[:, :6], cache=cache).logits] + [model(ids[:, t:t + 1], cache=cache).logits for t in range(6, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), out.logits, atol=1e-5, rtol=1e-5)
+    counts = param_counts(model)
+    assert counts["total"] == counts["active_per_token"] == sum(p.numel() for p in model.parameters())
+
+
+def test_route_drops_past_capacity_in_token_order_and_renormalises_top2():
+    from pipeline.model import group_by_expert, route
+
+    logits = torch.tensor([[2.0, 1.0, 0.0], [3.0, 0.0, 1.0], [2.5, 0.5, 0.0], [0.0, 0.0, 4.0]])
+    r = route(logits, top_k=1, renormalize=False, capacity=2)
+    assert r.experts[:, 0].tolist() == [0, 0, 0, 2] and r.counts.tolist() == [3, 0, 1]
+    assert r.keep[:, 0].tolist() == [True, True, False, True]  # expert 0's third token is dropped
+    probs = logits.softmax(-1)
+    assert torch.allclose(r.weights[:, 0], probs.max(-1).values * r.keep[:, 0])  # top-1: the raw probability
+    token, choice, per_expert = group_by_expert(r, 3)
+    assert per_expert == [2, 0, 1] and token.tolist() == [0, 1, 3]
+    r2 = route(logits, top_k=2, renormalize=True)
+    torch.testing.assert_close(r2.weights.sum(-1), torch.ones(4))
+    assert r2.aux.item() == pytest.approx(3 * (probs.mean(0) * F.one_hot(r2.experts[:, 0], 3).float().mean(0)).sum().item())
+
+
+def test_both_caches_implement_the_cache_protocol():
+    from export.serve.engine import SlotCache
+    from pipeline.model import Cache
+
+    cfg = config()
+    assert isinstance(KVCache(cfg, batch=1, max_len=8), Cache)
+    assert isinstance(SlotCache(cfg, slots=2, max_len=8), Cache)
+    assert not isinstance(object(), Cache)

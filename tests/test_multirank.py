@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, SMALL, child_env, cli, model_config, sets
 from pipeline.dist import free_port
 from pipeline.model import GPT, init_weights
-from pipeline.teacher import read_model_config
+from pipeline.artifacts import read_model_config
 from pipeline.weights import load_weights
 
 pytestmark = pytest.mark.slow

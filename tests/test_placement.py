@@ -1,4 +1,4 @@
-"""Expert placement (export/placement.py): replica tables under a budget, balanced splits, outputs unchanged."""
+"""Expert placement (export/serve/placement.py): replica tables under a budget, balanced splits, outputs unchanged."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import model_config
-from export.placement import (balancedness, count_replicas, native_table, plan_replicas, rank_loads, replica_slots,
+from export.serve.placement import (balancedness, count_replicas, native_table, plan_replicas, rank_loads, replica_slots,
                               split_load)
 
 
@@ -59,10 +59,12 @@ def package(small_run, tmp_path_factory):
 
 @pytest.mark.parametrize("policy, resident", [("none", 1.0), ("reactive", 1.0), ("reactive", 0.25)])
 def test_placed_experts_give_the_reference_outputs(package, policy, resident):
-    from export.runtime import Engine, SamplingParams, generate
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine, SamplingParams, generate
 
-    ref = Engine.from_package(package)
-    placed = Engine.from_package(package, placement=policy, replica_budget=0.5, resident_experts=resident)
+    ref = Engine.from_config(ServeConfig(package=package))
+    placed = Engine.from_config(ServeConfig(package=package, placement=policy, replica_budget=0.5,
+                                            resident_experts=resident))
     prompts = [ref.encode(p) for p in ("And God said", "To be, or not to be", "The LORD", "O Romeo, Romeo")]
     with torch.no_grad():
         ids = torch.tensor([prompts[1]])
@@ -106,10 +108,12 @@ def test_predictor_is_stored_verifiable_and_beats_the_frequency_baseline(predict
 
 
 def test_predictive_placement_keeps_outputs_and_its_thread_stops(predicted_package):
-    from export.runtime import Engine, SamplingParams, generate
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine, SamplingParams, generate
 
-    ref = Engine.from_package(predicted_package)
-    eng = Engine.from_package(predicted_package, placement="predictive", replica_budget=0.5, resident_experts=0.5)
+    ref = Engine.from_config(ServeConfig(package=predicted_package))
+    eng = Engine.from_config(ServeConfig(package=predicted_package, placement="predictive", replica_budget=0.5,
+                                         resident_experts=0.5))
     prompts = [ref.encode(p) for p in ("And God said", "To be, or not to be", "The LORD", "O Romeo, Romeo")] * 2
     want = generate(ref, prompts, SamplingParams(max_tokens=10))
     got = generate(eng, prompts, SamplingParams(max_tokens=10))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import ROOT, cli
-from pipeline.plan import plan
+from distill.plan import plan
 from pipeline.recipe import load_recipe
 
 # PAPER.md: a GPT-2-style count reproduces the paper's sizes (4B/3.5B, 31B/27B) to its rounding

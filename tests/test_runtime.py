@@ -1,4 +1,4 @@
-"""export/runtime.py: continuous batching over the slot KV cache gives each request what it would get alone."""
+"""export/serve/engine.py: continuous batching over the slot KV cache gives each request what it would get alone."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import model_config
 
 @pytest.fixture(scope="module")
 def engine():
-    from export.runtime import Engine
+    from export.serve.engine import Engine
     from pipeline.data import gpt2_tokenizer
     from pipeline.model import GPT, init_weights
 
@@ -33,7 +33,7 @@ def alone(engine, prompt: list[int], n: int) -> list[int]:
 
 
 def test_staggered_arrivals_share_steps_and_match_each_request_alone(engine):
-    from export.runtime import SamplingParams
+    from export.serve.engine import SamplingParams
 
     prompts = [engine.encode(t) for t in ("And God said", "To be, or not to be, that is the question:",
                                           "In the beginning God created the heaven and the earth. And the")]
@@ -53,7 +53,7 @@ def test_staggered_arrivals_share_steps_and_match_each_request_alone(engine):
 
 
 def test_seeded_sampling_is_reproducible_and_top_p_limits_the_choice(engine):
-    from export.runtime import SamplingParams, generate, sample
+    from export.serve.engine import SamplingParams, generate, sample
 
     p = engine.encode("And God said")
     a, b = (generate(engine, [p], SamplingParams(max_tokens=8, temperature=1.0, seed=7))[0].generated for _ in range(2))
@@ -65,7 +65,7 @@ def test_seeded_sampling_is_reproducible_and_top_p_limits_the_choice(engine):
 
 
 def test_stop_strings_and_end_of_text(engine):
-    from export.runtime import SamplingParams, generate
+    from export.serve.engine import SamplingParams, generate
 
     p = engine.encode("And God said")
     free = generate(engine, [p], SamplingParams(max_tokens=10, temperature=0))[0]

@@ -73,7 +73,7 @@ def complete(url: str, **body) -> requests.Response:
 
 
 def reference_greedy(package: Path, prompt: str, n: int) -> tuple[list[int], list[int], object]:
-    from export.package import load_package
+    from export.inference import load_package
 
     model, tok = load_package(package)
     ids = tok.encode(prompt)
@@ -238,7 +238,7 @@ LAYOUTS = {
     "ep2": (["--ep-size", "2"], 2, "expert parallel 2"),  # 2 ranks implied by --ep-size
     "tp2": (["--nproc", "2", "--tp-size", "2"], 2, "tensor slicing 2"),
     "expert-slicing": (["--nproc", "4", "--ep-size", "2"], 4, "expert slicing 2"),
-    # experts placed by a replica table (export/placement.py), half of them resident
+    # experts placed by a replica table (export/serve/placement.py), half of them resident
     "placed-reactive": (["--ep-size", "2", "--placement", "reactive", "--replica-budget", "0.5",
                          "--resident-experts", "0.5"], 2, "expert parallel 2"),
 }

@@ -29,7 +29,8 @@ def finished(tmp_path_factory) -> Path:
 
 def test_stage_writes_exactly_its_files(finished):
     stage = finished / "teacher"
-    assert sorted(p.name for p in finished.iterdir()) == ["metrics.jsonl", "recipe.yaml", "teacher"]
+    assert sorted(p.name for p in finished.iterdir()) == ["metrics.jsonl", "metrics.png", "recipe.yaml", "teacher"]
+    assert (finished / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the training curves, drawn
     top = sorted(p.name for p in stage.iterdir())
     assert top == ["DONE.json", "checkpoints", "config.json", "model.safetensors", "tokenizer", "world_size"]
     ckpts = sorted(p.name for p in (stage / "checkpoints").iterdir())

@@ -36,9 +36,9 @@ from .moe_model import GPT, KVCache
 
 
 class _CacheView:
-    """A Hugging Face `Cache` behind the interface moe_model's attention calls (`length`,
-    `update(layer, k, v)`); `length` is the cached length before this forward (GPT.forward
-    advances it once all layers ran, whereas the Cache's own length grows layer by layer)."""
+    """A Hugging Face `Cache` as moe_model's cache protocol (`moe_model.Cache`): `length` is the cached
+    length before this forward (GPT.forward advances it once all layers ran, whereas the Cache's own
+    length grows layer by layer); one length for the whole batch, so no positions or mask."""
 
     def __init__(self, cache: Cache):
         self.cache = cache
@@ -46,6 +46,15 @@ class _CacheView:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.update(k, v, layer)  # [B, H, past+T, C/H] each
+
+    def positions(self, T: int) -> None:
+        return None
+
+    def attention_mask(self, T: int) -> None:
+        return None
+
+    def advance(self, T: int) -> None:
+        self.length += T
 
 
 class _GenerationConfig(GenerationConfig):

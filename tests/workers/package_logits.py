@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from export.package import load_package
+from export.inference import load_package
 from pipeline import dist
 
 ranks = dist.init()

@@ -2,7 +2,7 @@
 predicts which expert each MoE layer will route the sequence's *next* token to.
 
     moe-pipeline predictor train runs/tiny/package      # traces -> SRU -> predictor.* in the package
-    moe-pipeline serve runs/tiny/package --ep-size 2 --placement predictive --replica-budget 0.25
+    moe-pipeline serve runs/tiny/package --ep-size 2 --placement predictive
 
 Traces: the package's own model runs over blocks of its training split (the recipe in the
 manifest names the data; the tokenizer is the package's) and records, for every token and MoE
@@ -38,7 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from export.placement import Policy, keep_or_replace, plan_replicas
+from export.serve.placement import Policy, keep_or_replace, plan_replicas
+from pipeline.model import route, router_logits
 
 WEIGHTS = "predictor.safetensors"
 CONFIG = "predictor.json"
@@ -107,8 +108,9 @@ def record_routes(model, blocks: torch.Tensor, batch: int = 16) -> torch.Tensor:
 
     def hook(module, args):
         x = args[0]
-        wg = module.moe.deepspeed_moe.gate.wg.weight
-        seen.append(F.linear(x.reshape(-1, x.shape[-1]).float(), wg.float()).argmax(-1).view(x.shape[:-1]))
+        logits = router_logits(x.reshape(-1, x.shape[-1]), module.moe.deepspeed_moe.gate.wg.weight)
+        r = route(logits, module.cfg.top_k, module.cfg.top_k > 1)
+        seen.append(r.experts[:, 0].view(x.shape[:-1]))  # the first choice
 
     handles = [m.register_forward_pre_hook(hook) for m in moes]
     out = []
@@ -135,12 +137,12 @@ def _blocks(tokens, seq_len: int, count: int, seed: int) -> torch.Tensor:
 
 def traces(pkg: Path, train_blocks: int, val_blocks: int, seed: int = 0, model=None):
     """(train ids, train routes, val ids, val routes) from the package's model over its run's data."""
-    from export.package import MANIFEST, load_package
+    from export.inference import load_package
     from pipeline import data as data_lib
+    from pipeline.artifacts import cache_root, read_manifest
     from pipeline.recipe import validate
-    from pipeline.teacher import cache_root
 
-    manifest = json.loads((Path(pkg) / MANIFEST).read_text())
+    manifest = read_manifest(pkg)
     if "recipe" not in manifest:
         raise ValueError(f"{pkg}: its manifest names no recipe, so the training text is unknown")
     recipe = validate(manifest["recipe"])
@@ -241,8 +243,7 @@ def save_predictor(pkg: Path, model: SRUPredictor, info: dict) -> None:
     (each file written to a temporary name, then renamed; the manifest last)."""
     from safetensors.torch import save_file
 
-    from export.package import MANIFEST
-    from pipeline.files import atomic_write_text, sha256_file
+    from pipeline.artifacts import MANIFEST, atomic_write_text, sha256_file
 
     pkg = Path(pkg)
     tmp = pkg / (WEIGHTS + ".tmp")

@@ -1,28 +1,26 @@
-"""The inference runtime behind `moe-pipeline serve`: a package on this rank, continuous batching.
+"""The serving engine behind `moe-pipeline serve`: a package on this rank, continuous batching.
 
-    from export.runtime import Engine, SamplingParams
-    engine = Engine.from_package("runs/tiny/package")
-    seq = engine.submit(engine.encode("And God said"), SamplingParams(max_tokens=16))
-    while not seq.finished:
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine, SamplingParams
+    engine = Engine.from_config(ServeConfig(package="runs/tiny/package"))
+    req = engine.submit(engine.encode("And God said"), SamplingParams(max_tokens=16))
+    while not req.finished:
         engine.step()
-    print(engine.decode(seq.generated))
+    print(engine.decode(req.generated))
 
-Sequences share decode steps: `step()` first prefills the sequences that arrived since the last
+Requests share decode steps: `step()` first prefills the requests that arrived since the last
 step (each alone, its whole prompt, into a free row of the `SlotCache`), then runs ONE forward of
-one token for every running sequence, samples each sequence's next token, and retires the
-finished ones (their rows are reused). A request that arrives while others decode joins at the
-next step; nobody waits for a batch to drain.
+one token for every running request, samples each one's next token, and retires the finished
+ones (their rows are reused). A request that arrives while others decode joins at the next step;
+nobody waits for a batch to drain.
 
-`SlotCache` is a KV cache with one row per running sequence and a length per row, so rows of
+`SlotCache` is a KV cache with one row per running request and a length per row, so rows of
 different lengths decode together: keys are written at each row's own position, each query sees
 its row's keys up to its own position (an explicit attention mask), and positions are per row.
-pipeline/model.py uses it through the same three members as its `KVCache` (`length`, `update`,
-and the `positions` / `attention_mask` hooks).
+It implements pipeline/model.py's cache protocol (`Cache`), as the model's own `KVCache` does.
 
-Multi-rank (expert parallel): every rank must run the same forwards (DeepSpeed's all-to-all joins
-all ranks in every MoE layer). Rank 0 owns the scheduler; before each forward it broadcasts the
-plan (which rows, which input tokens) and the other ranks (`follow()`) run exactly that forward.
-Only rank 0 samples.
+Multi-rank (expert parallel): rank 0 owns the scheduler and sends each forward to the other ranks
+before running it (export/serve/ranks.py); they run exactly that forward. Only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -36,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from export.serve import ranks as rank_msgs
+from export.serve.config import ServeConfig
 from pipeline.model import GPT, ModelConfig
 
 
@@ -69,16 +69,14 @@ class SlotCache:
         self._pos: dict[int, torch.Tensor] = {}
         return self
 
-    # the interface pipeline/model.py uses
+    # pipeline.model.Cache
     @property
     def length(self) -> int:  # for the model's context check: the longest selected row
         return max(self._start, default=0)
 
-    @length.setter
-    def length(self, value: int) -> None:  # the model adds T after a forward: advance every selected row
-        step = value - self.length
+    def advance(self, T: int) -> None:  # after a forward of T tokens: every selected row is T longer
         for r in self.rows:
-            self.lens[r] += step
+            self.lens[r] += T
         self._start = [self.lens[r] for r in self.rows]
         self._pos = {}
 
@@ -143,7 +141,7 @@ class SamplingParams:
 
 
 @dataclass
-class Sequence:
+class Request:
     id: int
     prompt: list[int]
     params: SamplingParams
@@ -160,8 +158,59 @@ class Sequence:
     first_token_at: float | None = None
     done_at: float | None = None
     generator: torch.Generator | None = None
-    on_token: object = None  # callback(seq) after every new token (streaming), from the engine's thread
+    on_token: object = None  # callback(request) after every new token (streaming), from the engine's thread
     on_finish: object = None
+
+    def score_prompt(self, logits: torch.Tensor) -> None:
+        """echo + logprobs: each prompt token's log-probability and the top alternatives, from logits [T, V]."""
+        logp = F.log_softmax(logits, dim=-1)  # [T, V]: row i predicts prompt token i+1
+        self.prompt_logprobs = [None] + [float(logp[i, t]) for i, t in enumerate(self.prompt[1:])]
+        self.prompt_top = [None] + [_top(logp[i], self.params.logprobs) for i in range(len(self.prompt) - 1)]
+
+    def emit(self, logits: torch.Tensor, eos: int | None, decode) -> bool:
+        """Sample the next token from the last position's logits [V], then check the stop conditions (the end
+        token, a stop string, max_tokens). True if a token was sampled."""
+        if len(self.generated) >= self.params.max_tokens:  # aborted
+            self.finish(self.finish_reason or "length")
+            return False
+        token = sample(logits, self.params, self.generator)
+        if self.params.logprobs is not None:
+            logp = F.log_softmax(logits, dim=-1)
+            self.token_logprobs.append(float(logp[token]))
+            self.top_logprobs.append(_top(logp, self.params.logprobs))
+        self.first_token_at = self.first_token_at or time.perf_counter()
+        self.generated.append(token)
+        if token == eos:
+            self.generated.pop()
+            if self.token_logprobs:
+                self.token_logprobs.pop()
+                self.top_logprobs.pop()
+            self.finish("stop")
+            return True
+        self.text = decode(self.generated)
+        for s in self.params.stop or ():
+            if s and s in self.text:
+                self.text = self.text[:self.text.index(s)]
+                self.finish("stop")
+                return True
+        if self.on_token is not None:
+            self.on_token(self)
+        if len(self.generated) >= self.params.max_tokens:
+            self.finish("length")
+        return True
+
+    def finish(self, reason: str) -> None:
+        self.finished, self.finish_reason, self.done_at = True, reason, time.perf_counter()
+        if self.on_finish is not None:
+            self.on_finish(self)
+
+
+def _top(logp: torch.Tensor, k: int) -> dict[int, float]:
+    """The k most probable tokens and their log-probabilities."""
+    if k <= 0:
+        return {}
+    vals, idx = logp.topk(k)
+    return {int(i): float(v) for i, v in zip(idx, vals)}
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -174,6 +223,40 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         keep = sorted_p.cumsum(0) - sorted_p < params.top_p  # the smallest prefix whose mass reaches top_p
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+# -- expert load -------------------------------------------------------------------------------------
+
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer over every forward so far (prompts included), and the
+    load that puts on each rank under the model's layout (an expert held by several ranks with expert
+    slicing loads each of them)."""
+
+    def __init__(self, cfg: ModelConfig, world: int, layout=None):
+        self.tokens = [torch.zeros(e, dtype=torch.long) for e in cfg.experts]
+        self.last: list[list[int]] = []  # the last forward's counts
+        self.holders = []  # [layer][expert] -> the ranks that hold it
+        for i, experts in enumerate(cfg.experts):
+            ep = layout.ep[i] if layout is not None else 1
+            local = experts // ep
+            self.holders.append([[r for r in range(world) if r % ep == e // local] for e in range(experts)])
+        self.world = world
+
+    def add(self, counts: list[torch.Tensor]) -> None:
+        self.last = [c.to("cpu", torch.long).tolist() for c in counts]
+        for total, c in zip(self.tokens, counts):
+            total += c.to("cpu", torch.long)
+
+    def per_rank(self) -> list[list[int]]:
+        """For each MoE layer, the tokens routed to the experts each rank holds."""
+        out = []
+        for counts, holders in zip(self.tokens, self.holders):
+            per_rank = [0] * self.world
+            for e, ranks in enumerate(holders):
+                for r in ranks:
+                    per_rank[r] += int(counts[e])
+            out.append(per_rank)
+        return out
 
 
 # -- the engine --------------------------------------------------------------------------------------
@@ -191,45 +274,42 @@ class Engine:
                                heads=model.blocks[0].attn.num_heads)
         self.max_batch = max_batch
         self.eos = tokenizer.eos_token_id
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
         self.lock = threading.Lock()
         self.ids = itertools.count()
         self.steps = 0
         self.stats = {"forwards": 0, "tokens_in": 0, "tokens_out": 0, "batch_sizes": []}
-        # tokens routed to each expert of each MoE layer, over every forward so far (prompts included)
-        self.expert_tokens = [torch.zeros(e, dtype=torch.long) for e in self.cfg.experts]
-        self._last_counts: list[list[int]] = []
-        # expert placement (export/placement.py): this rank's side, and rank 0's policy
+        self.load = ExpertLoad(self.cfg, ranks.world if ranks is not None else 1, getattr(model, "layout", None))
+        # expert placement (export/serve/placement.py): this rank's side, and rank 0's policy
         self.placement = getattr(model, "placement", None)
         self.policy = None
         self.rank_status: list[dict] = []  # every rank's last answer to `ping` (rank 0)
         self.rank_status_at: float | None = None
 
     @classmethod
-    def from_package(cls, pkg, ranks=None, ep_size=None, dtype=None, max_batch: int = 32,
-                     checksums: bool = True, tp_size: int | None = None, placement: str | None = None,
-                     replica_budget: float = 0.25, resident_experts: float = 1.0) -> "Engine":
-        """`placement` (none|reactive|predictive): experts placed by export/placement.py, with replicas up to
-        `replica_budget` of a rank's expert memory and `resident_experts` of its experts resident."""
-        from export.package import load_package
+    def from_config(cls, config: ServeConfig, ranks=None) -> "Engine":
+        """The engine for `config` on this rank: the package loaded for its layout (export/inference.py), or with
+        `placement` the experts placed by a replica table (export/serve/placement.py) and rank 0's policy.
+        Collective with several ranks."""
+        from export.inference import load_package
+        from export.package import package_dtype, read_package, read_tokenizer
         from pipeline import dist
 
         ranks = ranks or dist.init()
-        if placement is not None and not replica_budget >= 0:
-            raise ValueError(f"--replica-budget {replica_budget}: a fraction >= 0 of a rank's expert memory")
-        model, tok = load_package(pkg, ranks, ep_size=ep_size, checksums=checksums, dtype=dtype, tp_size=tp_size,
-                                  placed=placement is not None, resident_fraction=resident_experts)
-        engine = cls(model, tok, max_batch=max_batch, ranks=ranks)
-        if placement is not None and ranks.rank == 0:
-            from export.placement import make_policy
+        if config.placement is None:
+            model, tok = load_package(config.package, ranks, ep_size=config.ep_size, checksums=config.checksums,
+                                      dtype=config.dtype, tp_size=config.tp_size)
+        else:
+            from export.serve.placement import placed_model
 
-            predictor = None
-            if placement == "predictive":
-                from export.predictor import load_predictor
-
-                predictor = load_predictor(pkg)
-            engine.policy = make_policy(placement, model.cfg, ranks.world, replica_budget, predictor)
+            cfg, manifest = read_package(config.package, config.checksums)
+            model = placed_model(cfg, config.package, ranks, package_dtype(manifest, config.dtype),
+                                 config.resident_experts)
+            tok = read_tokenizer(config.package)
+        engine = cls(model, tok, max_batch=config.max_batch, ranks=ranks)
+        if config.placement is not None and ranks.rank == 0:
+            engine.policy = make_policy(config, model.cfg, ranks.world)
         return engine
 
     def encode(self, text: str) -> list[int]:
@@ -240,13 +320,13 @@ class Engine:
 
     # -- scheduling (rank 0) ---------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, on_token=None, on_finish=None) -> Sequence:
+    def submit(self, prompt: list[int], params: SamplingParams, on_token=None, on_finish=None) -> Request:
         if not prompt:
             raise ValueError("prompt: empty (give at least one token)")
         if len(prompt) + params.max_tokens > self.cfg.seq_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"model's context of {self.cfg.seq_len}")
-        seq = Sequence(next(self.ids), list(prompt), params, on_token=on_token, on_finish=on_finish)
+        seq = Request(next(self.ids), list(prompt), params, on_token=on_token, on_finish=on_finish)
         if self.policy is not None:
             self.policy.submitted(seq)
         if params.temperature > 0:
@@ -268,29 +348,26 @@ class Engine:
         for seq in seqs:
             if not seq.finished:
                 seq.text = message
-                self._finish(seq, "error")
+                seq.finish("error")
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Request) -> None:
         seq.finish_reason = seq.finish_reason or "abort"
         seq.params.max_tokens = len(seq.generated)  # retired at the next step
 
     def _forward(self, rows: list[int], tokens: torch.Tensor, reset: list[int] = (), kind: str = "decode",
-                 seqs: list[Sequence] = (), last_only: bool = False) -> torch.Tensor:
+                 seqs: list[Request] = (), last_only: bool = False) -> torch.Tensor:
         """Logits [B, T, V] (fp32) of `tokens` [B, T] appended to `rows` ([B, 1, V]: the last position's only,
         with `last_only`); every rank runs it. With expert placement, rank 0's policy gives the replica
         table (and the experts to prefetch) for this forward."""
-        from pipeline import dist
-
         table = expect = None
         if self.policy is not None:
             table, expect = self.policy.table_for(kind, seqs)
-        if self.ranks is not None and self.ranks.world > 1:
-            dist.broadcast_json(["forward", rows, tokens.tolist(), list(reset), table, expect, last_only])
+        rank_msgs.send(rank_msgs.Forward(rows, tokens.tolist(), list(reset), table, expect, last_only))
         if self.placement is not None:
             self.placement.apply(table, expect)
         logits = self._run(rows, tokens, last_only)
         if self.policy is not None:
-            self.policy.observed(self._last_counts, kind, seqs)
+            self.policy.observed(self.load.last, kind, seqs)
         return logits
 
     @torch.no_grad()
@@ -298,35 +375,22 @@ class Engine:
         self.stats["forwards"] += 1
         # last_only (a prefill): project to the vocabulary at the position that is sampled from only
         out = self.model(tokens.to(self.device), cache=self.cache.select(rows), hidden_only=last_only)
-        self._last_counts = [c.to("cpu", torch.long).tolist() for c in out.expert_counts]
-        for total, counts in zip(self.expert_tokens, out.expert_counts):
-            total += counts.to("cpu", torch.long)
+        self.load.add(out.expert_counts)
         if last_only:
             return self.model.lm_head(out.hidden[:, -1:]).float()
         return out.logits.float()
 
-    def expert_ranks(self) -> list[list[list[int]]]:
-        """For each MoE layer and expert, the global ranks that hold it (several with expert slicing)."""
-        world = self.ranks.world if self.ranks is not None else 1
-        layout = getattr(self.model, "layout", None)
-        out = []
-        for i, experts in enumerate(self.cfg.experts):
-            ep = layout.ep[i] if layout is not None else 1
-            local = experts // ep
-            out.append([[r for r in range(world) if r % ep == e // local] for e in range(experts)])
-        return out
+    @property
+    def expert_tokens(self) -> list[torch.Tensor]:
+        return self.load.tokens
 
     def rank_expert_tokens(self) -> list[list[int]]:
-        """For each MoE layer, the tokens routed to the experts each rank holds (its expert load)."""
-        world = self.ranks.world if self.ranks is not None else 1
-        out = []
-        for counts, holders in zip(self.expert_tokens, self.expert_ranks()):
-            per_rank = [0] * world
-            for e, ranks in enumerate(holders):
-                for r in ranks:
-                    per_rank[r] += int(counts[e])
-            out.append(per_rank)
-        return out
+        return self.load.per_rank()
+
+    def _emit(self, seq: Request, logits: torch.Tensor) -> int:
+        made = seq.emit(logits, self.eos, self.decode)
+        self.stats["tokens_out"] += made
+        return int(made)
 
     def step(self) -> int:
         """Admit, prefill, one decode step for all running sequences, retire. Returns tokens generated."""
@@ -341,147 +405,67 @@ class Engine:
                                    seqs=[seq], last_only=not scored)[0]  # [T, V] or [1, V]
             self.stats["tokens_in"] += len(seq.prompt)
             if scored:
-                self._prompt_logprobs(seq, logits)
+                seq.score_prompt(logits)
             self.running.append(seq)
-            self._emit(seq, logits[-1])
-            made += 1
+            made += self._emit(seq, logits[-1])
         live = [s for s in self.running if not s.finished and s not in admitted]
         if live:
             self.stats["batch_sizes"].append(len(live))
             logits = self._forward([s.slot for s in live], torch.tensor([[s.generated[-1]] for s in live]),
                                    kind="decode", seqs=live)
             for seq, row in zip(live, logits[:, -1]):
-                self._emit(seq, row)
-                made += 1
+                made += self._emit(seq, row)
         for seq in [s for s in self.running if s.finished]:
             self.running.remove(seq)
             self.cache.release(seq.slot)
         self.steps += 1
         return made
 
-    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
-        logp = F.log_softmax(logits, dim=-1)  # [T, V]: row i predicts prompt token i+1
-        seq.prompt_logprobs = [None] + [float(logp[i, t]) for i, t in enumerate(seq.prompt[1:])]
-        k = seq.params.logprobs
-        seq.prompt_top = [None] + [self._top(logp[i], k) for i in range(len(seq.prompt) - 1)]
-
-    @staticmethod
-    def _top(logp: torch.Tensor, k: int) -> dict[int, float]:
-        if k <= 0:
-            return {}
-        vals, idx = logp.topk(k)
-        return {int(i): float(v) for i, v in zip(idx, vals)}
-
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample seq's next token from its last position's logits, then check the stop conditions."""
-        if len(seq.generated) >= seq.params.max_tokens:  # aborted
-            self._finish(seq, seq.finish_reason or "length")
-            return
-        token = sample(logits, seq.params, seq.generator)
-        if seq.params.logprobs is not None:
-            logp = F.log_softmax(logits, dim=-1)
-            seq.token_logprobs.append(float(logp[token]))
-            seq.top_logprobs.append(self._top(logp, seq.params.logprobs))
-        seq.first_token_at = seq.first_token_at or time.perf_counter()
-        seq.generated.append(token)
-        self.stats["tokens_out"] += 1
-        if token == self.eos:
-            seq.generated.pop()
-            if seq.token_logprobs:
-                seq.token_logprobs.pop()
-                seq.top_logprobs.pop()
-            self._finish(seq, "stop")
-            return
-        seq.text = self.decode(seq.generated)
-        for s in seq.params.stop or ():
-            if s and s in seq.text:
-                seq.text = seq.text[:seq.text.index(s)]
-                self._finish(seq, "stop")
-                return
-        if seq.on_token is not None:
-            seq.on_token(seq)
-        if len(seq.generated) >= seq.params.max_tokens:
-            self._finish(seq, "length")
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finished, seq.finish_reason, seq.done_at = True, reason, time.perf_counter()
-        if seq.on_finish is not None:
-            seq.on_finish(seq)
-
-    # -- other ranks -------------------------------------------------------------------------------------
+    # -- the other ranks (export/serve/ranks.py) --------------------------------------------------------
 
     def follow(self) -> None:
-        """Ranks > 0: run every forward rank 0 announces, until it says stop."""
-        from pipeline import dist
-
+        """Ranks > 0: run every forward rank 0 sends, answer its pings, until it says stop."""
         while True:
-            msg = dist.broadcast_json(None)
-            if msg[0] == "stop":
+            msg = rank_msgs.receive()
+            if isinstance(msg, rank_msgs.Stop):
                 return
-            if msg[0] == "ping":  # rank 0 checks that every rank is alive and asks how it is
+            if isinstance(msg, rank_msgs.Ping):  # rank 0 checks that every rank is alive and asks how it is
                 self._status()
                 continue
-            _, rows, tokens, reset, table, expect, last_only = msg
-            for r in reset:  # a prefill starts its row at length 0
+            for r in msg.reset:  # a prefill starts its row at length 0
                 self.cache.lens[r] = 0
             if self.placement is not None:
-                self.placement.apply(table, expect)
-            self._run(rows, torch.tensor(tokens), last_only)
+                self.placement.apply(msg.table, msg.expect)
+            self._run(msg.rows, torch.tensor(msg.tokens), msg.last_only)
 
     def ping(self) -> None:
         """Rank 0: one round trip with every rank (a dead rank makes it raise within the collective's
         timeout); records each rank's status in `rank_status`."""
-        from pipeline import dist
-
-        if self.ranks is not None and self.ranks.world > 1:
-            dist.broadcast_json(["ping"])
-        self.rank_status = self._status()
+        rank_msgs.send(rank_msgs.Ping())
+        self.rank_status = [s.to_dict() for s in self._status()]
         self.rank_status_at = time.time()
 
-    def _status(self) -> list[dict]:
-        """Collective: every rank's (rank, pid, forwards run, resident MiB), gathered as numbers (no pickle)."""
-        import os
-
-        import torch.distributed as td
-
-        pl = self.placement
-        held = pl.resident_bytes() if pl is not None else {"native": 0, "replicas": 0, "native_full": 0}
-        mine = torch.tensor([self.ranks.rank if self.ranks else 0, os.getpid(), self.stats["forwards"], _rss_mib(),
-                             pl.stats.hits if pl else 0, pl.stats.misses if pl else 0, held["native"],
-                             held["replicas"], held["native_full"]], dtype=torch.float64)
-        if self.ranks is not None and self.ranks.world > 1:
-            rows = [torch.zeros_like(mine) for _ in range(self.ranks.world)]
-            td.all_gather(rows, mine)
-        else:
-            rows = [mine]
-        out = []
-        for r in rows:
-            status = {"rank": int(r[0]), "pid": int(r[1]), "forwards": int(r[2]), "rss_mib": round(float(r[3]), 1)}
-            if pl is not None:
-                status.update(expert_hits=int(r[4]), expert_misses=int(r[5]), native_expert_bytes=int(r[6]),
-                              replica_bytes=int(r[7]), native_expert_bytes_all_resident=int(r[8]))
-            out.append(status)
-        return out
+    def _status(self) -> list[rank_msgs.RankStatus]:
+        return rank_msgs.gather_status(self.ranks.rank if self.ranks else 0, self.stats["forwards"], self.placement)
 
     def stop_followers(self) -> None:
-        from pipeline import dist
-
-        if self.ranks is not None and self.ranks.world > 1:
-            dist.broadcast_json(["stop"])
+        rank_msgs.send(rank_msgs.Stop())
 
 
-def _rss_mib() -> float:
-    """This process's resident memory (Linux /proc), 0 where unavailable."""
-    try:
-        with open("/proc/self/statm") as fh:
-            import os
+def make_policy(config: ServeConfig, cfg: ModelConfig, ep: int):
+    """Rank 0's placement policy for `config.placement` (export/serve/placement.py, predictor.py)."""
+    from export.serve.placement import Policy, ReactivePolicy
 
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    if config.placement == "none":
+        return Policy(cfg, ep, config.replica_budget)
+    if config.placement == "reactive":
+        return ReactivePolicy(cfg, ep, config.replica_budget)
+    from export.serve.predictor import PredictivePolicy, load_predictor
+
+    return PredictivePolicy(cfg, ep, config.replica_budget, load_predictor(config.package))
 
 
-def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
     """Submit `prompts` together and step until all are done (offline batch use and tests)."""
     seqs = [engine.submit(p, SamplingParams(**vars(params))) for p in prompts]
     while not all(s.finished for s in seqs):

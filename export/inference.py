@@ -1,4 +1,10 @@
-"""Multi-rank inference layouts: expert parallelism, tensor slicing and expert slicing (DeepSpeed-MoE).
+"""Loading a package (or a stage directory) for inference on this rank, in a multi-rank layout:
+expert parallelism, tensor slicing and expert slicing (DeepSpeed-MoE). The one place
+`deepspeed.init_inference` enters.
+
+    from export.inference import load_package
+    model, tokenizer = load_package("runs/tiny/package")                 # 1 rank: the reference MoE
+    model, tokenizer = load_package(pkg, ranks, ep_size=2, tp_size=2)    # under the DeepSpeed launcher
 
     moe-pipeline serve PKG --nproc 2                  # expert parallel: each rank holds half the experts
     moe-pipeline serve PKG --nproc 2 --tp-size 2      # + the dense part (attention, dense and residual MLPs) sliced
@@ -23,16 +29,20 @@ layouts, as DeepSpeed-MoE's inference system describes them:
 A rank reads only its part of the weights: the model is built on the meta device, AutoTP slices
 the (still empty) linears, and `pipeline.weights.load_weights` then reads each rank's experts, its
 slice of each sliced expert, and its slice of each tensor-sliced linear (a parameter's `shard`).
+The model runs in `dtype` with the MoE gates in fp32, as DeepSpeed's gating computes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from export.package import package_dtype, read_package, read_tokenizer
+from pipeline.build import build_model, cast_keeping_gates
 from pipeline.model import GPT, MLP, Block, ModelConfig, default_ep_size
 
 # the linears whose outputs AutoTP all-reduces (row-parallel); the other linears of a block are column-parallel
@@ -110,7 +120,7 @@ class SlicedExpert(MLP):
 
         y = F.linear(F.gelu(self.fc1(x)), self.fc2.weight)
         if self.group is None:
-            raise RuntimeError("a sliced expert needs its expert-slicing group (export.parallel.parallelize)")
+            raise RuntimeError("a sliced expert needs its expert-slicing group (export.inference.parallelize)")
         dist.all_reduce(y, group=self.group)
         return y + self.fc2.bias
 
@@ -232,3 +242,58 @@ def parallelize(model: GPT, layout: Layout):
 def local_heads(model: GPT) -> int:
     """Attention heads this rank computes (all of them, or a 1/tp slice under tensor slicing)."""
     return model.blocks[0].attn.num_heads
+
+
+# -- a model for inference on this rank ----------------------------------------------------------------
+
+def inference_moe_impl(world: int, ep_size: int | None) -> str:
+    """The MoE implementation for inference: DeepSpeed's expert-parallel MoE across ranks; alone, the
+    reference MoE (pipeline/model.py), the same math in eval mode (tests/test_model.py) that runs each
+    expert on exactly its tokens, where DeepSpeed's dispatch pads every expert to the busiest one's
+    load when no token is dropped (on the tiny student at batch 32 that is ~1.6x the expert FLOPs)."""
+    return "reference" if world == 1 and (ep_size or 1) == 1 else "deepspeed"
+
+
+def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None = None,
+                    dtype: torch.dtype = torch.float32, tp_size: int | None = None) -> GPT:
+    """The model of `cfg` in eval mode on this rank's device, filled from the weights in `src` (a package or a
+    stage directory), in `dtype` with the gates in fp32 as DeepSpeed's gating computes. On several ranks:
+    expert parallel (each rank reads only its experts), expert slicing when the expert-parallel degree
+    is below the world size, tensor slicing of the dense part with `tp_size`, all through
+    `deepspeed.init_inference`. Collective with several ranks."""
+    from pipeline import dist
+    from pipeline.weights import load_weights
+
+    ranks = ranks or dist.init()
+    layout = plan_layout(cfg, ranks.world, ep_size, tp_size)
+    impl = inference_moe_impl(ranks.world, ep_size)
+    # several ranks: built on the meta device, so that no rank allocates (or initialises) what it will not hold
+    model = build_model(cfg, ranks.world, ep_size, impl=impl, meta=ranks.world > 1, groups=impl == "deepspeed")
+    if impl == "deepspeed":
+        slice_experts(model, layout, ranks.rank)
+    cast_keeping_gates(model, dtype)
+    if ranks.world > 1:
+        mark_for_autotp(model)
+        materialize(model, skip=tp_targets(model) if layout.tp > 1 else set())
+        # kept outside the module tree (the engine is a Module that holds the model)
+        model.__dict__["inference_engine"] = parallelize(model, layout)
+        materialize_tp_layers(model)
+    tied_head = ranks.world > 1 and cfg.tie_embeddings and model.lm_head.weight is not model.wte.weight
+    # init_inference always slices the output layer (DeepSpeed's set_lm_head): a tied one reads its slice of
+    # the embedding, which the weights store once
+    load_weights(model, src, rename=(lambda n: "wte.weight" if n == "lm_head.weight" else n) if tied_head else None)
+    model = model.to(device=dist.device()).eval().requires_grad_(False)
+    model.layout = layout
+    return model
+
+
+def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: bool = True,
+                 dtype: str | None = None, tp_size: int | None = None):
+    """(GPT in eval mode on this rank's device, tokenizer) from a verified package. Collective with several ranks.
+
+    Each rank reads only its own experts; the model runs in the package's dtype (or `dtype`:
+    fp32|bf16|fp16 or float32|bfloat16|float16), the gates in fp32 as DeepSpeed's gating does.
+    """
+    cfg, manifest = read_package(pkg, checksums)
+    model = inference_model(cfg, pkg, ranks, ep_size, package_dtype(manifest, dtype), tp_size)
+    return model, read_tokenizer(pkg)

@@ -10,11 +10,10 @@ their optimizer state by ZeRO over the expert-data-parallel group (activations n
 
 from __future__ import annotations
 
-import torch
-
-from pipeline.model import GPT, ModelConfig, default_ep_size, param_counts, split_expert_key
+from distill.student import select_layers, student_config
+from pipeline.build import meta_counts, meta_model, teacher_config
+from pipeline.model import ModelConfig, default_ep_size, split_expert_key
 from pipeline.recipe import Recipe, TrainSpec
-from pipeline.teacher import model_config
 
 
 def _bytes_per_param(train: TrainSpec) -> dict[str, int]:
@@ -32,13 +31,12 @@ def memory_per_rank(cfg: ModelConfig, ep: list[int], train: TrainSpec, world: in
     """
     per = _bytes_per_param(train)
     local_cfg = ModelConfig(**{**cfg.to_dict(), "experts": tuple(e // d for e, d in zip(cfg.experts, ep))})
-    with torch.device("meta"):
-        local = GPT(local_cfg, moe_impl="reference")
+    local = meta_model(local_cfg)
     moe_index = {i: n for n, i in enumerate(i for i in range(cfg.layers) if cfg.is_moe(i))}
     out = {"weights": 0, "gradients": 0, "optimizer": 0}
     for name, p in local.named_parameters():
-        parts = split_expert_key(name)
-        dp = world if parts is None else world // ep[moe_index[int(parts[0].split(".")[1])]]
+        key = split_expert_key(name)
+        dp = world if key is None else world // ep[moe_index[key.block]]
         n = p.numel()
         out["weights"] += n * per["weights"]
         out["gradients"] += n * per["gradients"] // (dp if train.zero_stage >= 2 else 1)
@@ -49,8 +47,7 @@ def memory_per_rank(cfg: ModelConfig, ep: list[int], train: TrainSpec, world: in
 
 def describe(cfg: ModelConfig, train: TrainSpec, world: int, ep_override: int | None) -> dict:
     ep = [default_ep_size(e, world, ep_override) for e in cfg.experts]
-    with torch.device("meta"):
-        counts = param_counts(GPT(cfg, moe_impl="reference"))
+    counts = meta_counts(cfg)
     mem = memory_per_rank(cfg, ep, train, world)
     return {
         "params_total": counts["total"],
@@ -68,10 +65,8 @@ def describe(cfg: ModelConfig, train: TrainSpec, world: int, ep_override: int | 
 def plan(recipe: Recipe, world: int) -> dict:
     """Teacher and student sizes. The student is the one `student.layer_selection` builds; `importance`
     depends on calibration data, so it is planned with the paper's rule (same counts per layer type)."""
-    from distill.student import select_layers, student_config
-
     ep = recipe.distributed.ep_size
-    teacher = model_config(recipe)
+    teacher = teacher_config(recipe)
     method = "paper" if recipe.student.layer_selection == "importance" else recipe.student.layer_selection
     kept = select_layers(teacher, recipe.student.layers, recipe.moe_layer_count(recipe.student.layers), method)
     return {

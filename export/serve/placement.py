@@ -1,7 +1,7 @@
 """Expert placement in the serving runtime: physical replicas, placement policies, offload and prefetch.
 
-    moe-pipeline serve runs/tiny/package --ep-size 2 --placement reactive --replica-budget 0.25
-    moe-pipeline serve runs/tiny/package --ep-size 2 --placement predictive --replica-budget 0.25
+    moe-pipeline serve runs/tiny/package --ep-size 2 --placement reactive
+    moe-pipeline serve runs/tiny/package --ep-size 2 --placement predictive --replica-budget 0.5
     moe-pipeline serve runs/tiny/package --placement predictive --resident-experts 0.5
 
 With `--placement` the MoE layers run `PlacedMoE` instead of DeepSpeed's dispatch. Every rank runs
@@ -20,7 +20,7 @@ Policies (decided on rank 0, sent with each forward when they change):
   * `reactive` (EPLB-style, as vLLM's and SGLang's): replicas planned from a sliding window of
     observed per-expert load, re-planned every `replan_every` forwards;
   * `predictive` (MoE-MPMC): replicas planned from the demand the SRU predictor
-    (export/predictor.py) expects for the coming forward, prepared by a second thread.
+    (export/serve/predictor.py) expects for the coming forward, prepared by a second thread.
 Capacity capping: a rank holds at most `replica_budget` x (its native experts) replicas, over all
 layers (every expert has the same size, so this is a memory budget); `plan_replicas` adds, one at
 a time, the replica that most lowers a layer's busiest rank, until the budget is spent or no
@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.model import ModelConfig
+from pipeline.model import GPT, MLP, ModelConfig, Gate, expert_key, group_by_expert, mix_residual, route, router_logits
 
 POLICIES = ("none", "reactive", "predictive")
 EXPERT_PARTS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
@@ -190,7 +190,7 @@ class ExpertStore:
     def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype):
         import mmap
 
-        from pipeline.weights import _ST_DTYPES, read_header, weight_files
+        from pipeline.weights import SAFETENSORS_DTYPES, read_header, weight_files
 
         self.src, self.cfg, self.dtype = Path(src), cfg, dtype
         self.where = weight_files(self.src)
@@ -202,14 +202,13 @@ class ExpertStore:
             for key, info in header.items():
                 if ".deepspeed_experts." in key:
                     begin, end = info["data_offsets"]
-                    dt = _ST_DTYPES[info["dtype"]]
+                    dt = SAFETENSORS_DTYPES[info["dtype"]]
                     count = (end - begin) // torch.empty((), dtype=dt).element_size()
                     view = torch.frombuffer(self._maps[f], dtype=dt, count=count, offset=start + begin)
                     self._views[key] = view.view(info["shape"])
 
     def key(self, layer: int, expert: int, part: str) -> str:
-        block = self.cfg.moe_layers[layer]
-        return f"blocks.{block}.mlp.moe.deepspeed_moe.experts.deepspeed_experts.{expert}.{part}"
+        return expert_key(self.cfg.moe_layers[layer], expert, part)
 
     def load(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         return tuple(self._views[self.key(layer, expert, p)].to(self.dtype, copy=True) for p in EXPERT_PARTS)
@@ -364,11 +363,9 @@ class PlacedMoE(nn.Module):
         self.cfg, self.index, self.num_experts = cfg, index, num_experts
         self.impl, self.ep_size = "placed", placement.ep
         self.__dict__["placement"] = placement  # not a submodule
-        from pipeline.model import MLP, _Gate
-
         self.moe = nn.Module()
         self.moe.deepspeed_moe = nn.Module()
-        self.moe.deepspeed_moe.gate = _Gate(cfg.hidden, num_experts)
+        self.moe.deepspeed_moe.gate = Gate(cfg.hidden, num_experts)
         if cfg.mlp_type == "residual":
             self.moe.mlp = MLP(cfg)
             self.moe.coefficient = nn.Linear(cfg.hidden, 2)
@@ -381,30 +378,23 @@ class PlacedMoE(nn.Module):
         cfg, E, pl = self.cfg, self.num_experts, self.placement
         B, T, C = x.shape
         xs = x.reshape(B * T, C)
-        probs = F.linear(xs.float(), self.moe.deepspeed_moe.gate.wg.weight.float()).softmax(dim=-1)  # [S, E]
-        top_p, top_i = probs.topk(cfg.top_k, dim=-1)
-        if cfg.top_k > 1:  # as the reference (no dropping at inference): the kept choices renormalised
-            top_p = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
-        counts = F.one_hot(top_i, E).sum(dim=(0, 1))
-        token, choice = torch.ones_like(top_i, dtype=torch.bool).nonzero(as_tuple=True)
-        expert = top_i[token, choice]
-        order = expert.argsort(stable=True)
-        token, choice = token[order], choice[order]
-        per_expert = torch.bincount(expert, minlength=E).tolist()
+        # no dropping at inference, as the reference MoE
+        r = route(router_logits(xs, self.moe.deepspeed_moe.gate.wg.weight), cfg.top_k, cfg.top_k > 1)
+        token, choice, per_expert = group_by_expert(r, E)
         pieces = split_load([float(c) for c in per_expert], pl.table[self.index], pl.ep, integer=True)
         out = torch.zeros_like(xs)
         loads = [0.0] * pl.ep
         start = 0
         for e, n in enumerate(per_expert):
             offset = start
-            for r, amount in pieces[e]:
+            for rank, amount in pieces[e]:  # this expert's tokens, split between its holders
                 k = int(amount)
-                loads[r] += k
-                if r == pl.rank and k:
+                loads[rank] += k
+                if rank == pl.rank and k:
                     t, c = token[offset:offset + k], choice[offset:offset + k]
                     w1, b1, w2, b2 = pl.weights(self.index, e)
                     y = F.linear(F.gelu(F.linear(xs[t], w1, b1)), w2, b2)
-                    out.index_add_(0, t, y * top_p[t, c, None].to(y.dtype))
+                    out.index_add_(0, t, y * r.weights[t, c, None].to(y.dtype))
                 offset += k
             start += n
         if pl.ep > 1:
@@ -414,9 +404,37 @@ class PlacedMoE(nn.Module):
         pl.observe(self.index, loads)
         out = out.view(B, T, C)
         if cfg.mlp_type == "residual":
-            coef = self.moe.coefficient(x).softmax(dim=-1)
-            out = out * coef[..., 0:1] + self.moe.mlp(x) * coef[..., 1:]
-        return out, probs.new_zeros(()), counts
+            out = mix_residual(self.moe, x, out)
+        return out, r.aux.new_zeros(()), r.counts
+
+
+def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0) -> GPT:
+    """The model with `PlacedMoE` layers on this rank: every rank holds the dense part and the gates;
+    experts come from its `Placement` (its native experts, resident or mapped, plus replicas).
+    Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
+    ServeConfig checks the flags)."""
+    from export.inference import Layout
+    from pipeline import dist
+    from pipeline.build import cast_keeping_gates, meta_model
+    from pipeline.weights import load_weights
+
+    for n in cfg.experts:
+        if n % ranks.world:
+            raise ValueError(f"--placement on {ranks.world} ranks: every MoE layer's experts {list(cfg.experts)} must "
+                             f"divide evenly; choose --nproc accordingly")
+    placement = Placement(cfg, ExpertStore(src, cfg, dtype), ranks.rank, ranks.world, resident_fraction)
+    model = meta_model(cfg)
+    model.to_empty(device="cpu")
+    for i, block in enumerate(b for b in model.blocks if b.is_moe):
+        block.mlp = PlacedMoE(cfg, i, cfg.experts[i], placement)
+    if cfg.tie_embeddings:  # to_empty made the tied head a separate tensor
+        model.lm_head.weight = model.wte.weight
+    cast_keeping_gates(model, dtype)
+    load_weights(model, src)
+    model = model.to(device=dist.device()).eval().requires_grad_(False)
+    model.placement = placement
+    model.layout = Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world)
+    return model
 
 
 # -- rank 0: the policies --------------------------------------------------------------------------------------
@@ -481,18 +499,3 @@ class ReactivePolicy(Policy):
             return None
         return [sorted((e for e in range(n) if any(d[i][e] for d in self.window)),
                        key=lambda e: -sum(d[i][e] for d in self.window)) for i, n in enumerate(self.cfg.experts)]
-
-
-def make_policy(name: str, cfg: ModelConfig, ep: int, budget: float, predictor=None) -> Policy:
-    if name == "none":
-        return Policy(cfg, ep, budget)
-    if name == "reactive":
-        return ReactivePolicy(cfg, ep, budget)
-    if name == "predictive":
-        from export.predictor import PredictivePolicy
-
-        if predictor is None:
-            raise ValueError("--placement predictive needs the package's predictor: run "
-                             "`moe-pipeline predictor train PACKAGE` first")
-        return PredictivePolicy(cfg, ep, budget, predictor)
-    raise ValueError(f"--placement {name!r}: one of {', '.join(POLICIES)}")

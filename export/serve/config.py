@@ -1,0 +1,76 @@
+"""`ServeConfig`: every setting of `moe-pipeline serve`, validated once, frozen, passed whole.
+
+    from export.serve.config import ServeConfig
+    config = ServeConfig(package="runs/tiny/package", ep_size=2, placement="reactive")
+    config.nproc            # 2: `--ep-size 2` alone means 2 ranks
+    ServeConfig.from_flags({"package": ..., "replica_budget": -1})   # ServeConfigError naming --replica-budget
+
+The CLI builds one from its flags (`moe-pipeline serve --help` lists them) and every layer below
+(the server, the engine, the model builders) reads its fields; the defaults live here and nowhere
+else. Checks that need the model (does --ep-size divide every layer's experts?) happen where the
+package is loaded (export/inference.py) and name the same flags.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+API_KEY_ENV = "MOE_PIPELINE_API_KEY"
+PREDICTOR_CONFIG = "predictor.json"  # written by `moe-pipeline predictor train` (export/serve/predictor.py)
+
+
+class ServeConfigError(ValueError):
+    """A serve setting that cannot work: the message names the flag and the fix."""
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    package: Path  # an exported package (moe-pipeline export)
+    host: str = "127.0.0.1"  # this machine only, unless told otherwise
+    port: int = Field(8000, ge=0, le=65535)  # 0: a free port
+    api_key: str | None = None  # require 'Authorization: Bearer KEY' (or $MOE_PIPELINE_API_KEY)
+    max_batch: int = Field(32, ge=1)  # sequences decoding together
+    max_body_bytes: int = Field(1 << 20, ge=1)  # larger request bodies get 413
+    nproc: int | None = Field(None, ge=1)  # ranks; None: the largest of ep_size and tp_size, else 1
+    ep_size: int | None = Field(None, ge=1)  # expert-parallel degree; None: all ranks (at most a layer's experts)
+    tp_size: int | None = Field(None, ge=1)  # tensor slicing of the dense part: 1 or nproc
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None  # None: the package's
+    placement: Literal["none", "reactive", "predictive"] | None = None  # expert placement by a replica table
+    replica_budget: float = Field(0.25, ge=0)  # replicas a rank may hold, a fraction of its own expert memory
+    resident_experts: float = Field(1.0, gt=0, le=1)  # fraction of a rank's experts in memory (the rest mapped)
+    checksums: bool = True  # verify every file's sha256 before loading
+    smoke: str | None = None  # serve, send this one prompt over HTTP, print the answer, shut down
+
+    @model_validator(mode="after")
+    def _flags_agree(self) -> "ServeConfig":
+        if self.nproc is None:  # `serve PKG --ep-size 2` means 2 ranks
+            object.__setattr__(self, "nproc", max(self.ep_size or 1, self.tp_size or 1))
+        if self.placement is None and self.resident_experts != 1.0:
+            raise ValueError("--resident-experts needs --placement (none, reactive or predictive)")
+        if self.placement is not None:
+            if (self.tp_size or 1) > 1:
+                raise ValueError("--placement works with expert parallelism only: drop --tp-size")
+            if (self.ep_size or self.nproc) != self.nproc:
+                raise ValueError(f"--placement needs --ep-size equal to the number of ranks ({self.nproc}): "
+                                 "replicas take the place of expert slicing")
+        if self.placement == "predictive" and not (self.package / PREDICTOR_CONFIG).is_file():
+            raise ValueError(f"--placement predictive: {self.package} has no predictor; run "
+                             f"`moe-pipeline predictor train {self.package}` first")
+        return self
+
+    @classmethod
+    def from_flags(cls, values: dict) -> "ServeConfig":
+        """Validate; a problem raises ServeConfigError with the flag's name (`--replica-budget: ...`)."""
+        try:
+            return cls(**values)
+        except ValidationError as err:
+            e = err.errors(include_url=False)[0]
+            field = str(e["loc"][0]) if e["loc"] else ""
+            message = e["msg"].removeprefix("Value error, ")
+            if field:
+                message = f"--{field.replace('_', '-')} {e.get('input')!r}: {message}"
+            raise ServeConfigError(message) from None

@@ -1,0 +1,106 @@
+"""The server's Prometheus metrics (`GET /metrics`): requests, tokens, latency, batch sizes, expert load
+per expert and per rank, and with expert placement its balance, replicas, prefetch hits and predictor recall.
+
+    curl -s 127.0.0.1:8000/metrics | grep moe_
+
+Counters and histograms are updated as requests finish (`request`, `finished`); gauges are read
+from the engine when /metrics is scraped (`render`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4"
+
+
+class ServeMetrics:
+    def __init__(self):
+        self.registry = reg = CollectorRegistry()
+        self.requests = Counter("moe_requests", "completion requests by HTTP status", ["status"], registry=reg)
+        self.tokens_in = Counter("moe_prompt_tokens", "prompt tokens processed", registry=reg)
+        self.tokens_out = Counter("moe_generated_tokens", "tokens generated", registry=reg)
+        self.latency = Histogram("moe_request_latency_seconds", "request latency", registry=reg,
+                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.ttft = Histogram("moe_time_to_first_token_seconds", "time to first token", registry=reg,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.batch = Histogram("moe_decode_batch_size", "sequences per decode step", registry=reg,
+                               buckets=(1, 2, 4, 8, 16, 32, 64))
+        self.running = Gauge("moe_running_sequences", "sequences decoding now", registry=reg)
+        self.waiting = Gauge("moe_waiting_sequences", "sequences waiting for a slot", registry=reg)
+        self.experts = Gauge("moe_expert_tokens", "tokens routed to each expert since start (prompts included), by "
+                             "MoE layer (0-based among the MoE layers)", ["layer", "expert"], registry=reg)
+        self.rank_experts = Gauge("moe_rank_expert_tokens", "tokens routed to the experts each rank holds since "
+                                  "start, by MoE layer and rank", ["layer", "rank"], registry=reg)
+        self.balance = Gauge("moe_expert_balancedness", "mean / max of the per-rank expert tokens, by MoE layer "
+                             "(1: even)", ["layer"], registry=reg)
+        self.place_balance = Gauge("moe_placement_balancedness", "with --placement: token-weighted mean over "
+                                   "forwards of mean/max tokens per rank as placed (replicas included), by MoE layer",
+                                   ["layer"], registry=reg)
+        self.replicas = Gauge("moe_placement_replicas", "with --placement: replicas in the table in force, by MoE "
+                              "layer", ["layer"], registry=reg)
+        self.hit_rate = Gauge("moe_expert_prefetch_hit_rate", "with --placement: experts needed that were resident "
+                              "or prefetched / experts needed, by rank", ["rank"], registry=reg)
+        self.replica_bytes = Gauge("moe_replica_bytes", "with --placement: bytes of replicas held, by rank", ["rank"],
+                                   registry=reg)
+        self.recall = Gauge("moe_predictor_recall", "with --placement predictive: predicted-active experts among "
+                            "those used, by MoE layer (running mean)", ["layer"], registry=reg)
+        self.table_changes = Gauge("moe_placement_table_changes", "with --placement: replica tables swapped in since "
+                                   "start", registry=reg)
+        self.late = Gauge("moe_predictor_late_steps", "with --placement predictive: decode steps whose predicted "
+                          "table was not ready in time (the one in force was kept)", registry=reg)
+        self.rank_rss = Gauge("moe_rank_resident_mib", "resident memory of each rank at its last health check",
+                              ["rank"], registry=reg)
+        self._seen_batches = 0
+
+    def request(self, status: int) -> None:
+        """A request answered without completing (a 4xx or 5xx)."""
+        self.requests.labels(str(status)).inc()
+
+    def finished(self, req) -> None:
+        """A request (one prompt) completed."""
+        self.requests.labels("200").inc()
+        self.tokens_in.inc(len(req.prompt))
+        self.tokens_out.inc(len(req.generated))
+        if req.first_token_at is not None:
+            self.ttft.observe(req.first_token_at - req.arrived)
+
+    def render(self, engine) -> str:
+        """The exposition text, gauges read from `engine` now."""
+        self.running.set(len(engine.running))
+        self.waiting.set(len(engine.waiting))
+        sizes = engine.stats["batch_sizes"]
+        for b in sizes[self._seen_batches:]:
+            self.batch.observe(b)
+        self._seen_batches = len(sizes)
+        for layer, counts in enumerate(list(engine.expert_tokens)):
+            for e, c in enumerate(counts.tolist()):
+                self.experts.labels(str(layer), str(e)).set(c)
+        for layer, per_rank in enumerate(engine.rank_expert_tokens()):
+            for r, c in enumerate(per_rank):
+                self.rank_experts.labels(str(layer), str(r)).set(c)
+            if max(per_rank):
+                self.balance.labels(str(layer)).set(sum(per_rank) / len(per_rank) / max(per_rank))
+        for status in list(engine.rank_status):
+            self.rank_rss.labels(str(status["rank"])).set(status["rss_mib"])
+            if "expert_hits" in status:
+                needed = status["expert_hits"] + status["expert_misses"]
+                self.hit_rate.labels(str(status["rank"])).set(status["expert_hits"] / needed if needed else 1.0)
+                self.replica_bytes.labels(str(status["rank"])).set(status["replica_bytes"])
+        self._placement(engine)
+        return generate_latest(self.registry).decode()
+
+    def _placement(self, engine) -> None:
+        pl = engine.placement
+        if pl is not None and pl.stats.forwards:
+            from export.serve.placement import count_replicas
+
+            for i, value in enumerate(pl.balancedness()):
+                self.place_balance.labels(str(i)).set(value)
+                self.replicas.labels(str(i)).set(sum(count_replicas([pl.table[i]], pl.ep)))
+        for i, recall in enumerate(getattr(engine.policy, "recall", None) or []):
+            self.recall.labels(str(i)).set(recall)
+        if pl is not None:
+            self.table_changes.set(pl.stats.table_changes)
+        if hasattr(engine.policy, "late"):
+            self.late.set(engine.policy.late)

@@ -1,0 +1,97 @@
+"""What the stages hand each other: artifact file names, how to recognise and read an artifact
+directory, and how to write one safely.
+
+Every stage writes a directory that describes itself (STYLE.md): a stage directory
+(`runs/<name>/teacher/`, `.../student/`) holds `config.json` (the ModelConfig), `model.safetensors`
+(or shards and an index), `tokenizer/` and `DONE.json`; an exported package (export/package.py)
+holds `manifest.json` and Hugging Face's files. This module knows those names and nothing about
+training, evaluation or serving, so every floor can import it.
+
+Writes are atomic (a temporary name, then a rename): a reader sees the old file or the whole new
+one, never a part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from pipeline.model import ModelConfig
+
+# -- file names -----------------------------------------------------------------------------------
+CONFIG = "config.json"  # the model: every ModelConfig field (a package's is Hugging Face-style, the same fields)
+TOKENIZER = "tokenizer"  # a stage directory's tokenizer folder (a package keeps the files at its top level)
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"  # Hugging Face's sharded layout
+DONE = "DONE.json"  # a finished stage: inputs' hashes, outputs, wall time
+MANIFEST = "manifest.json"  # a package: format version, sha256 of every file, provenance
+RECIPE_FILE = "recipe.yaml"  # a run directory's resolved recipe
+
+# -- dtypes: one table for every name a dtype goes by -------------------------------------------------
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # recipes and CLI flags
+DTYPE_ALIASES = {**DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}  # config/manifest
+DTYPE_OF_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def cache_root() -> Path:
+    """Where prepared (tokenized) data is cached: $MOE_PIPELINE_CACHE, else ~/.cache/moe-pipeline."""
+    return Path(os.environ.get("MOE_PIPELINE_CACHE", Path.home() / ".cache" / "moe-pipeline"))
+
+
+# -- recognising artifact directories ------------------------------------------------------------------
+
+def is_package(path: Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def is_model_dir(path: Path) -> bool:
+    """A stage directory (or any directory with a config and consolidated weights)."""
+    path = Path(path)
+    return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / INDEX).is_file())
+
+
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / RECIPE_FILE).is_file()
+
+
+def read_model_config(stage_dir: Path) -> ModelConfig:
+    """The ModelConfig of a stage directory; FileNotFoundError says which file and which command makes it."""
+    path = Path(stage_dir) / CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: make it with `moe-pipeline teacher RECIPE`")
+    return ModelConfig(**json.loads(path.read_text()))
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def read_manifest(pkg: Path) -> dict:
+    path = Path(pkg) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: not a package (make one with `moe-pipeline export RUN`)")
+    return read_json(path)
+
+
+# -- writing ------------------------------------------------------------------------------------------
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old file or the whole new one, never a part."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -1,0 +1,91 @@
+"""Building models: the one place a GPT is constructed for a layout (DeepSpeed's expert-parallel MoE
+or the plain-PyTorch reference, on a device or on the meta device) and filled from a stage directory.
+
+    from pipeline.build import teacher_config, build_model, load_frozen, meta_counts
+    cfg = teacher_config(recipe)                      # the recipe's teacher as a ModelConfig
+    meta_counts(cfg)                                  # {"total": ..., "active_per_token": ...}, no memory
+    teacher = load_frozen("runs/tiny/teacher", ranks) # expert parallel over the ranks, eval mode, no grads
+
+Training builds with `build_model(..., groups=False)` (deepspeed.initialize makes the expert-parallel
+groups); everything else that runs DeepSpeed's MoE layers outside `deepspeed.initialize` gets them
+made here. Inference layouts (tensor and expert slicing, `deepspeed.init_inference`) build on
+`build_model` in export/inference.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from pipeline.artifacts import read_model_config
+from pipeline.model import GPT, ModelConfig, param_counts
+from pipeline.recipe import Recipe
+
+
+def teacher_config(recipe: Recipe) -> ModelConfig:
+    """The teacher's ModelConfig: MoE on layers moe_every, 2*moe_every, ... (1-indexed). A student's comes
+    from the teacher's and the layers it keeps (distill.student.student_config)."""
+    m = recipe.model
+    return ModelConfig(vocab_size=recipe.vocab_size(), seq_len=recipe.data.seq_len,
+                       layers=m.layers, hidden=m.hidden, heads=m.heads, experts=tuple(m.experts),
+                       moe_layers=tuple(range(m.moe_every - 1, m.layers, m.moe_every)),
+                       mlp_type=m.mlp_type,
+                       top_k=m.top_k, capacity_factor=m.capacity_factor,
+                       eval_capacity_factor=m.eval_capacity_factor, min_capacity=m.min_capacity,
+                       aux_loss_coef=m.aux_loss_coef, ffn_mult=m.ffn_mult, dropout=m.dropout,
+                       tie_embeddings=m.tie_embeddings, init_std=m.init_std)
+
+
+def meta_model(cfg: ModelConfig) -> GPT:
+    """The model of `cfg` on the meta device (shapes and names, no memory): every expert local."""
+    with torch.device("meta"):
+        return GPT(cfg, moe_impl="reference")
+
+
+def meta_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Total parameters and those active per token, counted from the model code."""
+    return param_counts(meta_model(cfg))
+
+
+def set_groups(model: GPT) -> None:
+    """Outside deepspeed.initialize, DeepSpeed's MoE layers need their expert-parallel groups made by hand."""
+    for moe in model.moe_layers():
+        if moe.impl == "deepspeed":
+            moe.moe.set_deepspeed_parallelism()
+
+
+def build_model(cfg: ModelConfig, world: int = 1, ep_size: int | None = None, impl: str = "deepspeed",
+                meta: bool = False, groups: bool = True) -> GPT:
+    """The GPT of `cfg` for `world` ranks: DeepSpeed's MoE layers expert parallel with degree `ep_size`
+    (default per layer min(world, experts)), or the reference MoE (`impl="reference"`, one rank).
+    `meta`: on the meta device (a rank then materialises only what it holds). `groups`: make DeepSpeed's
+    expert-parallel groups now (False when deepspeed.initialize will)."""
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = GPT(cfg, moe_impl=impl, world_size=world, ep_size=ep_size)
+    if groups:
+        set_groups(model)
+    return model
+
+
+def load_frozen(stage_dir: Path, world: int, ep_size: int | None, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> GPT:
+    """A finished stage's model, expert parallel over the `world` ranks (each reads only its own experts),
+    on `device` in `dtype`, in eval mode without gradients: the frozen KD teacher, a loaded teacher.
+    Collective with several ranks."""
+    from pipeline.weights import load_weights
+
+    model = build_model(read_model_config(stage_dir), world, ep_size)
+    load_weights(model, stage_dir)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def cast_keeping_gates(model: GPT, dtype: torch.dtype) -> GPT:
+    """`model` in `dtype` with every MoE gate (`...gate.wg`) in fp32: DeepSpeed's gating computes in fp32,
+    and packages store the gates so."""
+    model.to(dtype=dtype)
+    for name, module in model.named_modules():
+        if name.endswith("deepspeed_moe.gate"):
+            module.wg.float()
+    return model

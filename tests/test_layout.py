@@ -1,0 +1,67 @@
+"""The layout's rules, checked: each floor imports only what it stands on.
+
+pipeline/ is the floor: nothing in it but the CLI imports distill/, eval/ or export/; the package
+format and the server load without the training loop; no import cycle between our modules.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, child_env
+
+PACKAGES = ("pipeline", "distill", "eval", "export")
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the project modules it imports (lazy imports inside functions included)."""
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            mods[name] = path
+    graph = {}
+    for name, path in mods.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {m for m in found if m in mods and m != name}
+    return graph
+
+
+def test_pipeline_is_the_floor():
+    upward = [(m, t) for m, targets in _imports().items() if m.startswith("pipeline.") and m != "pipeline.cli"
+              for t in targets if t.split(".")[0] != "pipeline"]
+    assert upward == []
+
+
+def test_no_import_cycle():
+    graph = _imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m, path):
+        state[m] = 1
+        for t in sorted(graph[m]):
+            assert state.get(t) != 1, "import cycle: " + " -> ".join(path + [m, t])
+            if t not in state:
+                visit(t, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_package_format_and_server_load_without_training_code():
+    code = ("import sys; import export.package, export.inference, export.serve.server, export.serve.http, "
+            "export.serve.engine, export.serve.placement, export.serve.predictor, eval.models; "
+            "print(sorted(m for m in sys.modules if m == 'distill' or m.startswith(('distill.', 'pipeline.train', "
+            "'pipeline.teacher', 'deepspeed.runtime.engine'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

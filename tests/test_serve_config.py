@@ -1,0 +1,44 @@
+"""export/serve/config.py: every serve setting validated once, errors naming the flag and the fix."""
+
+import pytest
+
+from export.serve.config import ServeConfig, ServeConfigError
+
+
+def test_defaults_and_the_implied_number_of_ranks(tmp_path):
+    c = ServeConfig(package=tmp_path)
+    assert (c.host, c.port, c.nproc, c.replica_budget, c.resident_experts) == ("127.0.0.1", 8000, 1, 0.25, 1.0)
+    assert ServeConfig(package=tmp_path, ep_size=2).nproc == 2  # `--ep-size 2` alone means 2 ranks
+    assert ServeConfig(package=tmp_path, tp_size=4).nproc == 4
+    assert ServeConfig(package=tmp_path, nproc=4, ep_size=2).nproc == 4
+    with pytest.raises(Exception):  # frozen: passed whole, never changed on the way down
+        c.port = 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"replica_budget": -0.5}, "--replica-budget -0.5: Input should be greater than or equal to 0"),
+    ({"placement": "none", "resident_experts": 1.5}, "--resident-experts 1.5: Input should be less than or equal to 1"),
+    ({"resident_experts": 0.5}, "--resident-experts needs --placement"),
+    ({"placement": "reactive", "nproc": 2, "tp_size": 2}, "--placement works with expert parallelism only"),
+    ({"placement": "reactive", "nproc": 4, "ep_size": 2}, "--placement needs --ep-size equal to the number of ranks"),
+    ({"placement": "predictive"}, "has no predictor; run `moe-pipeline predictor train"),
+    ({"placement": "best"}, "--placement 'best': Input should be 'none', 'reactive' or 'predictive'"),
+    ({"max_batch": 0}, "--max-batch 0: Input should be greater than or equal to 1"),
+    ({"bogus": 1}, "--bogus 1: Extra inputs are not permitted"),
+])
+def test_a_bad_setting_names_its_flag(tmp_path, flags, message):
+    with pytest.raises(ServeConfigError) as err:
+        ServeConfig.from_flags({"package": tmp_path, **flags})
+    assert message in str(err.value)
+
+
+def test_every_cli_flag_is_a_config_field():
+    """`moe-pipeline serve`'s flags are exactly ServeConfig's fields (plus the launcher's --nproc), so a setting
+    cannot be parsed and dropped on the way, and its default lives in one place."""
+    from pipeline.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    dests = {a.dest for a in serve._actions if a.dest != "help"}
+    assert dests == set(ServeConfig.model_fields) - {"checksums"}
+    defaults = serve.parse_args(["pkg"])
+    assert set(vars(defaults)) == {"package", "nproc"}  # nothing else defaulted outside ServeConfig
