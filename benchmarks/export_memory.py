@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, child_env, cli_command  # noqa: E402
+from pipeline.artifacts import read_manifest  # noqa: E402
 
 BIG = ["model.hidden=256", "model.heads=4", "model.experts=[64,64,128]", "teacher.train.steps=2",
        "teacher.train.warmup_steps=1", "teacher.train.eval_batches=1", "teacher.train.eval_every=2",
@@ -92,7 +93,7 @@ def _run(cmd: list[str]) -> None:
 
 
 def _weights_bytes(pkg: Path) -> int:
-    manifest = json.loads((pkg / "manifest.json").read_text())
+    manifest = read_manifest(pkg)
     return sum(manifest["files"][f]["size"] for f in manifest["weights"] if f.endswith(".safetensors"))
 
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in ("fp32", "bf16"):
             pkg = work / f"tiny-student-{dtype}"
             _run([*cli_command(), "export", str(args.tiny_run), "--dtype", dtype, "--out", str(pkg), "--force"])
-            manifest = json.loads((pkg / "manifest.json").read_text())
+            manifest = read_manifest(pkg)
             result["sizes"][dtype] = {"weights_bytes": _weights_bytes(pkg),
                                       "package_bytes": sum(f["size"] for f in manifest["files"].values()),
                                       "params": manifest["params"]}
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
               *[x for s in BIG for x in ("--set", s)]])
     pkg = work / "big-package"
     _run([*cli_command(), "export", str(run), "--stage", "teacher", "--out", str(pkg), "--force"])
-    manifest = json.loads((pkg / "manifest.json").read_text())
+    manifest = read_manifest(pkg)
     whole = _weights_bytes(pkg)
     from safetensors import safe_open
 

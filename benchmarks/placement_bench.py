@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, child_env, cli_command, start_server, stop_server  # noqa: E402
+from pipeline.artifacts import is_package, read_manifest  # noqa: E402
 
 POLICIES = ("none", "reactive", "predictive")
 FRACTIONS = (1.0, 0.5, 0.25)
@@ -117,7 +118,7 @@ def workloads(pkg: Path, n: int, prompt_len: int, seed: int) -> dict[str, list[l
     from pipeline.recipe import validate
     from pipeline.artifacts import cache_root
 
-    manifest = json.loads((pkg / "manifest.json").read_text())
+    manifest = read_manifest(pkg)
     prepared = data_lib.prepare_data(validate(manifest["recipe"]).data, cache_root())
     val = torch.from_numpy(prepared.val.astype("int64"))
     windows = val[: len(val) // prompt_len * prompt_len].view(-1, prompt_len)
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs of each workload per server; the median tokens/s")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "placement")
     args = p.parse_args(argv)
-    if not (args.package / "manifest.json").is_file():
+    if not is_package(args.package):
         p.error(f"--package {args.package}: not a package; run README command 1 first")
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))

@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, start_server, stop_server  # noqa: E402
+from pipeline.artifacts import is_package, read_manifest  # noqa: E402
 
 PROMPTS = ["And God said", "To be, or not to be", "In the beginning", "Now the serpent was more subtil",
            "What light through yonder window", "Blessed are the meek", "Friends, Romans, countrymen",
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="runs of (a), (b), (c) each; the median is reported")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
-    if not (args.package / "manifest.json").is_file():
+    if not is_package(args.package):
         p.error(f"--package {args.package}: not a package; run README command 1, then `moe-pipeline export runs/tiny`")
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_server(proc)
         res.setdefault("layouts", {})[name] = {"args": LAYOUTS[name], "tok_s": r[1] / r[0], "failures": r[3]}
-    manifest = json.loads((args.package / "manifest.json").read_text())
+    manifest = read_manifest(args.package)
     elt = 4 if manifest["dtype"] == "float32" else 2
     active_bytes = manifest["params"]["active_per_token"] * elt
     bw = copy_bandwidth()

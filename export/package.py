@@ -44,8 +44,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.artifacts import (CONFIG, DTYPE_ALIASES, DTYPE_NAMES, DTYPE_OF_NAME, DTYPES, INDEX, MANIFEST, TOKENIZER,
-                                 WEIGHTS, read_manifest, read_model_config, sha256_file)
+from pipeline.artifacts import (CONFIG, DONE, DTYPE_ALIASES, DTYPE_NAMES, DTYPE_OF_NAME, DTYPES, INDEX, MANIFEST,
+                                 RECIPE_FILE, TOKENIZER, WEIGHTS, read_json, read_manifest, read_model_config,
+                                 sha256_file)
 from pipeline.build import meta_counts, meta_model
 from pipeline.data import TOKENIZER_FILES
 from pipeline.model import ModelConfig
@@ -121,11 +122,11 @@ def _provenance(stage_dir: Path) -> dict:
 
     stage_dir = Path(stage_dir).resolve()
     run = stage_dir.parent
-    done = json.loads((stage_dir / "DONE.json").read_text()) if (stage_dir / "DONE.json").is_file() else {}
+    done = read_json(stage_dir / DONE) if (stage_dir / DONE).is_file() else {}
     out = {"run": str(run), "run_name": run.name, "stage": stage_dir.name, "stage_path": str(stage_dir),
            "finished_at": done.get("finished_at"), "steps": done.get("steps"), "val_loss": done.get("val_loss"),
            "recipe_sha256": done.get("inputs", {}).get("recipe_sha256")}
-    recipe_path = run / "recipe.yaml"
+    recipe_path = run / RECIPE_FILE
     if recipe_path.is_file():
         import yaml
 
@@ -138,9 +139,9 @@ def _provenance(stage_dir: Path) -> dict:
         except Exception as err:  # noqa: BLE001 - provenance is best effort; the weights are what matter
             out["recipe_error"] = str(err).splitlines()[0]
     teacher_dir = run / "teacher"
-    if stage_dir.name == "student" and (teacher_dir / "DONE.json").is_file():
-        t_done = json.loads((teacher_dir / "DONE.json").read_text())
-        t_cfg = json.loads((teacher_dir / "config.json").read_text())
+    if stage_dir.name == "student" and (teacher_dir / DONE).is_file():
+        t_done = read_json(teacher_dir / DONE)
+        t_cfg = read_json(teacher_dir / CONFIG)
         out["teacher"] = {"path": str(teacher_dir), "layers": t_cfg["layers"], "experts": t_cfg["experts"],
                           "params": t_done.get("params"), "val_loss": t_done.get("val_loss")}
         selection = stage_dir / "selection.json"
@@ -198,8 +199,8 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
     stage_dir, out = Path(stage_dir), Path(out)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
-    if not (stage_dir / "DONE.json").is_file():
-        raise FileNotFoundError(f"{stage_dir}/DONE.json is missing: the stage is not finished "
+    if not (stage_dir / DONE).is_file():
+        raise FileNotFoundError(f"{stage_dir / DONE} is missing: the stage is not finished "
                                 f"(run `moe-pipeline distill RECIPE` first)")
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists: pass --force to replace it, or --out another directory")

@@ -189,8 +189,11 @@ def _relaunch_if_asked(args, argv: list[str], graceful_rank0: bool = False) -> i
 
 def cmd_serve(args, argv: list[str]) -> int:
     from export.serve.config import ServeConfig, ServeConfigError
+    from pipeline import dist
 
     flags = {k: v for k, v in vars(args).items() if k in ServeConfig.model_fields}
+    if dist.under_launcher():  # relaunched (or started by the launcher): the ranks that are running
+        flags["nproc"] = int(os.environ["WORLD_SIZE"])
     try:
         config = ServeConfig.from_flags(flags)  # validated here, once, before any rank starts
     except ServeConfigError as err:

@@ -98,23 +98,26 @@ class Cache(Protocol):
 
     Implemented by `KVCache` (below: one length for the whole batch), by the serving runtime's
     `SlotCache` (export/serve/engine.py: a length per row, rows of different lengths decoding
-    together) and by the Hugging Face wrapper's view of HF's own `Cache` (export/hf/)."""
+    together) and by the Hugging Face wrapper's view of HF's own `Cache` (export/hf/). A class that
+    subclasses it gets the one-length-per-batch behaviour of the last three."""
 
-    @property
-    def length(self) -> int: ...
+    length: int
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def positions(self, T: int) -> torch.Tensor | None: ...
+    def positions(self, T: int) -> torch.Tensor | None:
+        return None
 
-    def attention_mask(self, T: int) -> torch.Tensor | None: ...
+    def attention_mask(self, T: int) -> torch.Tensor | None:
+        return None
 
-    def advance(self, T: int) -> None: ...
+    def advance(self, T: int) -> None:
+        self.length += T
 
 
-class KVCache:
+class KVCache(Cache):
     """Per-layer key/value buffers for incremental decoding: [B, heads, max_len, head_dim]; one length
-    for the whole batch (a `Cache`)."""
+    for the whole batch."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
         shape = (batch, cfg.heads, max_len, cfg.hidden // cfg.heads)
@@ -130,15 +133,6 @@ class KVCache:
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def positions(self, T: int) -> None:
-        return None
-
-    def attention_mask(self, T: int) -> None:
-        return None
-
-    def advance(self, T: int) -> None:
-        self.length += T
 
 
 class Attention(nn.Module):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.artifacts import RECIPE_FILE, atomic_write_text, sha256_file
+from pipeline.artifacts import DONE, RECIPE_FILE, atomic_write_text, sha256_file
 
 METRICS = "metrics.jsonl"
 METRICS_PLOT = "metrics.png"
@@ -48,7 +48,7 @@ class RunDir:
         return self.root / f"{name}.partial"
 
     def done(self, name: str) -> dict | None:
-        path = self.stage(name) / "DONE.json"
+        path = self.stage(name) / DONE
         return json.loads(path.read_text()) if path.is_file() else None
 
     def check_recipe(self, recipe: Recipe, redo: bool = False) -> None:
@@ -86,7 +86,7 @@ class RunDir:
         files = sorted(str(p.relative_to(work)) for p in work.rglob("*") if p.is_file())
         info = {"stage": name, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **info,
                 "outputs": {f: (work / f).stat().st_size for f in files}}
-        atomic_write_text(work / "DONE.json", json.dumps(info, indent=1))
+        atomic_write_text(work / DONE, json.dumps(info, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(work, final)

@@ -28,33 +28,25 @@ Design:
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache as HFCache
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moe_pipeline import MoEPipelineConfig
-from .moe_model import GPT, KVCache
+from .moe_model import GPT, Cache, KVCache
 
 
-class _CacheView:
+class _CacheView(Cache):
     """A Hugging Face `Cache` as moe_model's cache protocol (`moe_model.Cache`): `length` is the cached
     length before this forward (GPT.forward advances it once all layers ran, whereas the Cache's own
     length grows layer by layer); one length for the whole batch, so no positions or mask."""
 
-    def __init__(self, cache: Cache):
+    def __init__(self, cache: HFCache):
         self.cache = cache
         self.length = cache.get_seq_length()
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.update(k, v, layer)  # [B, H, past+T, C/H] each
-
-    def positions(self, T: int) -> None:
-        return None
-
-    def attention_mask(self, T: int) -> None:
-        return None
-
-    def advance(self, T: int) -> None:
-        self.length += T
 
 
 class _GenerationConfig(GenerationConfig):
@@ -105,8 +97,8 @@ class MoEPipelineForCausalLM(PreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                labels: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                use_cache: bool | None = None, cache: Cache | KVCache | None = None,
+                labels: torch.LongTensor | None = None, past_key_values: HFCache | None = None,
+                use_cache: bool | None = None, cache: HFCache | KVCache | None = None,
                 position_ids: torch.LongTensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 output_attentions: bool | None = None, output_hidden_states: bool | None = None,
                 return_dict: bool | None = None, **kwargs) -> CausalLMOutputWithPast | tuple:

@@ -36,12 +36,12 @@ import torch.nn.functional as F
 
 from export.serve import ranks as rank_msgs
 from export.serve.config import ServeConfig
-from pipeline.model import GPT, ModelConfig
+from pipeline.model import GPT, Cache, ModelConfig
 
 
 # -- the cache ---------------------------------------------------------------------------------------
 
-class SlotCache:
+class SlotCache(Cache):
     """Per-layer K/V buffers [slots, heads, max_len, head_dim] with a length per slot (row).
 
     Lengths are kept as Python ints (no device sync to read them); a forward over some rows reads
