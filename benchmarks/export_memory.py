@@ -8,7 +8,7 @@
 2. Memory: a package whose experts dominate its size, made by the real pipeline: `moe-pipeline
    teacher recipes/tiny.yaml` with wider, more numerous experts (`--set model.hidden=256
    model.experts=[64,64,128] teacher.train.steps=2 ...`) and `moe-pipeline export --stage teacher`.
-   Then `export.package.load_package` in a fresh process, once alone (EP 1) and once on 2 ranks
+   Then `export.inference.load_package` in a fresh process, once alone (EP 1) and once on 2 ranks
    through the DeepSpeed launcher (EP 2, each rank holds half of every layer's experts and reads
    only those tensors), on 2 ranks with the dense part tensor-sliced as well (`--tp-size 2`: each rank reads
    only its slices), and on 4 ranks with experts in pairs of ranks (expert slicing: each rank reads
@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, child_env, cli_command  # noqa: E402
 from pipeline.artifacts import read_manifest  # noqa: E402
+from pipeline.model import split_expert_key  # noqa: E402
 
 BIG = ["model.hidden=256", "model.heads=4", "model.experts=[64,64,128]", "teacher.train.steps=2",
        "teacher.train.warmup_steps=1", "teacher.train.eval_batches=1", "teacher.train.eval_every=2",
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if f.endswith(".safetensors"):
             with safe_open(pkg / f, framework="pt") as sf:
                 for k in sf.keys():
-                    if ".deepspeed_experts." in k:
+                    if split_expert_key(k) is not None:
                         sl = sf.get_slice(k)
                         n = 1
                         for d in sl.get_shape():

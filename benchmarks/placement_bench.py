@@ -115,11 +115,11 @@ def workloads(pkg: Path, n: int, prompt_len: int, seed: int) -> dict[str, list[l
     from export.serve.predictor import record_routes
 
     from pipeline import data as data_lib
-    from pipeline.recipe import validate
+    from pipeline.recipe import validate_stored
     from pipeline.artifacts import cache_root
 
     manifest = read_manifest(pkg)
-    prepared = data_lib.prepare_data(validate(manifest["recipe"]).data, cache_root())
+    prepared = data_lib.prepare_data(validate_stored(manifest["recipe"]).data, cache_root())
     val = torch.from_numpy(prepared.val.astype("int64"))
     windows = val[: len(val) // prompt_len * prompt_len].view(-1, prompt_len)
     windows = windows[(windows != prepared.eod_id).all(dim=1)]  # within one document

@@ -62,7 +62,7 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{self.world} rank(s)"]
-        if self.world > 1:
+        if self.world > 1 and self.ep:
             parts.append(f"expert parallel {'/'.join(map(str, self.ep))}")
         if any(self.world > e for e in self.ep):
             parts.append(f"expert slicing {'/'.join(str(self.world // e) for e in self.ep)}")
@@ -207,10 +207,11 @@ def parallelize(model: GPT, layout: Layout):
     # keep_module_on_host: the sliced layers are still meta here (filled after, slice by slice); the caller
     # moves the loaded model to its device
     kwargs = dict(dtype=dtype, replace_with_kernel_inject=False, keep_module_on_host=True,
-                  moe={"enabled": True, "ep_size": max(layout.ep), "moe_experts": list(model.cfg.experts),
-                       "type": moe_type},
                   # slices in whole heads: AutoTP splits dimensions in grains of tp_grain_size (default 64)
                   tensor_parallel={"tp_size": layout.tp, "tp_grain_size": model.cfg.hidden // model.cfg.heads})
+    if layout.ep:  # a dense model (no MoE layer) has no expert groups to make
+        kwargs["moe"] = {"enabled": True, "ep_size": max(layout.ep), "moe_experts": list(model.cfg.experts),
+                         "type": moe_type}
     if layout.tp > 1:
         kwargs["injection_policy"] = {Block: ALL_REDUCE_LINEARS}
     engine = deepspeed.init_inference(model, **kwargs)
@@ -237,11 +238,6 @@ def parallelize(model: GPT, layout: Layout):
                                f"expected {want} heads")
     dist.barrier()
     return engine
-
-
-def local_heads(model: GPT) -> int:
-    """Attention heads this rank computes (all of them, or a 1/tp slice under tensor slicing)."""
-    return model.blocks[0].attn.num_heads
 
 
 # -- a model for inference on this rank ----------------------------------------------------------------

@@ -118,7 +118,7 @@ def model_config_of(pkg: Path) -> ModelConfig:
 
 def _provenance(stage_dir: Path) -> dict:
     """Facts about the exported stage and its run (for the manifest and the safetensors metadata)."""
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe import load_stored_recipe
 
     stage_dir = Path(stage_dir).resolve()
     run = stage_dir.parent
@@ -132,7 +132,7 @@ def _provenance(stage_dir: Path) -> dict:
 
         out["recipe"] = yaml.safe_load(recipe_path.read_text())
         try:
-            recipe = load_recipe(recipe_path)
+            recipe = load_stored_recipe(recipe_path)
             if stage_dir.name == "student":
                 out["kd"] = {**recipe.kd.model_dump(), "stop_step": recipe.kd_stop_step(),
                              "student_steps": recipe.student.train.steps}

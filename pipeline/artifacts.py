@@ -1,7 +1,7 @@
 """What the stages hand each other: artifact file names, how to recognise and read an artifact
 directory, and how to write one safely.
 
-Every stage writes a directory that describes itself (STYLE.md): a stage directory
+Every stage writes a directory that describes itself: a stage directory
 (`runs/<name>/teacher/`, `.../student/`) holds `config.json` (the ModelConfig), `model.safetensors`
 (or shards and an index), `tokenizer/` and `DONE.json`; an exported package (export/package.py)
 holds `manifest.json` and Hugging Face's files. This module knows those names and nothing about
@@ -30,6 +30,8 @@ INDEX = "model.safetensors.index.json"  # Hugging Face's sharded layout
 DONE = "DONE.json"  # a finished stage: inputs' hashes, outputs, wall time
 MANIFEST = "manifest.json"  # a package: format version, sha256 of every file, provenance
 RECIPE_FILE = "recipe.yaml"  # a run directory's resolved recipe
+METRICS = "metrics.jsonl"  # a run directory's log: one JSON object per logged step, every stage
+METRICS_PLOT = "metrics.png"  # its training curves
 
 # -- dtypes: one table for every name a dtype goes by -------------------------------------------------
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # recipes and CLI flags
@@ -86,10 +88,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 def sha256_file(path: Path) -> str:

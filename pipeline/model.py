@@ -22,6 +22,7 @@ This file imports only torch (DeepSpeed lazily), so it can ship inside an export
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -451,13 +452,16 @@ class ExpertKey(NamedTuple):
     suffix: str  # 'fc1.weight'
 
 
+_BLOCK_OF = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+
+
 def split_expert_key(name: str) -> ExpertKey | None:
     """An expert parameter's name split into its parts; None for every other parameter."""
     if _EXPERT_KEY not in name:
         return None
     prefix, rest = name.split(_EXPERT_KEY, 1)
     index, suffix = rest.split(".", 1)
-    return ExpertKey(prefix, int(prefix.split(".")[1]), int(index), suffix)
+    return ExpertKey(prefix, int(_BLOCK_OF.search(prefix + ".").group(1)), int(index), suffix)
 
 
 def expert_key(block: int, expert: int, suffix: str) -> str:

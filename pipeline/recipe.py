@@ -369,6 +369,22 @@ def validate(raw: dict, world_size: int | None = None) -> Recipe:
         raise _first_error(err) from None
 
 
+def validate_stored(raw: dict) -> Recipe:
+    """A recipe that a run directory (recipe.yaml) or a package (its manifest) stored. Those written before
+    kd.stop_at took percentages hold its share as a bare float (0.6): read as the share it meant ("60%").
+    A recipe a user writes gets no such reading (`validate`: a bare float is an error)."""
+    kd = raw.get("kd") if isinstance(raw, dict) else None
+    stop = kd.get("stop_at") if isinstance(kd, dict) else None
+    if isinstance(stop, float) and 0 < stop <= 1:
+        raw = {**raw, "kd": {**kd, "stop_at": f"{stop * 100:g}%"}}
+    return validate(raw)
+
+
+def load_stored_recipe(path: str | Path) -> Recipe:
+    """A run directory's recipe.yaml (`validate_stored`)."""
+    return validate_stored(yaml.load(Path(path).read_text(), Loader=_Loader))
+
+
 def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
 

@@ -19,14 +19,10 @@ import shutil
 import time
 from pathlib import Path
 
-import yaml
 
-from pipeline.artifacts import DONE, RECIPE_FILE, atomic_write_text, sha256_file
-
-METRICS = "metrics.jsonl"
-METRICS_PLOT = "metrics.png"
+from pipeline.artifacts import DONE, METRICS, METRICS_PLOT, RECIPE_FILE, atomic_write_text, sha256_file
 from pipeline.dist import Ranks, barrier
-from pipeline.recipe import Recipe, RecipeError, diff_recipes, dump_recipe, validate
+from pipeline.recipe import Recipe, RecipeError, diff_recipes, dump_recipe, load_stored_recipe
 
 
 class RunDir:
@@ -54,7 +50,7 @@ class RunDir:
     def check_recipe(self, recipe: Recipe, redo: bool = False) -> None:
         """Raise if this directory already holds a different recipe (unless redoing)."""
         if self.recipe_path.is_file() and not redo:
-            old = validate(yaml.safe_load(self.recipe_path.read_text()))
+            old = load_stored_recipe(self.recipe_path)
             changes = diff_recipes(old, recipe)
             if changes:
                 raise RecipeError("--run-dir", str(self.root),
@@ -90,7 +86,10 @@ class RunDir:
         if final.exists():
             shutil.rmtree(final)
         os.replace(work, final)
-        plot_metrics(self.metrics_path, self.root / METRICS_PLOT)
+        try:  # the curves are a view of metrics.jsonl: a plotting failure must not fail a finished stage
+            plot_metrics(self.metrics_path, self.root / METRICS_PLOT)
+        except Exception as err:  # noqa: BLE001
+            print(f"[{name}] warning: {self.root / METRICS_PLOT} not drawn: {type(err).__name__}: {err}", flush=True)
         return final
 
     def log(self, record: dict) -> None:

@@ -24,7 +24,7 @@ from pipeline.model import ModelConfig, init_weights
 from pipeline.recipe import Recipe, RecipeError
 from pipeline.runs import RunDir, check_world_size
 from pipeline.train import evaluate, train_model
-from pipeline.weights import ep_rank_of, load_weights, save_weights
+from pipeline.weights import ep_rank_of, save_weights
 
 STAGE = "teacher"
 

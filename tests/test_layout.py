@@ -7,7 +7,6 @@ format and the server load without the training loop; no import cycle between ou
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
 from conftest import ROOT, child_env
 

@@ -204,12 +204,3 @@ def test_route_drops_past_capacity_in_token_order_and_renormalises_top2():
     torch.testing.assert_close(r2.weights.sum(-1), torch.ones(4))
     assert r2.aux.item() == pytest.approx(3 * (probs.mean(0) * F.one_hot(r2.experts[:, 0], 3).float().mean(0)).sum().item())
 
-
-def test_both_caches_implement_the_cache_protocol():
-    from export.serve.engine import SlotCache
-    from pipeline.model import Cache
-
-    cfg = config()
-    assert isinstance(KVCache(cfg, batch=1, max_len=8), Cache)
-    assert isinstance(SlotCache(cfg, slots=2, max_len=8), Cache)
-    assert not isinstance(object(), Cache)

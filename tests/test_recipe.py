@@ -226,3 +226,22 @@ def test_cli_kd_stop_at_forms(capsys, monkeypatch):
         f'recipe error: kd.stop_at = 0.6: {BOTH_FORMS}; write "60%" if it meant a share']
     assert main(["plan", str(TINY), "--set", "kd.stop_at=60%", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["student"]["params_total"] > 0
+
+
+def test_a_stored_recipe_from_before_percentages_reads_its_float_as_the_share_it_meant(tmp_path):
+    """Run directories and packages written when kd.stop_at took a fraction hold `stop_at: 0.6`: they still load
+    (as "60%"), while a recipe a user writes with a bare float is refused."""
+    import yaml
+
+    from pipeline.recipe import RecipeError, load_recipe, load_stored_recipe, validate, validate_stored
+
+    raw = yaml.safe_load(TINY.read_text())
+    raw["kd"] = {**raw.get("kd", {}), "stop_at": 0.6}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    stored = load_stored_recipe(tmp_path / "recipe.yaml")
+    assert stored.kd.stop_at == "60%" and stored.kd_stop_step() == round(0.6 * stored.student.train.steps)
+    assert validate_stored(raw) == stored
+    with pytest.raises(RecipeError, match="kd.stop_at"):
+        validate(raw)
+    with pytest.raises(RecipeError, match="kd.stop_at"):
+        load_recipe(tmp_path / "recipe.yaml")

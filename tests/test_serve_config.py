@@ -42,3 +42,18 @@ def test_every_cli_flag_is_a_config_field():
     assert dests == set(ServeConfig.model_fields) - {"checksums"}
     defaults = serve.parse_args(["pkg"])
     assert set(vars(defaults)) == {"package", "nproc"}  # nothing else defaulted outside ServeConfig
+
+
+def test_rank_messages_survive_the_json_trip():
+    """What rank 0 sends the other ranks (export/serve/ranks.py) comes back as the same typed message."""
+    import json
+
+    from export.serve import ranks
+
+    table = [[[0], [1, 0]], [[0], [0], [1], [1]]]
+    for msg in (ranks.Forward([3, 1], [[5], [7]], [], table, [[1], [2, 3]], True), ranks.Forward([0], [[1, 2]], [0]),
+                ranks.Ping(), ranks.Stop()):
+        assert ranks.decode(json.loads(json.dumps(ranks.encode(msg)))) == msg
+    status = ranks.gather_status(0, 7)  # one rank: its own row
+    assert [(s.rank, s.forwards) for s in status] == [(0, 7)] and status[0].rss_mib > 0
+    assert set(status[0].to_dict()) == {"rank", "pid", "forwards", "rss_mib"}  # no placement: no placement fields

@@ -118,7 +118,7 @@ class MoEPipelineForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache = use_cache if use_cache is not None else self.config.use_cache
         if cache is None and use_cache:
             cache = DynamicCache(config=self.config)
-        view = cache if cache is None or isinstance(cache, KVCache) else _CacheView(cache)
+        view = cache if cache is None or isinstance(cache, Cache) else _CacheView(cache)  # ours, or HF's seen as ours
 
         B, T = input_ids.shape
         start = view.length if view is not None else 0

@@ -26,7 +26,6 @@ before running it (export/serve/ranks.py); they run exactly that forward. Only r
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -297,6 +296,9 @@ class Engine:
         from pipeline import dist
 
         ranks = ranks or dist.init()
+        if config.nproc != ranks.world:
+            raise ValueError(f"--nproc {config.nproc}: {ranks.world} rank(s) are running; the flags were checked for "
+                             f"{config.nproc} (start as many ranks, or drop --nproc)")
         if config.placement is None:
             model, tok = load_package(config.package, ranks, ep_size=config.ep_size, checksums=config.checksums,
                                       dtype=config.dtype, tp_size=config.tp_size)
@@ -362,7 +364,8 @@ class Engine:
         table = expect = None
         if self.policy is not None:
             table, expect = self.policy.table_for(kind, seqs)
-        rank_msgs.send(rank_msgs.Forward(rows, tokens.tolist(), list(reset), table, expect, last_only))
+        if self.ranks is not None and self.ranks.world > 1:
+            rank_msgs.send(rank_msgs.Forward(rows, tokens.tolist(), list(reset), table, expect, last_only))
         if self.placement is not None:
             self.placement.apply(table, expect)
         logits = self._run(rows, tokens, last_only)

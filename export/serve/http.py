@@ -3,7 +3,7 @@
     curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"model": "tiny-student", "prompt": "And God said", "max_tokens": 32, "stream": true}'
     lm-eval run --model local-completions --tasks tiny_lastword \\
-        --model_args base_url=http://127.0.0.1:8000/v1/completions,model=tiny-student,max_length=128
+        --model_args base_url=http://127.0.0.1:8000/v1/completions,model=tiny-student,max_length=127
 
 Endpoints: `POST /v1/completions` (prompt as a string, token ids, or a list of either; max_tokens,
 temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `GET /v1/models`, `GET /health`,
@@ -12,7 +12,7 @@ temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `GET /v1/models`,
 log-likelihood tasks against the server.
 
 Bad requests get a 4xx with an OpenAI-style error body naming the field; bodies above
-`max_body_bytes` get 413. With an API key every endpoint but /health needs `Authorization:
+`--max-body-bytes` get 413. With an API key every endpoint but /health needs `Authorization:
 Bearer KEY`. The app submits work to the engine loop (export/serve/server.py) and awaits it.
 """
 
@@ -156,8 +156,7 @@ async def _read_json(request: Request):
         raise BadRequest(400, "the body is not valid JSON") from None
 
 
-def build_app(worker, model_name: str, api_key: str | None = None, max_body: int = 1 << 20,
-              metrics: ServeMetrics | None = None):
+def build_app(worker, model_name: str, api_key: str | None, max_body: int, metrics: ServeMetrics | None = None):
     """The FastAPI app over `worker` (an EngineLoop: `worker.engine`, `worker.submit`, `alive`, `error`)."""
     from fastapi import FastAPI
 

@@ -46,7 +46,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.model import GPT, MLP, ModelConfig, Gate, expert_key, group_by_expert, mix_residual, route, router_logits
+from pipeline.model import (GPT, MLP, Gate, ModelConfig, expert_key, group_by_expert, mix_residual, route, router_logits,
+                            split_expert_key)
 
 POLICIES = ("none", "reactive", "predictive")
 EXPERT_PARTS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
@@ -200,7 +201,7 @@ class ExpertStore:
                 header, start = read_header(fh, self.src / f)
                 self._maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
             for key, info in header.items():
-                if ".deepspeed_experts." in key:
+                if split_expert_key(key) is not None:
                     begin, end = info["data_offsets"]
                     dt = SAFETENSORS_DTYPES[info["dtype"]]
                     count = (end - begin) // torch.empty((), dtype=dt).element_size()

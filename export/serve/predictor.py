@@ -38,11 +38,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from export.serve.config import PREDICTOR_CONFIG
 from export.serve.placement import Policy, keep_or_replace, plan_replicas
 from pipeline.model import route, router_logits
 
 WEIGHTS = "predictor.safetensors"
-CONFIG = "predictor.json"
+CONFIG = PREDICTOR_CONFIG
 
 
 @dataclass
@@ -140,12 +141,12 @@ def traces(pkg: Path, train_blocks: int, val_blocks: int, seed: int = 0, model=N
     from export.inference import load_package
     from pipeline import data as data_lib
     from pipeline.artifacts import cache_root, read_manifest
-    from pipeline.recipe import validate
+    from pipeline.recipe import validate_stored
 
     manifest = read_manifest(pkg)
     if "recipe" not in manifest:
         raise ValueError(f"{pkg}: its manifest names no recipe, so the training text is unknown")
-    recipe = validate(manifest["recipe"])
+    recipe = validate_stored(manifest["recipe"])
     prepared = data_lib.prepare_data(recipe.data, cache_root())
     if model is None:
         model, _ = load_package(pkg)

@@ -46,21 +46,31 @@ Message = Forward | Ping | Stop
 _KINDS = {cls.__name__.lower(): cls for cls in (Forward, Ping, Stop)}
 
 
+def encode(message: Message) -> dict:
+    """A message as JSON-ready data: its fields and its kind."""
+    return {"kind": type(message).__name__.lower(), **asdict(message)}
+
+
+def decode(raw: dict) -> Message:
+    """The message `encode` made; an unknown kind or missing field is an error (ranks of different versions)."""
+    raw = dict(raw)
+    cls = _KINDS[raw.pop("kind")]
+    return cls(**{f.name: raw[f.name] for f in fields(cls)})
+
+
 def send(message: Message) -> None:
     """Rank 0: `message` to every other rank (a no-op on one rank)."""
     from pipeline import dist
 
     if dist.world_size() > 1:
-        dist.broadcast_json({"kind": type(message).__name__.lower(), **asdict(message)})
+        dist.broadcast_json(encode(message))
 
 
 def receive() -> Message:
     """Ranks > 0: the next message rank 0 sends."""
     from pipeline import dist
 
-    raw = dist.broadcast_json(None)
-    cls = _KINDS[raw.pop("kind")]
-    return cls(**{f.name: raw[f.name] for f in fields(cls)})
+    return decode(dist.broadcast_json(None))
 
 
 # -- status ------------------------------------------------------------------------------------------
