@@ -57,3 +57,25 @@ def stop_server(proc) -> None:
     """SIGTERM (the server drains, then exits) and wait."""
     proc.terminate()
     proc.wait(timeout=120)
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float | None, append: bool = True) -> float:
+    """Run a CLI command with its output in `log`; the wall seconds, or RuntimeError with the log's tail."""
+    import subprocess
+    import time
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "a" if append else "w") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-25:]
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({rc}); last lines of {log}:\n" + "\n".join(tail))
+    return wall

@@ -45,13 +45,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, child_env, cli_command  # noqa: E402
+from common import ROOT, cli_command, run_logged  # noqa: E402
 
 RECIPE = "recipes/tiny.yaml"
 
@@ -69,25 +68,6 @@ VARIANTS: dict[str, tuple[dict[str, str], str]] = {
                                    "kd.stop_at": "60%"},
                                   "teacher init (importance layers), KD 60%"),
 }
-
-
-def _run(cmd: list[str], log: Path, timeout: float | None) -> float:
-    """Run a CLI command with its output in `log`; the wall seconds, or RuntimeError with the log's tail."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(cmd)}\n")
-        f.flush()
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-25:]
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({rc}); last lines of {log}:\n" + "\n".join(tail))
-    return wall
 
 
 def _sets(overrides: dict[str, object]) -> list[str]:
@@ -139,7 +119,7 @@ def ensure_teacher(args) -> tuple[Path, dict]:
         print(f"[teacher] already finished: {run}/teacher (held-out loss {done['val_loss']:.4f})", flush=True)
         return run, {**done, "bench_wall_s": None, "reused": True}
     print(f"[teacher] training {RECIPE} into {run} ...", flush=True)
-    wall = _run([*cli_command(), "teacher", RECIPE, "--run-dir", str(run), *_sets(overrides)], run.parent / f"{name}.log",
+    wall = run_logged([*cli_command(), "teacher", RECIPE, "--run-dir", str(run), *_sets(overrides)], run.parent / f"{name}.log",
                 args.timeout)
     done = _done(run / "teacher")
     print(f"[teacher] done in {wall:.0f}s: held-out loss {done['val_loss']:.4f}", flush=True)
@@ -163,7 +143,7 @@ def run_variant(name: str, args, teacher_run: Path) -> dict:
     wall = None
     if _done(run / "student") is None:
         print(f"[{name}] {text}: {args.steps} steps into {run} ...", flush=True)
-        wall = _run([*cli_command(), "distill", RECIPE, "--run-dir", str(run), *_sets(sets)], run.parent / f"{name}.log",
+        wall = run_logged([*cli_command(), "distill", RECIPE, "--run-dir", str(run), *_sets(sets)], run.parent / f"{name}.log",
                     args.timeout)
     else:
         print(f"[{name}] already finished: {run}/student", flush=True)

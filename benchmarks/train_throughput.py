@@ -46,14 +46,13 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, child_env, cli_command  # noqa: E402
+from common import ROOT, cli_command, run_logged  # noqa: E402
 
 RECIPE = "recipes/tiny.yaml"
 
@@ -76,17 +75,7 @@ def train_throughput(nproc: int, steps: int, log_every: int, tmp: Path, timeout:
         cmd += ["--set", f"{key}={value}"]
     log = tmp / f"teacher-{nproc}rank.log"
     print(f"[train] {nproc} rank(s): {steps} steps ...", flush=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-25:]
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({rc}); last lines of its log:\n" + "\n".join(tail))
+    wall = run_logged(cmd, log, timeout, append=False)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [r["tokens_per_s"] for r in records if r.get("stage") == "teacher" and "tokens_per_s" in r]
     if len(windows) < 2:
