@@ -5,7 +5,7 @@
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
     moe-pipeline export runs/tiny [--stage teacher] [--dtype bf16] [--out DIR] [--force]
     moe-pipeline verify runs/tiny/package
-    moe-pipeline serve runs/tiny/package [--port 8000] [--ep-size 2] [--placement predictive] [--api-key KEY]
+    moe-pipeline serve runs/tiny/package [--port 8000] [--ep-size 2] [--placement predictive] [--api-key-file F]
     moe-pipeline predictor train runs/tiny/package   # the expert-demand predictor for serve --placement predictive
     moe-pipeline eval runs/tiny [more models] [--tasks a,b] [--batch-size 32] [--out DIR] [--nproc 2]
 
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("package", type=Path)
     p.add_argument("--skip-checksums", action="store_true", help="sizes, names, shapes and dtypes only")
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a package (expert parallel with --nproc)")
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a package (expert parallel with --nproc)",
+                       allow_abbrev=False)
     _serve_args(p)
 
     p = sub.add_parser("predictor", help="the expert-demand predictor of a package (for serve --placement predictive)")
@@ -104,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _NoKeyOnCommandLine(argparse.Action):
+    """`serve --api-key KEY` is refused with the fix: a key on a command line shows in `ps`, on every rank."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--api-key: a key on the command line is visible to every user (`ps`), on every rank; set "
+                     "MOE_PIPELINE_API_KEY or pass --api-key-file FILE")
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     """serve's flags: one per ServeConfig field, defaults (shown in --help) read from ServeConfig, the one place
     they live; a flag not given is left out, so ServeConfig's default applies."""
@@ -114,9 +123,17 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("package", type=Path)
     p.add_argument("--host", default=quiet, help=f"address to bind (default {d['host']}: this machine only)")
     p.add_argument("--port", type=int, default=quiet, help=f"default {d['port']}; 0: a free port")
-    p.add_argument("--api-key", default=quiet, help="require 'Authorization: Bearer KEY' (or MOE_PIPELINE_API_KEY)")
+    p.add_argument("--api-key", nargs="?", dest=argparse.SUPPRESS, action=_NoKeyOnCommandLine, help=argparse.SUPPRESS)
+    p.add_argument("--api-key-file", type=Path, default=quiet,
+                   help="require 'Authorization: Bearer KEY', KEY read from this file's first line (or from "
+                        "$MOE_PIPELINE_API_KEY); never put a key on a command line, where `ps` shows it")
     p.add_argument("--max-batch", type=_positive_int, default=quiet,
                    help=f"sequences decoding together (default {d['max_batch']})")
+    p.add_argument("--max-waiting", type=_positive_int, default=quiet,
+                   help="sequences waiting for a slot; beyond it new requests get 429 with Retry-After "
+                        "(default 4 x --max-batch)")
+    p.add_argument("--max-prompts", type=_positive_int, default=quiet,
+                   help=f"prompts in one request (default {d['max_prompts']})")
     p.add_argument("--nproc", type=_positive_int, default=None,
                    help="ranks on this machine, through the DeepSpeed launcher (default: the largest of --ep-size "
                         "and --tp-size, else 1)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -121,6 +123,18 @@ def test_predictive_placement_keeps_outputs_and_its_thread_stops(predicted_packa
     policy = eng.policy
     assert policy.thread.is_alive() and len(policy.recall) == len(eng.cfg.experts) and policy.recall_n > 0
     assert eng.placement.stats.prefetched > 0
+    # requests that end at their prefill (lm-eval's echo log-likelihood ones), aborted ones and decoded ones all
+    # leave the policy holding nothing once its thread has caught up (it kept every prefill-only one's state)
+    scored = [eng.submit(p, SamplingParams(max_tokens=1, echo=True, logprobs=1)) for p in prompts]
+    dropped = eng.submit(prompts[0], SamplingParams(max_tokens=20))
+    eng.abort(dropped)
+    while eng.pending():
+        eng.step()
+    assert all(s.finish_reason == "length" for s in scored) and dropped.finish_reason == "abort"
+    deadline = time.time() + 10
+    while policy.held() and time.time() < deadline:
+        time.sleep(0.05)
+    assert policy.held() == 0
     policy.close()
     assert not policy.thread.is_alive()
 

@@ -37,6 +37,8 @@ def test_staggered_arrivals_share_steps_and_match_each_request_alone(engine):
 
     prompts = [engine.encode(t) for t in ("And God said", "To be, or not to be, that is the question:",
                                           "In the beginning God created the heaven and the earth. And the")]
+    sizes = []
+    engine.on_decode = sizes.append
     seqs = [engine.submit(prompts[0], SamplingParams(max_tokens=9, temperature=0))]
     engine.step()
     engine.step()
@@ -48,7 +50,7 @@ def test_staggered_arrivals_share_steps_and_match_each_request_alone(engine):
         engine.step()
     for prompt, seq in zip(prompts + [prompts[0]], seqs):
         assert seq.generated == alone(engine, prompt, seq.params.max_tokens)
-    assert max(engine.stats["batch_sizes"]) == 3  # decode steps really were shared
+    assert max(sizes) == 3 and len(sizes) == engine.stats["decode_steps"]  # decode steps really were shared
     assert sorted(engine.cache.free) == [0, 1, 2] and not engine.running
 
 
@@ -75,3 +77,87 @@ def test_stop_strings_and_end_of_text(engine):
         assert cut.finish_reason == "stop" and cut.text == free.text[:free.text.index(stop)]
     with pytest.raises(ValueError, match="context"):
         engine.submit(p, SamplingParams(max_tokens=engine.cfg.seq_len))
+
+
+# -- issue 13: one request cannot stop the engine, starve it or bloat it -------------------------------
+
+def test_a_tiny_temperature_is_greedy_and_an_error_fails_its_request_alone(engine):
+    """temperature 1e-40 made logits / T overflow to inf and multinomial raise in the engine loop; an error while
+    serving one request (here its own streaming callback raising) failed every request."""
+    from export.serve.engine import SamplingParams, generate
+
+    p = engine.encode("And God said")
+    greedy = generate(engine, [p], SamplingParams(max_tokens=6, temperature=0))[0].generated
+    assert generate(engine, [p], SamplingParams(max_tokens=6, temperature=1e-40, seed=1))[0].generated == greedy
+
+    def hung_up(req):
+        raise RuntimeError("the client's event loop is closed")
+
+    bad = engine.submit(p, SamplingParams(max_tokens=6, temperature=0), on_token=hung_up)
+    good = engine.submit(engine.encode("To be, or not"), SamplingParams(max_tokens=6, temperature=0))
+    while not (bad.finished and good.finished):
+        engine.step()
+    assert bad.finish_reason == "error" and "event loop is closed" in bad.text
+    assert good.finish_reason == "length" and good.generated == alone(engine, good.prompt, 6)
+    assert not engine.running and sorted(engine.cache.free) == [0, 1, 2]  # the failed one's slot came back
+
+
+def test_echo_logprobs_are_scored_in_row_chunks_with_the_same_values(engine):
+    from export.serve.engine import SamplingParams, generate
+
+    prompt = engine.encode("In the beginning God created the heaven and the earth. And the earth was without form")
+    whole = generate(engine, [prompt], SamplingParams(max_tokens=1, temperature=0, echo=True, logprobs=2))[0]
+    engine.SCORE_ROWS = 4  # an instance attribute: 5+ chunks for this prompt
+    try:
+        chunked = generate(engine, [prompt], SamplingParams(max_tokens=1, temperature=0, echo=True, logprobs=2))[0]
+    finally:
+        del engine.SCORE_ROWS
+    assert len(whole.prompt_logprobs) == len(prompt) and whole.prompt_logprobs[0] is None
+    assert chunked.prompt_logprobs == pytest.approx(whole.prompt_logprobs, abs=1e-5)
+    assert [sorted(t) if t else t for t in chunked.prompt_top] == [sorted(t) if t else t for t in whole.prompt_top]
+    assert chunked.generated == whole.generated
+    with torch.no_grad():
+        logp = torch.log_softmax(engine.model(torch.tensor([prompt])).logits[0].float(), -1)
+    assert chunked.prompt_logprobs[1:] == pytest.approx([float(logp[i, t]) for i, t in enumerate(prompt[1:])], abs=1e-4)
+
+
+def test_aborted_requests_never_run_or_free_their_slot(engine):
+    from export.serve.engine import SamplingParams
+
+    p = engine.encode("And God said")
+    running = [engine.submit(p, SamplingParams(max_tokens=30, temperature=0)) for _ in range(3)]  # 3 slots
+    waiting = engine.submit(p, SamplingParams(max_tokens=30, temperature=0))
+    engine.step()
+    engine.abort(running[0])
+    engine.abort(waiting)
+    engine.step()
+    assert running[0].finish_reason == "abort" and len(running[0].generated) <= 2
+    assert waiting.finish_reason == "abort" and waiting.generated == [] and waiting.slot is None
+    while engine.pending():
+        engine.step()
+    assert [r.finish_reason for r in running[1:]] == ["length", "length"]
+    assert sorted(engine.cache.free) == [0, 1, 2]
+
+
+def test_streamed_text_never_shows_what_a_later_token_changes():
+    """Byte-level BPE decodes a multibyte character split over tokens as "\ufffd" first, and a stop string's first
+    characters are cut once it completes: `stable_text` holds both back, so every streamed prefix is a
+    prefix of the final text."""
+    from export.serve.engine import Request, SamplingParams
+    from pipeline.data import gpt2_tokenizer
+
+    tok = gpt2_tokenizer(64)
+    text = "Sing, O muse \U0001d11e of the wrath of Achilles"  # a 4-byte character: several byte tokens
+    ids = tok.encode(text)
+    assert "\ufffd" in "".join(tok.decode(ids[:k]) for k in range(1, len(ids)))  # it really is split
+    for stop in (["wrath"], ["of the w", "zzz"], []):
+        req = Request(0, [0], SamplingParams(max_tokens=len(ids), stop=stop))
+        shown = []
+        for t in ids:
+            if req.finished:
+                break
+            req.append(t, None, None, tok.decode)
+            shown.append(req.stable_text())
+        assert all(req.text.startswith(s) for s in shown), (stop, shown)
+        assert all("\ufffd" not in s for s in shown[:-1])
+        assert req.text == (text[:text.index(stop[0])] if stop else text)

@@ -19,14 +19,14 @@ from conftest import ROOT, child_env, cli
 pytestmark = pytest.mark.slow
 
 
-def start(pkg: Path, *extra: str, nproc: int = 1) -> tuple[subprocess.Popen, str]:
+def start(pkg: Path, *extra: str, nproc: int = 1, **env: str) -> tuple[subprocess.Popen, str]:
     from pipeline.dist import free_port
 
     port = free_port()
     args = [sys.executable, "-m", "pipeline.cli", "serve", str(pkg), "--port", str(port), *extra]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
-    proc = subprocess.Popen(args, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(args, cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
@@ -185,13 +185,15 @@ def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(serv
 
 
 def test_api_key_is_required_when_set(package):
-    proc, url = start(package, "--api-key", "sesame")
+    proc, url = start(package, MOE_PIPELINE_API_KEY="sesame")
     try:
         assert complete(url, prompt="And", max_tokens=2).status_code == 401
         r = requests.post(f"{url}/v1/completions", json={"prompt": "And", "max_tokens": 2},
                           headers={"Authorization": "Bearer sesame"}, timeout=60)
         assert r.status_code == 200
-        assert requests.get(f"{url}/health", timeout=10).status_code == 200  # health stays open
+        assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok"}  # health stays open, terse
+        full = requests.get(f"{url}/health", headers={"Authorization": "Bearer sesame"}, timeout=10).json()
+        assert full["status"] == "ok" and full["rank_status"][0]["pid"] > 0
     finally:
         assert stop(proc) == 0
 

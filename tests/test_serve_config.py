@@ -1,5 +1,7 @@
 """export/serve/config.py: every serve setting validated once, errors naming the flag and the fix."""
 
+import argparse
+
 import pytest
 
 from export.serve.config import ServeConfig, ServeConfigError
@@ -38,8 +40,8 @@ def test_every_cli_flag_is_a_config_field():
     from pipeline.cli import build_parser
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
-    dests = {a.dest for a in serve._actions if a.dest != "help"}
-    assert dests == set(ServeConfig.model_fields) - {"checksums"}
+    dests = {a.dest for a in serve._actions if a.dest not in ("help", argparse.SUPPRESS)}
+    assert dests == set(ServeConfig.model_fields) - {"checksums", "api_key"}  # a key never on a command line
     defaults = serve.parse_args(["pkg"])
     assert set(vars(defaults)) == {"package", "nproc"}  # nothing else defaulted outside ServeConfig
 

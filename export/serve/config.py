@@ -13,6 +13,7 @@ package is loaded (export/inference.py) and name the same flags.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -32,8 +33,13 @@ class ServeConfig(BaseModel):
     package: Path  # an exported package (moe-pipeline export)
     host: str = "127.0.0.1"  # this machine only, unless told otherwise
     port: int = Field(8000, ge=0, le=65535)  # 0: a free port
-    api_key: str | None = None  # require 'Authorization: Bearer KEY' (or $MOE_PIPELINE_API_KEY)
+    # require 'Authorization: Bearer KEY': the key itself (library use), else read from $MOE_PIPELINE_API_KEY or
+    # the file `api_key_file` names; never a command-line flag (it would show in `ps` on every rank)
+    api_key: str | None = Field(None, repr=False)
+    api_key_file: Path | None = None
     max_batch: int = Field(32, ge=1)  # sequences decoding together
+    max_waiting: int | None = Field(None, ge=1)  # sequences waiting for a slot before new ones get 429; None: 4 x max_batch
+    max_prompts: int = Field(256, ge=1)  # prompts in one request (lm-eval's batched local-completions sends many)
     max_body_bytes: int = Field(1 << 20, ge=1)  # larger request bodies get 413
     nproc: int | None = Field(None, ge=1)  # ranks; None: the largest of ep_size and tp_size, else 1
     ep_size: int | None = Field(None, ge=1)  # expert-parallel degree; None: all ranks (at most a layer's experts)
@@ -49,6 +55,10 @@ class ServeConfig(BaseModel):
     def _flags_agree(self) -> "ServeConfig":
         if self.nproc is None:  # `serve PKG --ep-size 2` means 2 ranks
             object.__setattr__(self, "nproc", max(self.ep_size or 1, self.tp_size or 1))
+        if self.max_waiting is None:
+            object.__setattr__(self, "max_waiting", 4 * self.max_batch)
+        if self.api_key is None:
+            object.__setattr__(self, "api_key", self._read_key())
         if self.placement is None and self.resident_experts != 1.0:
             raise ValueError("--resident-experts needs --placement (none, reactive or predictive)")
         if self.placement is not None:
@@ -61,6 +71,17 @@ class ServeConfig(BaseModel):
             raise ValueError(f"--placement predictive: {self.package} has no predictor; run "
                              f"`moe-pipeline predictor train {self.package}` first")
         return self
+
+    def _read_key(self) -> str | None:
+        if self.api_key_file is not None:
+            try:
+                key = self.api_key_file.read_text().strip()
+            except OSError as err:
+                raise ValueError(f"--api-key-file {self.api_key_file}: unreadable ({err.strerror})") from None
+            if not key:
+                raise ValueError(f"--api-key-file {self.api_key_file}: empty; write the key on its first line")
+            return key
+        return os.environ.get(API_KEY_ENV) or None
 
     @classmethod
     def from_flags(cls, values: dict) -> "ServeConfig":

@@ -160,11 +160,16 @@ class Request:
     on_token: object = None  # callback(request) after every new token (streaming), from the engine's thread
     on_finish: object = None
 
-    def score_prompt(self, logits: torch.Tensor) -> None:
-        """echo + logprobs: each prompt token's log-probability and the top alternatives, from logits [T, V]."""
-        logp = F.log_softmax(logits, dim=-1)  # [T, V]: row i predicts prompt token i+1
-        self.prompt_logprobs = [None] + [float(logp[i, t]) for i, t in enumerate(self.prompt[1:])]
-        self.prompt_top = [None] + [_top(logp[i], self.params.logprobs) for i in range(len(self.prompt) - 1)]
+    def score_rows(self, start: int, logits: torch.Tensor) -> None:
+        """echo + logprobs, one chunk of prompt positions at a time: logits [n, V] of positions start.. predict
+        prompt tokens start+1..; their log-probabilities and top alternatives are kept, not the logits."""
+        if start == 0:
+            self.prompt_logprobs, self.prompt_top = [None], [None]
+        logp = F.log_softmax(logits, dim=-1)  # [n, V]
+        for i in range(logp.shape[0]):
+            if start + i + 1 < len(self.prompt):
+                self.prompt_logprobs.append(float(logp[i, self.prompt[start + i + 1]]))
+                self.prompt_top.append(_top(logp[i], self.params.logprobs))
 
     def emit(self, logits: torch.Tensor, eos: int | None, decode) -> bool:
         """Sample the next token from the last position's logits [V], then check the stop conditions (the end
@@ -173,8 +178,14 @@ class Request:
             self.finish(self.finish_reason or "length")
             return False
         token = sample(logits, self.params, self.generator)
-        if self.params.logprobs is not None:
-            logp = F.log_softmax(logits, dim=-1)
+        logp = F.log_softmax(logits, dim=-1) if self.params.logprobs is not None else None
+        self.append(token, logp, eos, decode)
+        return True
+
+    def append(self, token: int, logp: torch.Tensor | None, eos: int | None, decode) -> None:
+        """Take `token` (its log-probabilities `logp` [V] when asked for): the end token finishes, a stop string
+        cuts the text and finishes, max_tokens finishes; otherwise `on_token` hears of it."""
+        if logp is not None:
             self.token_logprobs.append(float(logp[token]))
             self.top_logprobs.append(_top(logp, self.params.logprobs))
         self.first_token_at = self.first_token_at or time.perf_counter()
@@ -185,18 +196,36 @@ class Request:
                 self.token_logprobs.pop()
                 self.top_logprobs.pop()
             self.finish("stop")
-            return True
+            return
         self.text = decode(self.generated)
         for s in self.params.stop or ():
             if s and s in self.text:
                 self.text = self.text[:self.text.index(s)]
                 self.finish("stop")
-                return True
+                return
         if self.on_token is not None:
             self.on_token(self)
         if len(self.generated) >= self.params.max_tokens:
             self.finish("length")
-        return True
+
+    def stable_text(self) -> str:
+        """The part of `text` no later token can change: for streaming. Held back: a tail the tokenizer could
+        not decode yet ("\ufffd": a multibyte character split over tokens, which byte-level BPE decodes
+        later) and a tail that begins a stop string (it is cut if the stop string completes)."""
+        text = self.text
+        if self.finished:
+            return text
+        end = len(text)
+        while end and text[end - 1] == "\ufffd":
+            end -= 1
+        text = text[:end]
+        hold = 0
+        for s in self.params.stop or ():
+            for k in range(min(len(s) - 1, len(text)), hold, -1):  # the longest tail that is a prefix of s
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[:len(text) - hold]
 
     def finish(self, reason: str) -> None:
         self.finished, self.finish_reason, self.done_at = True, reason, time.perf_counter()
@@ -212,9 +241,14 @@ def _top(logp: torch.Tensor, k: int) -> dict[int, float]:
     return {int(i): float(v) for i, v in zip(idx, vals)}
 
 
+# below this temperature sampling is greedy: logits / 1e-38 overflow to inf, and far above that the
+# distribution is already one-hot in fp32
+GREEDY_BELOW = 1e-5
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from fp32 logits [V]: argmax at temperature 0, else top-p nucleus sampling."""
-    if params.temperature <= 0:
+    """One token from fp32 logits [V]: argmax at temperature 0 (or below GREEDY_BELOW), else top-p nucleus sampling."""
+    if params.temperature < GREEDY_BELOW:
         return int(logits.argmax())
     probs = F.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
@@ -278,7 +312,9 @@ class Engine:
         self.lock = threading.Lock()
         self.ids = itertools.count()
         self.steps = 0
-        self.stats = {"forwards": 0, "tokens_in": 0, "tokens_out": 0, "batch_sizes": []}
+        self.stats = {"forwards": 0, "tokens_in": 0, "tokens_out": 0, "decode_steps": 0, "failed": 0}
+        self.on_decode = None  # callback(batch size) after each decode step (the server's metrics)
+        self._aborts: set[int] = set()  # ids of requests to end at the next step (their client hung up)
         self.load = ExpertLoad(self.cfg, ranks.world if ranks is not None else 1, getattr(model, "layout", None))
         # expert placement (export/serve/placement.py): this rank's side, and rank 0's policy
         self.placement = getattr(model, "placement", None)
@@ -353,8 +389,38 @@ class Engine:
                 seq.finish("error")
 
     def abort(self, seq: Request) -> None:
-        seq.finish_reason = seq.finish_reason or "abort"
-        seq.params.max_tokens = len(seq.generated)  # retired at the next step
+        """End `seq` at the next step (from any thread): a waiting one never runs, a running one frees its slot."""
+        with self.lock:
+            self._aborts.add(seq.id)
+
+    def _take_aborts(self) -> None:
+        with self.lock:
+            ids, self._aborts = self._aborts, set()
+            gone = [r for r in self.waiting if r.id in ids]
+            self.waiting = [r for r in self.waiting if r.id not in ids]
+        gone += [r for r in self.running if r.id in ids and not r.finished]
+        for req in gone:
+            req.finish("abort")
+            self._retired(req)
+
+    def _retired(self, req: Request) -> None:
+        """A request is done (finished, aborted or failed): its slot and the policy's state for it go."""
+        if req in self.running:
+            self.running.remove(req)
+            self.cache.release(req.slot)
+        if self.policy is not None:
+            self.policy.finished(req)
+
+    def _fail(self, req: Request, err: BaseException) -> None:
+        """An error serving one request fails that request alone; the others go on."""
+        self.stats["failed"] += 1
+        req.text = f"{type(err).__name__}: {err}"
+        if not req.finished:
+            try:
+                req.finish("error")
+            except Exception:  # noqa: BLE001 - its own callback failed: nobody left to tell
+                pass
+        self._retired(req)
 
     def _forward(self, rows: list[int], tokens: torch.Tensor, reset: list[int] = (), kind: str = "decode",
                  seqs: list[Request] = (), last_only: bool = False) -> torch.Tensor:
@@ -368,20 +434,34 @@ class Engine:
             rank_msgs.send(rank_msgs.Forward(rows, tokens.tolist(), list(reset), table, expect, last_only))
         if self.placement is not None:
             self.placement.apply(table, expect)
-        logits = self._run(rows, tokens, last_only)
+        logits = self._run(rows, tokens, last_only, on_rows=seqs[0].score_rows if kind == "prefill" and not last_only
+                           else None)
         if self.policy is not None:
             self.policy.observed(self.load.last, kind, seqs)
         return logits
 
+    SCORE_ROWS = 256  # prompt positions projected to the vocabulary at once when scoring a prompt (echo + logprobs)
+
     @torch.no_grad()
-    def _run(self, rows: list[int], tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def _run(self, rows: list[int], tokens: torch.Tensor, last_only: bool = False, on_rows=None) -> torch.Tensor:
+        """Logits [B, 1, V] (fp32) of each row's last position; every rank runs it. A prompt being scored (one row,
+        not `last_only`) is projected SCORE_ROWS positions at a time, each chunk handed to `on_rows(start,
+        logits [n, V])` on rank 0, so no [T, V] copy is ever whole."""
         self.stats["forwards"] += 1
-        # last_only (a prefill): project to the vocabulary at the position that is sampled from only
-        out = self.model(tokens.to(self.device), cache=self.cache.select(rows), hidden_only=last_only)
+        out = self.model(tokens.to(self.device), cache=self.cache.select(rows), hidden_only=True)
         self.load.add(out.expert_counts)
-        if last_only:
-            return self.model.lm_head(out.hidden[:, -1:]).float()
-        return out.logits.float()
+        h = out.hidden  # [B, T, C]
+        T = h.shape[1]
+        if last_only or T == 1:
+            logits = self.model.lm_head(h[:, -1:]).float()  # [B, 1, V]
+            if on_rows is not None and not last_only:  # a one-token prompt being scored
+                on_rows(0, logits[0])
+            return logits
+        for start in range(0, T, self.SCORE_ROWS):  # the same chunks on every rank (a sliced head is collective)
+            logits = self.model.lm_head(h[0, start:start + self.SCORE_ROWS]).float()  # [n, V]
+            if on_rows is not None:
+                on_rows(start, logits)
+        return logits[-1:][None]  # [1, 1, V]: the last chunk's last position
 
     @property
     def expert_tokens(self) -> list[torch.Tensor]:
@@ -391,36 +471,48 @@ class Engine:
         return self.load.per_rank()
 
     def _emit(self, seq: Request, logits: torch.Tensor) -> int:
-        made = seq.emit(logits, self.eos, self.decode)
+        """Sample and take one token for `seq`; an error (its tokenizer, its callback) fails `seq` alone."""
+        try:
+            made = seq.emit(logits, self.eos, self.decode)
+        except Exception as err:  # noqa: BLE001
+            self._fail(seq, err)
+            return 0
         self.stats["tokens_out"] += made
         return int(made)
 
     def step(self) -> int:
-        """Admit, prefill, one decode step for all running sequences, retire. Returns tokens generated."""
+        """Abort what was hung up on, admit and prefill, one decode step for all running requests, retire.
+        Returns tokens generated."""
+        self._take_aborts()
         with self.lock:
             room = self.max_batch - len(self.running)
             admitted, self.waiting = self.waiting[:room], self.waiting[room:]
         made = 0
         for seq in admitted:
             seq.slot = self.cache.acquire()
-            scored = seq.params.echo and seq.params.logprobs is not None  # every prompt position's logits
-            logits = self._forward([seq.slot], torch.tensor([seq.prompt]), reset=[seq.slot], kind="prefill",
-                                   seqs=[seq], last_only=not scored)[0]  # [T, V] or [1, V]
-            self.stats["tokens_in"] += len(seq.prompt)
-            if scored:
-                seq.score_prompt(logits)
             self.running.append(seq)
+            scored = seq.params.echo and seq.params.logprobs is not None  # every prompt position's log-probs
+            try:
+                logits = self._forward([seq.slot], torch.tensor([seq.prompt]), reset=[seq.slot], kind="prefill",
+                                       seqs=[seq], last_only=not scored)[0]  # [1, V]
+            except Exception as err:  # noqa: BLE001
+                if self.ranks is not None and self.ranks.world > 1:
+                    raise  # the other ranks may be inside this forward's collectives: the engine cannot go on
+                self._fail(seq, err)
+                continue
+            self.stats["tokens_in"] += len(seq.prompt)
             made += self._emit(seq, logits[-1])
         live = [s for s in self.running if not s.finished and s not in admitted]
         if live:
-            self.stats["batch_sizes"].append(len(live))
+            self.stats["decode_steps"] += 1
+            if self.on_decode is not None:
+                self.on_decode(len(live))
             logits = self._forward([s.slot for s in live], torch.tensor([[s.generated[-1]] for s in live]),
                                    kind="decode", seqs=live)
             for seq, row in zip(live, logits[:, -1]):
                 made += self._emit(seq, row)
         for seq in [s for s in self.running if s.finished]:
-            self.running.remove(seq)
-            self.cache.release(seq.slot)
+            self._retired(seq)
         self.steps += 1
         return made
 

@@ -11,9 +11,16 @@ temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `GET /v1/models`,
 `POST /tokenize`, `POST /detokenize`, so that lm-eval's `local-completions` model evaluates
 log-likelihood tasks against the server.
 
-Bad requests get a 4xx with an OpenAI-style error body naming the field; bodies above
-`--max-body-bytes` get 413. With an API key every endpoint but /health needs `Authorization:
-Bearer KEY`. The app submits work to the engine loop (export/serve/server.py) and awaits it.
+Limits (export/serve/config.py): bodies above `--max-body-bytes` get 413, counted on the bytes read
+(a chunked body too); more than `--max-prompts` prompts in a request get 400; when `--max-waiting`
+sequences already wait, 429 with `Retry-After`. Bad requests get a 4xx with an OpenAI-style error
+body naming the field (hostile JSON included: nested too deeply, lone surrogates, seeds past 64
+bits). With an API key ($MOE_PIPELINE_API_KEY or `--api-key-file`, compared in constant time)
+every endpoint needs `Authorization: Bearer KEY`, except that /health answers strangers with its
+status alone. POSTs must be `Content-Type: application/json`; bound to loopback, only a Host of
+127.0.0.1, localhost or [::1] is served (no DNS rebinding). A client that hangs up has its
+sequences aborted at the next step. Tokenization runs off the event loop. The app submits work to
+the engine loop (export/serve/server.py) and awaits it.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ class CompletionRequest(BaseModel):
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stream: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -58,6 +65,8 @@ class CompletionRequest(BaseModel):
         items = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
         if not items or any(len(p) == 0 for p in items):
             raise ValueError("must be a non-empty string, token-id list, or list of them (none empty)")
+        for p in items:
+            _check_text(p)
         return v
 
     def prompts(self) -> list[str | list[int]]:
@@ -71,11 +80,22 @@ class CompletionRequest(BaseModel):
         items = [v] if isinstance(v, str) else (v or [])
         if len(items) > 4:
             raise ValueError("at most 4 stop sequences")
+        for item in items:
+            _check_text(item)
         return items
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               seed=self.seed, stop=list(self.stop or []), logprobs=self.logprobs, echo=self.echo)
+
+
+def _check_text(text) -> None:
+    """JSON can carry a lone surrogate ("\\ud800") that no UTF-8 tokenizer can encode: refuse it here."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
@@ -90,7 +110,7 @@ class BadRequest(Exception):
         self.status, self.body = status, error_body(message, param, kind)
 
 
-def parse_completion(raw, engine, model_name: str) -> tuple[CompletionRequest, list[list[int]], list[str]]:
+def parse_completion(raw, engine, model_name: str, max_prompts: int) -> tuple[CompletionRequest, list[list[int]], list[str]]:
     """(the request, each prompt's token ids, each prompt's text) of a /v1/completions body, or BadRequest."""
     if not isinstance(raw, dict):
         raise BadRequest(400, "the body must be a JSON object")
@@ -106,6 +126,9 @@ def parse_completion(raw, engine, model_name: str) -> tuple[CompletionRequest, l
     prompts = req.prompts()
     if req.stream and len(prompts) > 1:
         raise BadRequest(400, "stream supports one prompt per request", "prompt")
+    if len(prompts) > max_prompts:
+        raise BadRequest(400, f"prompt: {len(prompts)} prompts in one request; at most {max_prompts} (--max-prompts)",
+                         "prompt")
     encoded = [engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     vocab, context = engine.cfg.vocab_size, engine.cfg.seq_len
     if any(not 0 <= t < vocab for p in encoded for t in p):
@@ -144,40 +167,115 @@ def _sse(rid: str, created: int, model: str, text: str, finish: str | None) -> s
     return f"data: {json.dumps(chunk)}\n\n"
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up: once the body is read, the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _error(err: BadRequest, metrics: ServeMetrics) -> JSONResponse:
     metrics.request(err.status)
     return JSONResponse(err.body, status_code=err.status)
 
 
-async def _read_json(request: Request):
+async def _read_json(request: Request, max_body: int):
+    """The body as JSON, reading at most `max_body` bytes whatever the headers say (a chunked body has no
+    Content-Length): past that, 413 without buffering the rest."""
+    body, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body:
+            raise BadRequest(413, f"request body exceeds the limit of {max_body} bytes (--max-body-bytes)")
+        body.append(chunk)
     try:
-        return await request.json()
+        return json.loads(b"".join(body))
+    except RecursionError:
+        raise BadRequest(400, "the body is not valid JSON: nested too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
         raise BadRequest(400, "the body is not valid JSON") from None
 
 
-def build_app(worker, model_name: str, api_key: str | None, max_body: int, metrics: ServeMetrics | None = None):
-    """The FastAPI app over `worker` (an EngineLoop: `worker.engine`, `worker.submit`, `alive`, `error`)."""
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def _host_allowed(host_header: str) -> bool:
+    """A Host of 127.0.0.1, localhost or [::1], with or without :PORT (DNS rebinding sends another name)."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        host = host[:host.index("]") + 1] if "]" in host else host
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host in LOOPBACK
+
+
+def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = None):
+    """The FastAPI app over `worker` (an EngineLoop: `worker.engine`, `worker.submit`, `alive`, `error`) with the
+    limits of `config` (a ServeConfig)."""
+    import hmac
+    from concurrent.futures import ThreadPoolExecutor
+
     from fastapi import FastAPI
 
     engine = worker.engine
     metrics = metrics or ServeMetrics()
+    engine.on_decode = metrics.batch.observe
+    api_key, max_body = config.api_key, config.max_body_bytes
+    loopback = config.host in LOOPBACK
+    # tokenizing a long prompt takes a while: off the event loop, in one thread (a fast tokenizer is not
+    # reentrant when its settings change)
+    tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
     app = FastAPI(title="moe-pipeline", docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
+    def authorized(request: Request) -> bool:
+        if not api_key:
+            return True
+        sent = request.headers.get("authorization", "").encode()
+        return hmac.compare_digest(sent, f"Bearer {api_key}".encode())
+
+    def refuse(request: Request) -> JSONResponse | None:
+        """The answer to a request the guard turns away before any handler runs, or None to let it in."""
+        if loopback and not _host_allowed(request.headers.get("host", "")):
+            # bound to this machine: a page elsewhere that resolves its name to 127.0.0.1 must not read answers
+            return _error(BadRequest(400, "Host: this server answers only to 127.0.0.1, localhost or [::1]",
+                                     "Host"), metrics)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body:
-            return _error(BadRequest(413, f"request body of {length} bytes exceeds the limit of {max_body}"), metrics)
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                               kind="authentication_error"), status_code=401)
-        return await call_next(request)
+            return _error(BadRequest(413, f"request body of {length} bytes exceeds the limit of {max_body} "
+                                     "(--max-body-bytes)"), metrics)
+        if request.url.path != "/health" and not authorized(request):
+            return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                           kind="authentication_error"), status_code=401)
+        if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip().lower() \
+                != "application/json":
+            # a browser's cross-site form or no-cors fetch cannot send this content type without a preflight
+            return _error(BadRequest(415, "Content-Type: send 'Content-Type: application/json'", "Content-Type"),
+                          metrics)
+        return None
+
+    class Guard:
+        """Plain ASGI middleware (not Starlette's BaseHTTPMiddleware, whose wrapped `receive` hides a client's
+        disconnect from `Request.is_disconnected`)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                answer = refuse(Request(scope))
+                if answer is not None:
+                    return await answer(scope, receive, send)
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(Guard)
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         alive = worker.alive and worker.error is None
+        if not authorized(request):  # with a key set, strangers learn only whether it is up
+            return JSONResponse({"status": "ok" if alive else "unhealthy"}, status_code=200 if alive else 503)
         heard = engine.rank_status_at
         body = {"status": "ok" if alive else "unhealthy", "ranks": engine.ranks.world if engine.ranks else 1,
                 "running": len(engine.running), "waiting": len(engine.waiting),
@@ -198,25 +296,34 @@ def build_app(worker, model_name: str, api_key: str | None, max_body: int, metri
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
-            text = (await _read_json(request))["prompt"]
+            raw = await _read_json(request, max_body)
+        except BadRequest as err:
+            return _error(err, metrics)
+        try:
+            text = raw["prompt"]
             if not isinstance(text, str):
                 raise TypeError
-        except (BadRequest, KeyError, TypeError):
+            _check_text(text)
+        except (KeyError, TypeError, ValueError):
             return JSONResponse(error_body("prompt: send {\"prompt\": \"text\"}", "prompt"), status_code=400)
-        tokens = engine.encode(text)
+        tokens = await off_loop(engine.encode, text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.cfg.seq_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         vocab = engine.cfg.vocab_size
         try:
-            tokens = (await _read_json(request))["tokens"]
+            raw = await _read_json(request, max_body)
+        except BadRequest as err:
+            return _error(err, metrics)
+        try:
+            tokens = raw["tokens"]
             if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
                 raise TypeError
-        except (BadRequest, KeyError, TypeError):
+        except (KeyError, TypeError):
             return JSONResponse(error_body(f"tokens: send {{\"tokens\": [ids in [0, {vocab})]}}", "tokens"),
                                 status_code=400)
-        return {"prompt": engine.decode(tokens)}
+        return {"prompt": await off_loop(engine.decode, tokens)}
 
     @app.get("/v1/models")
     async def models():
@@ -231,19 +338,30 @@ def build_app(worker, model_name: str, api_key: str | None, max_body: int, metri
     async def completions(request: Request):
         t0 = time.perf_counter()
         try:
-            req, encoded, texts = parse_completion(await _read_json(request), engine, model_name)
+            raw = await _read_json(request, max_body)
+            req, encoded, texts = await off_loop(parse_completion, raw, engine, model_name, config.max_prompts)
+            queued = len(engine.waiting)
+            if queued and queued + len(encoded) > config.max_waiting:  # no await from here to the submit
+                raise BadRequest(429, f"the server is busy: {queued} sequences are waiting (--max-waiting "
+                                 f"{config.max_waiting}); retry shortly", kind="rate_limit_error")
         except BadRequest as err:
-            return _error(err, metrics)
+            response = _error(err, metrics)
+            if err.status == 429:
+                response.headers["Retry-After"] = "1"
+            return response
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if req.stream:
             return StreamingResponse(_stream(req, encoded[0], texts[0], rid, created), media_type="text/event-stream")
-        seqs = await _complete_all(req, encoded)
+        seqs = await _complete_all(request, req, encoded)
+        if seqs is None:  # the client hung up: its requests were aborted
+            metrics.request(499)
+            return JSONResponse(error_body("client closed the request"), status_code=499)
         failed = [s for s in seqs if s.finish_reason == "error"]
         if failed:
             return _error(BadRequest(500, f"the engine failed: {failed[0].text}", kind="server_error"), metrics)
         choices = []
         for i, (seq, text) in enumerate(zip(seqs, texts)):
-            lp = logprobs_body(engine, seq, req.echo) if req.logprobs is not None else None
+            lp = await off_loop(logprobs_body, engine, seq, req.echo) if req.logprobs is not None else None
             choices.append({"text": (text if req.echo else "") + seq.text, "index": i, "logprobs": lp,
                             "finish_reason": seq.finish_reason})
             metrics.finished(seq)
@@ -253,41 +371,62 @@ def build_app(worker, model_name: str, api_key: str | None, max_body: int, metri
                 "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out,
                           "total_tokens": usage_in + usage_out}}
 
-    async def _complete_all(req: CompletionRequest, encoded: list[list[int]]) -> list[EngineRequest]:
-        """Submit every prompt; the finished engine requests, in order."""
+    async def _complete_all(request: Request, req: CompletionRequest,
+                            encoded: list[list[int]]) -> list[EngineRequest] | None:
+        """Submit every prompt; the finished engine requests, in order; None if the client disconnected first
+        (then each is aborted: a waiting one never runs, a running one frees its slot at the next step)."""
         loop = asyncio.get_running_loop()
-        futures = []
+        futures, submitted = [], []
         for p in encoded:
             fut = loop.create_future()
-            worker.submit(p, req.sampling(), on_finish=lambda seq, fut=fut: loop.call_soon_threadsafe(fut.set_result, seq))
+            submitted.append(worker.submit(p, req.sampling(), on_finish=lambda seq, fut=fut: loop.call_soon_threadsafe(
+                lambda: fut.done() or fut.set_result(seq))))
             futures.append(fut)
-        return await asyncio.gather(*futures)
+        everything = asyncio.gather(*futures)
+        hung_up = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({everything, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+        if everything.done():
+            hung_up.cancel()
+            return everything.result()
+        for seq in submitted:
+            worker.engine.abort(seq)
+        worker.wake.set()
+        return None
 
     def _stream(req: CompletionRequest, prompt: list[int], text: str, rid: str, created: int):
-        """Submit the prompt now; server-sent events: the echoed prompt, each new piece of text, the finish reason."""
+        """Submit the prompt now; server-sent events: the echoed prompt, each new piece of text no later token can
+        change (`Request.stable_text`), the finish reason. A client that hangs up aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        worker.submit(prompt, req.sampling(),
-                      on_token=lambda seq: loop.call_soon_threadsafe(queue.put_nowait, ("token", seq.text)),
-                      on_finish=lambda seq: loop.call_soon_threadsafe(queue.put_nowait, ("done", seq)))
+        seq = worker.submit(prompt, req.sampling(),
+                            on_token=lambda s: loop.call_soon_threadsafe(queue.put_nowait, ("token", s.stable_text())),
+                            on_finish=lambda s: loop.call_soon_threadsafe(queue.put_nowait, ("done", s)))
 
         async def events():
-            if req.echo and text:
-                yield _sse(rid, created, model_name, text, None)
-            emitted = ""
-            while True:
-                kind, value = await queue.get()
-                if kind == "token":
-                    delta, emitted = value[len(emitted):], value
-                    if delta:
-                        yield _sse(rid, created, model_name, delta, None)
-                    continue
-                if len(value.text) > len(emitted):
-                    yield _sse(rid, created, model_name, value.text[len(emitted):], None)
-                yield _sse(rid, created, model_name, "", value.finish_reason)
-                yield "data: [DONE]\n\n"
-                metrics.finished(value)
-                return
+            finished = False
+            try:
+                if req.echo and text:
+                    yield _sse(rid, created, model_name, text, None)
+                emitted = ""
+                while True:
+                    kind, value = await queue.get()
+                    if kind == "token":
+                        if len(value) > len(emitted):
+                            yield _sse(rid, created, model_name, value[len(emitted):], None)
+                            emitted = value
+                        continue
+                    finished = True
+                    final = value.text if value.finish_reason != "error" else emitted
+                    if len(final) > len(emitted):
+                        yield _sse(rid, created, model_name, final[len(emitted):], None)
+                    yield _sse(rid, created, model_name, "", value.finish_reason)
+                    yield "data: [DONE]\n\n"
+                    metrics.finished(value)
+                    return
+            finally:
+                if not finished:  # the client went away (the response was cancelled): stop generating for it
+                    worker.engine.abort(seq)
+                    worker.wake.set()
 
         return events()
 

@@ -24,6 +24,7 @@ class ServeMetrics:
                                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.ttft = Histogram("moe_time_to_first_token_seconds", "time to first token", registry=reg,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        # observed by the engine after each decode step (Engine.on_decode): nothing kept per step
         self.batch = Histogram("moe_decode_batch_size", "sequences per decode step", registry=reg,
                                buckets=(1, 2, 4, 8, 16, 32, 64))
         self.running = Gauge("moe_running_sequences", "sequences decoding now", registry=reg)
@@ -49,9 +50,12 @@ class ServeMetrics:
                                    "start", registry=reg)
         self.late = Gauge("moe_predictor_late_steps", "with --placement predictive: decode steps whose predicted "
                           "table was not ready in time (the one in force was kept)", registry=reg)
+        self.engine_tokens = Gauge("moe_engine_generated_tokens", "tokens the engine generated since start, for "
+                                   "every request (aborted and failed ones included)", registry=reg)
+        self.engine_failed = Gauge("moe_engine_failed_requests", "requests that failed alone (an error serving "
+                                   "them) since start", registry=reg)
         self.rank_rss = Gauge("moe_rank_resident_mib", "resident memory of each rank at its last health check",
                               ["rank"], registry=reg)
-        self._seen_batches = 0
 
     def request(self, status: int) -> None:
         """A request answered without completing (a 4xx or 5xx)."""
@@ -68,11 +72,9 @@ class ServeMetrics:
     def render(self, engine) -> str:
         """The exposition text, gauges read from `engine` now."""
         self.running.set(len(engine.running))
+        self.engine_tokens.set(engine.stats["tokens_out"])
+        self.engine_failed.set(engine.stats["failed"])
         self.waiting.set(len(engine.waiting))
-        sizes = engine.stats["batch_sizes"]
-        for b in sizes[self._seen_batches:]:
-            self.batch.observe(b)
-        self._seen_batches = len(sizes)
         for layer, counts in enumerate(list(engine.expert_tokens)):
             for e, c in enumerate(counts.tolist()):
                 self.experts.labels(str(layer), str(e)).set(c)

@@ -331,6 +331,10 @@ class PredictivePolicy(Policy):
     def submitted(self, seq) -> None:
         self.jobs.put(("prompt", seq.id, list(seq.prompt)))
 
+    def finished(self, seq) -> None:
+        # through the queue, after the request's own prompt job: the thread owns the per-request state
+        self.jobs.put(("finished", seq.id))
+
     def table_for(self, kind: str, seqs):
         if kind == "prefill":
             seq = seqs[0]
@@ -386,10 +390,25 @@ class PredictivePolicy(Policy):
             try:
                 if job[0] == "prompt":
                     self._prompt(*job[1:])
+                elif job[0] == "finished":
+                    self._forget(job[1])
                 else:
                     self._step(*job[1:])
             except Exception as err:  # noqa: BLE001 - a failed prediction falls back to the current table
                 print(f"[predictor] {type(err).__name__}: {err}", flush=True)
+
+    def _forget(self, sid: int) -> None:
+        """A finished request's SRU state and its prefill plan if it was never used (it came too late, or the
+        request ended at prefill as lm-eval's log-likelihood requests do)."""
+        self.state.pop(sid, None)
+        self.decoding.discard(sid)
+        with self.ready:
+            self.prefill.pop(sid, None)
+
+    def held(self) -> int:
+        """Requests the policy holds state for (0 once every request is done and the thread has caught up)."""
+        with self.ready:
+            return len(self.state) + len(self.prefill)
 
     @torch.inference_mode()
     def _prompt(self, sid: int, prompt: list[int]) -> None:

@@ -16,12 +16,11 @@ fails every pending request and exits 1.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 
-from export.serve.config import API_KEY_ENV, ServeConfig
+from export.serve.config import ServeConfig
 from export.serve.engine import Engine, Request
 
 
@@ -106,10 +105,9 @@ def serve(config: ServeConfig) -> int:
         engine.follow()
         return 0
     host, port = config.host, config.port or dist.free_port()
-    api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
     name = read_manifest(config.package).get("name") or "model"
     loop = EngineLoop(engine)
-    app = build_app(loop, name, api_key, config.max_body_bytes)
+    app = build_app(loop, name, config)
     server = _uvicorn_server_class()(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                     timeout_graceful_shutdown=30))
     http = threading.Thread(target=server.run, name="http", daemon=True)
@@ -138,7 +136,7 @@ def serve(config: ServeConfig) -> int:
                    f"replica(s) per rank; {config.resident_experts:g} of the experts resident)")
     print(f"[serve] {name} on http://{host}:{port} ({layout}; up to {config.max_batch} sequences per step)", flush=True)
     if config.smoke is not None:
-        threading.Thread(target=_smoke, args=(server, f"http://{host}:{port}", config.smoke, api_key),
+        threading.Thread(target=_smoke, args=(server, f"http://{host}:{port}", config.smoke, config.api_key),
                          name="smoke", daemon=True).start()
     try:
         loop.run(keep_going=http.is_alive)
