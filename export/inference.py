@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from export.package import package_dtype, read_package, read_tokenizer
+from export.package import package_dtype, read_tokenizer, verified_package
 from pipeline.build import build_model, cast_keeping_gates
 from pipeline.model import GPT, MLP, Block, ModelConfig, default_ep_size
 
@@ -251,12 +251,13 @@ def inference_moe_impl(world: int, ep_size: int | None) -> str:
 
 
 def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None = None,
-                    dtype: torch.dtype = torch.float32, tp_size: int | None = None) -> GPT:
+                    dtype: torch.dtype = torch.float32, tp_size: int | None = None, files: dict | None = None) -> GPT:
     """The model of `cfg` in eval mode on this rank's device, filled from the weights in `src` (a package or a
     stage directory), in `dtype` with the gates in fp32 as DeepSpeed's gating computes. On several ranks:
     expert parallel (each rank reads only its experts), expert slicing when the expert-parallel degree
     is below the world size, tensor slicing of the dense part with `tp_size`, all through
-    `deepspeed.init_inference`. Collective with several ranks."""
+    `deepspeed.init_inference`. Collective with several ranks. `files`: a verified package's
+    (export/package.py `VerifiedPackage.files`): a weights file changed since verification is refused."""
     from pipeline import dist
     from pipeline.weights import load_weights
 
@@ -277,7 +278,8 @@ def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None
     tied_head = ranks.world > 1 and cfg.tie_embeddings and model.lm_head.weight is not model.wte.weight
     # init_inference always slices the output layer (DeepSpeed's set_lm_head): a tied one reads its slice of
     # the embedding, which the weights store once
-    load_weights(model, src, rename=(lambda n: "wte.weight" if n == "lm_head.weight" else n) if tied_head else None)
+    load_weights(model, src, rename=(lambda n: "wte.weight" if n == "lm_head.weight" else n) if tied_head else None,
+                 files=files)
     model = model.to(device=dist.device()).eval().requires_grad_(False)
     model.layout = layout
     return model
@@ -288,8 +290,11 @@ def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: b
     """(GPT in eval mode on this rank's device, tokenizer) from a verified package. Collective with several ranks.
 
     Each rank reads only its own experts; the model runs in the package's dtype (or `dtype`:
-    fp32|bf16|fp16 or float32|bfloat16|float16), the gates in fp32 as DeepSpeed's gating does.
+    fp32|bf16|fp16 or float32|bfloat16|float16), the gates in fp32 as DeepSpeed's gating does. A package
+    that fails verification raises a PackageError before any tensor is read; a file that changes after
+    verification, a FileChangedError naming it.
     """
-    cfg, manifest = read_package(pkg, checksums)
-    model = inference_model(cfg, pkg, ranks, ep_size, package_dtype(manifest, dtype), tp_size)
-    return model, read_tokenizer(pkg)
+    verified = verified_package(pkg, checksums)
+    model = inference_model(verified.cfg, pkg, ranks, ep_size, package_dtype(verified.manifest, dtype), tp_size,
+                            files=verified.files)
+    return model, read_tokenizer(pkg, verified.files)

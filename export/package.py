@@ -26,8 +26,14 @@ Export writes everything into a temporary sibling directory and renames it when 
 existing package is replaced only with `force`. `--dtype fp32|bf16|fp16` converts every floating
 tensor except the MoE gates (`*.gate.wg.weight`), which stay fp32 as DeepSpeed's gating computes in
 fp32. `verify_package` recomputes every checksum and checks that the safetensors hold exactly the
-tensors the config implies, with the right shapes and dtypes; `read_package` verifies (sizes always,
-checksums unless `checksums=False`) and returns the model config and manifest. This module is the
+tensors the config implies, with the right shapes and dtypes, and that the shard index maps exactly
+those tensors to the files that hold them; a package is untrusted input, so a name that is not a file
+at its top level, a listed file that is a link, and a malformed manifest, config.json or index are
+listed problems, found before anything they name is opened. `read_package` verifies (sizes always,
+checksums unless `checksums=False`) and returns the model config and manifest; `verified_package`
+also returns what it saw of each file, which the loaders compare with every file they open
+(`pipeline.weights.load_weights(files=...)`, the serving `ExpertStore`): what is loaded is what was
+verified, or a FileChangedError names the file that changed. This module is the
 format only: loading a package into a model for a layout is export/inference.py (`load_package`).
 Weights are read only from safetensors, never pickle.
 """
@@ -35,9 +41,15 @@ Weights are read only from safetensors, never pickle.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
+import hashlib
 import json
+import math
 import os
 import shutil
+import stat
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,12 +57,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.artifacts import (CONFIG, DONE, DTYPE_ALIASES, DTYPE_NAMES, DTYPE_OF_NAME, DTYPES, INDEX, MANIFEST,
-                                 RECIPE_FILE, TOKENIZER, WEIGHTS, read_json, read_manifest, read_model_config,
-                                 sha256_file)
+                                 RECIPE_FILE, TOKENIZER, WEIGHTS, FileChangedError, FileFacts, check_unchanged,
+                                 file_name_problem, open_regular, read_json, read_model_config, sha256_file)
 from pipeline.build import meta_counts, meta_model
 from pipeline.data import TOKENIZER_FILES
 from pipeline.model import ModelConfig
-from pipeline.weights import SAFETENSORS_DTYPES, weight_files
+from pipeline.weights import SAFETENSORS_DTYPES, index_weight_map, read_header, weight_files
 
 FORMAT_VERSION = 1
 GENERATION_CONFIG = "generation_config.json"
@@ -106,12 +118,62 @@ def expected_tensors(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[tu
 
 def model_config_of(pkg: Path) -> ModelConfig:
     """Our ModelConfig from a package's config.json (HF-style, every ModelConfig field at top level)."""
-    raw = json.loads((Path(pkg) / CONFIG).read_text())
+    try:
+        raw = json.loads((Path(pkg) / CONFIG).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PackageError(pkg, [f"{CONFIG}: not JSON ({err})"]) from None
+    return model_config_from(raw, pkg)
+
+
+def model_config_from(raw, pkg: Path) -> ModelConfig:
+    """The ModelConfig of a package's parsed config.json; a PackageError names each missing or ill-typed field."""
+    if not isinstance(raw, dict):
+        raise PackageError(pkg, [f"{CONFIG}: {_kind(raw)}, not a JSON object"])
     fields = ModelConfig.__dataclass_fields__
     missing = [f for f in fields if f not in raw]
     if missing:
         raise PackageError(pkg, [f"{CONFIG}: missing field(s) {', '.join(missing)}"])
-    return ModelConfig(**{f: raw[f] for f in fields})
+    types = typing.get_type_hints(ModelConfig)
+    problems = [f"{CONFIG}: {f} must be {want}, got {_kind(raw[f])}"
+                for f in fields if (want := _field_problem(f, raw[f], types[f]))]
+    if problems:
+        raise PackageError(pkg, problems)
+    try:
+        return ModelConfig(**{f: raw[f] for f in fields})
+    except AssertionError as err:
+        why = str(err) or "experts, moe_layers, layers, hidden and heads do not agree"
+        raise PackageError(pkg, [f"{CONFIG}: inconsistent fields ({why})"]) from None
+
+
+def _field_problem(name: str, v, t) -> str | None:
+    """What a config.json field of type `t` must be, when `v` is not that (None: it is)."""
+    def count(x, least):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+    least = 0 if name in ("min_capacity", "moe_layers") else 1
+    if t is int:
+        return None if count(v, least) else f"an integer >= {least}"
+    if t == tuple[int, ...]:
+        return None if isinstance(v, list) and all(count(x, least) for x in v) else f"a list of integers >= {least}"
+    if t is float:
+        return None if number(v) else "a number >= 0"
+    if t == float | None:
+        return None if v is None or number(v) else "a number >= 0 or null"
+    if t is bool:
+        return None if isinstance(v, bool) else "true or false"
+    if name == "mlp_type":
+        return None if v in ("standard", "residual") else '"standard" or "residual"'
+    assert t is str, f"ModelConfig.{name}: a field of type {t} needs a check here"
+    return None if isinstance(v, str) else "a string"
+
+
+def _kind(v) -> str:
+    """A JSON value described for a message: its type and (shortened) value."""
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if v is None else f"{kinds.get(type(v), type(v).__name__)} {json.dumps(v)[:60]}"
 
 
 # -- export -----------------------------------------------------------------------------------------
@@ -318,60 +380,188 @@ def model_card(m: dict) -> str:
 
 
 # -- verify and load -------------------------------------------------------------------------------
+# A package is untrusted input: verification reads nothing a name in it points at until every name is
+# a plain file at the package's top level and no listed file is a link; a malformed manifest, config
+# or index is a listed problem. What it saw of each file (size, modification time, identity) goes
+# to the loaders, which compare it with every file they open before reading: what is loaded is what
+# was verified, or a FileChangedError says which file changed.
+
+MAX_JSON_BYTES = 64 * 1024 ** 2  # a manifest, config.json or index this large is not one of ours
+
+
+@dataclass(frozen=True)
+class VerifiedPackage:
+    """A package that passed `verify_package`: its model config and manifest as verified, and what was seen of
+    each listed file, for `pipeline.weights.load_weights(files=...)` and `ExpertStore(files=...)` to check."""
+
+    path: Path
+    cfg: ModelConfig
+    manifest: dict
+    files: dict[str, FileFacts]
+
 
 def verify_package(pkg: Path, checksums: bool = True) -> list[str]:
-    """Problems found (empty: the package is whole): files, sizes, checksums, tensor names, shapes, dtypes."""
-    pkg = Path(pkg)
+    """Problems found (empty: the package is whole): file names, files, sizes, checksums, config.json, the shard
+    index, tensor names, shapes, dtypes."""
+    return _verify(Path(pkg), checksums)[0]
+
+
+def verified_package(pkg: Path, checksums: bool = True) -> VerifiedPackage:
+    """The package verified (sizes always, checksums unless `checksums=False`); else a PackageError naming each
+    problem."""
+    problems, verified = _verify(Path(pkg), checksums)
+    if problems:
+        raise PackageError(pkg, problems)
+    return verified
+
+
+def read_package(pkg: Path, checksums: bool = True) -> tuple[ModelConfig, dict]:
+    """(model config, manifest) of a package that passes `verify_package`; else a PackageError naming each problem."""
+    verified = verified_package(pkg, checksums)
+    return verified.cfg, verified.manifest
+
+
+def _verify(pkg: Path, checksums: bool) -> tuple[list[str], VerifiedPackage | None]:
     if not pkg.is_dir():
-        return [f"{pkg}: not a directory"]
+        return [f"{pkg}: not a directory"], None
     try:
-        manifest = json.loads((pkg / MANIFEST).read_text())
-        listed = manifest["files"]
+        with open_regular(pkg / MANIFEST, follow_links=False) as fh:
+            manifest = json.loads(_read_json_bytes(fh))
     except FileNotFoundError:
-        return [f"{MANIFEST}: missing (not a package made by `moe-pipeline export`)"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        return [f"{MANIFEST}: unreadable ({type(err).__name__}: {err})"]
-    problems = []
-    if manifest.get("format_version") != FORMAT_VERSION:
-        problems.append(f"{MANIFEST}: format_version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
-    required = [CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES, *CODE_FILES, *manifest.get("weights", [WEIGHTS])]
-    for name in required:
+        return [f"{MANIFEST}: missing (not a package made by `moe-pipeline export`)"], None
+    except OSError as err:  # a link (ELOOP), a directory, a FIFO
+        return [f"{MANIFEST}: {_os_problem(err)}"], None
+    except ValueError as err:  # not JSON, not UTF-8, too large
+        return [f"{MANIFEST}: unreadable ({err})"], None
+    problems = _manifest_problems(manifest)
+    if problems:
+        return problems, None
+    listed, weights = manifest["files"], manifest["weights"]
+
+    # 1. names: each a file at the package's top level, before any is opened
+    for name in dict.fromkeys([*listed, *weights]):
+        problem = file_name_problem(name)
+        if problem is not None:
+            problems.append(f"{MANIFEST}: file name {problem}: a package lists only the files at its top level")
+    if problems:
+        return problems, None
+    for name in [CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES, *CODE_FILES, *weights]:
         if name not in listed:
             problems.append(f"{name}: not listed in {MANIFEST}")
-    for name, facts in listed.items():
+    # 2. each listed name a regular file inside the package, not a link (to a file elsewhere, or here)
+    root = os.path.realpath(pkg)
+    for name in listed:
         path = pkg / name
-        if not path.is_file():
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
             problems.append(f"{name}: missing")
             continue
-        size = path.stat().st_size
-        if size != facts["size"]:
-            problems.append(f"{name}: {size} bytes, the manifest says {facts['size']} (truncated or changed)")
-        elif checksums and sha256_file(path) != facts["sha256"]:
-            problems.append(f"{name}: sha256 differs from the manifest (corrupted or changed)")
+        except OSError as err:  # a name too long, say
+            problems.append(f"{name[:80]}: {_os_problem(err)}")
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(path)
+            inside = os.path.commonpath([root, os.path.realpath(path)]) == root
+            problems.append(f"{name}: a symbolic link to {target}, outside the package" if not inside else
+                            f"{name}: a symbolic link (to {target}): a package holds its files, not links")
+        elif not stat.S_ISREG(st.st_mode):
+            problems.append(f"{name}: not a regular file")
     extra = sorted(p.name for p in pkg.iterdir() if p.name not in listed and p.name != MANIFEST)
     problems += [f"{name}: not listed in {MANIFEST} (an unexpected file)" for name in extra]
     if problems:
-        return problems
-    # tensors: exactly those the config implies, with their shapes and dtypes
-    try:
-        cfg = model_config_of(pkg)
-    except (PackageError, TypeError, AssertionError, json.JSONDecodeError) as err:
-        return [f"{CONFIG}: {getattr(err, 'problems', [err])[0]}"]
-    dtype = DTYPE_OF_NAME.get(manifest.get("dtype"), torch.float32)
-    expected = expected_tensors(cfg, dtype)
-    found: dict[str, tuple[str, tuple[int, ...], torch.dtype | None]] = {}
-    for f in manifest.get("weights", []):
-        if not f.endswith(".safetensors"):
-            continue
+        return problems, None
+
+    # 3. sizes and checksums, each file read through one handle; config.json and the index are kept as read
+    facts: dict[str, FileFacts] = {}
+    kept: dict[str, bytes] = {}
+    for name, entry in listed.items():
         try:
-            with safe_open(pkg / f, framework="pt") as sf:
-                for key in sf.keys():
-                    sl = sf.get_slice(key)
-                    found[key] = (f, tuple(sl.get_shape()), SAFETENSORS_DTYPES.get(sl.get_dtype()))
-        except Exception as err:  # noqa: BLE001 - a damaged header: name the file
-            problems.append(f"{f}: unreadable safetensors ({type(err).__name__}: {str(err)[:120]})")
+            with open_regular(pkg / name, follow_links=False) as fh:
+                seen = FileFacts.of(os.fstat(fh.fileno()))
+                if seen.size != entry["size"]:
+                    problems.append(f"{name}: {seen.size} bytes, the manifest says {entry['size']} (truncated or changed)")
+                    continue
+                if name in (CONFIG, INDEX):
+                    kept[name] = _read_json_bytes(fh)
+                    digest = hashlib.sha256(kept[name]).hexdigest()
+                else:
+                    digest = hashlib.file_digest(fh, "sha256").hexdigest() if checksums else None
+                if checksums and digest != entry["sha256"]:
+                    problems.append(f"{name}: sha256 differs from the manifest (corrupted or changed)")
+                    continue
+                check_unchanged(fh.fileno(), pkg / name, seen)
+                facts[name] = seen
+        except FileChangedError:
+            problems.append(f"{name}: changed while it was being verified")
+        except (OSError, ValueError) as err:
+            problems.append(f"{name}: {_os_problem(err) if isinstance(err, OSError) else err}")
     if problems:
-        return problems
+        return problems, None
+
+    # 4. config.json: every ModelConfig field, each of its type
+    try:
+        cfg = model_config_from(json.loads(kept[CONFIG]), pkg)
+    except PackageError as err:
+        return err.problems, None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return [f"{CONFIG}: not JSON ({err})"], None
+
+    # 5. safetensors headers (not tensors), from the files as verified
+    found: dict[str, tuple[str, tuple[int, ...], torch.dtype | None]] = {}
+    stored = sorted(f for f in weights if f.endswith(".safetensors"))
+    for f in stored:
+        try:
+            with open_regular(pkg / f, follow_links=False) as fh:
+                check_unchanged(fh.fileno(), pkg / f, facts[f])
+                header, _ = read_header(fh, Path(f))
+        except FileChangedError:
+            problems.append(f"{f}: changed while it was being verified")
+            continue
+        except OSError as err:
+            problems.append(f"{f}: {_os_problem(err)}")
+            continue
+        except ValueError as err:  # a damaged header; the message names the file
+            problems.append(str(err))
+            continue
+        for key, info in header.items():
+            if key in found:
+                problems.append(f"{f}: tensor {key} is also in {found[key][0]}")
+            found[key] = (f, tuple(info["shape"]), SAFETENSORS_DTYPES.get(info["dtype"]))
+    if problems:
+        return problems, None
+
+    # the model config.json describes, on the meta device; each layer and expert has at least one tensor,
+    # so a config of more than the files hold is refused before it is built
+    if max(cfg.layers, sum(cfg.experts)) > len(found):
+        return [f"{CONFIG}: {cfg.layers} layers and {sum(cfg.experts)} experts, more than the {len(found)} "
+                f"tensors the weights hold"], None
+    try:
+        expected = expected_tensors(cfg, DTYPE_OF_NAME[manifest["dtype"]])
+    except (ValueError, TypeError, RuntimeError, AssertionError) as err:  # a model torch refuses to build
+        return [f"{CONFIG}: describes no model this code builds ({type(err).__name__}: {str(err)[:160]})"], None
+
+    # 6. the index: what the loaders will read, exactly the files and tensors verified
+    if INDEX in listed:
+        try:
+            weight_map = index_weight_map(kept[INDEX], Path(INDEX), listed)
+        except ValueError as err:
+            return [str(err)], None
+        for f in sorted(set(weight_map.values()) - set(stored)):
+            problems.append(f"{INDEX}: maps tensors to {f}, which the manifest's weights do not list")
+        for key, f in sorted(weight_map.items()):
+            if key not in found:
+                problems.append(f"{INDEX}: maps tensor {key} to {f}, which does not hold it")
+            elif found[key][0] != f:
+                problems.append(f"{INDEX}: maps tensor {key} to {f}, but {found[key][0]} holds it")
+        for key in sorted(set(found) - set(weight_map)):
+            problems.append(f"{found[key][0]}: tensor {key} is not in {INDEX}")
+    elif stored != [WEIGHTS]:
+        problems.append(f"{MANIFEST}: weights {stored} without {INDEX}: an unsharded package holds {WEIGHTS} alone")
+    if problems:
+        return problems, None
+
+    # 7. tensors: exactly those the config implies, with their shapes and dtypes
     for key in sorted(set(expected) - set(found)):
         problems.append(f"tensor {key}: missing (config.json implies it)")
     for key in sorted(set(found) - set(expected)):
@@ -383,16 +573,64 @@ def verify_package(pkg: Path, checksums: bool = True) -> list[str]:
             problems.append(f"{f}: tensor {key} has shape {list(got_shape)}, config.json implies {list(shape)}")
         elif got_dt != dt:
             problems.append(f"{f}: tensor {key} is {got_dt}, the package's dtype implies {dt}")
+    if manifest["tensors"] != len(expected):
+        problems.append(f"{MANIFEST}: tensors {manifest['tensors']}, config.json implies {len(expected)}")
+    if problems:
+        return problems, None
+    return [], VerifiedPackage(pkg, cfg, manifest, facts)
+
+
+def _manifest_problems(manifest) -> list[str]:
+    """What is missing or of the wrong type in a parsed manifest (the keys verification and the CLI read)."""
+    if not isinstance(manifest, dict):
+        return [f"{MANIFEST}: {_kind(manifest)}, not a JSON object"]
+    problems = []
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        problems.append(f"{MANIFEST}: files must be an object {{file name: {{sha256, size}}}}, "
+                        f"got {_got(manifest, 'files')}")
+    else:
+        for name, entry in files.items():
+            if not isinstance(entry, dict):
+                problems.append(f"{MANIFEST}: files[{name!r}] must be an object {{sha256, size}}, got {_kind(entry)}")
+                continue
+            size, digest = entry.get("size"), entry.get("sha256")
+            if "size" not in entry:
+                problems.append(f"{MANIFEST}: files[{name!r}] has no size")
+            elif not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
+                problems.append(f"{MANIFEST}: files[{name!r}].size must be a byte count, got {_kind(size)}")
+            if "sha256" not in entry:
+                problems.append(f"{MANIFEST}: files[{name!r}] has no sha256")
+            elif not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+                problems.append(f"{MANIFEST}: files[{name!r}].sha256 must be 64 hex digits, got {_kind(digest)}")
+    weights = manifest.get("weights")
+    if not (isinstance(weights, list) and weights and all(isinstance(w, str) for w in weights)):
+        problems.append(f"{MANIFEST}: weights must be a list of file names, got {_got(manifest, 'weights')}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        problems.append(f"{MANIFEST}: format_version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
+    if manifest.get("dtype") not in DTYPE_OF_NAME:
+        problems.append(f"{MANIFEST}: dtype must be one of {', '.join(DTYPE_OF_NAME)}, got {_got(manifest, 'dtype')}")
+    tensors = manifest.get("tensors")
+    if not (isinstance(tensors, int) and not isinstance(tensors, bool)):
+        problems.append(f"{MANIFEST}: tensors must be a count, got {_got(manifest, 'tensors')}")
     return problems
 
 
-def read_package(pkg: Path, checksums: bool = True) -> tuple[ModelConfig, dict]:
-    """(model config, manifest) of a package that passes `verify_package`; else a PackageError naming each problem."""
-    pkg = Path(pkg)
-    problems = verify_package(pkg, checksums=checksums)
-    if problems:
-        raise PackageError(pkg, problems)
-    return model_config_of(pkg), read_manifest(pkg)
+def _got(d: dict, key: str) -> str:
+    return _kind(d[key]) if key in d else "nothing"
+
+
+def _read_json_bytes(fh) -> bytes:
+    data = fh.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise ValueError(f"larger than {MAX_JSON_BYTES // 1024 ** 2} MiB: not a file this package format writes")
+    return data
+
+
+def _os_problem(err: OSError) -> str:
+    if err.errno == errno.ELOOP:
+        return "a symbolic link: a package holds its files, not links"
+    return f"cannot be read ({err.strerror or err})"
 
 
 def package_dtype(manifest: dict, override: str | None = None) -> torch.dtype:
@@ -402,9 +640,14 @@ def package_dtype(manifest: dict, override: str | None = None) -> torch.dtype:
     return DTYPE_ALIASES[override] if override else DTYPE_OF_NAME[manifest["dtype"]]
 
 
-def read_tokenizer(pkg: Path):
-    """The package's tokenizer (Hugging Face's files at the package's top level)."""
+def read_tokenizer(pkg: Path, files: dict[str, FileFacts] | None = None):
+    """The package's tokenizer (Hugging Face's files at the package's top level). `files`: a verified
+    package's; a tokenizer file changed since verification is refused (FileChangedError)."""
     from transformers import PreTrainedTokenizerFast
+
+    for name in TOKENIZER_FILES if files is not None else ():
+        with open_regular(Path(pkg) / name) as fh:
+            check_unchanged(fh.fileno(), Path(pkg) / name, files[name])
 
     # not AutoTokenizer: it reads config.json through AutoConfig, which asks whether to trust remote code
     return PreTrainedTokenizerFast.from_pretrained(str(pkg))

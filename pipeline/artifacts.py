@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,3 +95,69 @@ def atomic_write_text(path: Path, text: str) -> None:
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# -- files a reader checked: a loader reads exactly what was verified ----------------------------------
+
+class FileChangedError(ValueError):
+    """A file that changed (its size, modification time or identity) after it was verified."""
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    """What a verifier saw of one file; a loader compares them with the file it has open before reading it."""
+
+    size: int
+    mtime_ns: int
+    dev: int
+    ino: int  # with dev: the same file, not another one renamed over it
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileFacts":
+        return cls(st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+
+
+def check_unchanged(fd: int, path: Path, facts: FileFacts) -> None:
+    """FileChangedError unless the open file `fd` is the file `facts` describe, unchanged."""
+    now = FileFacts.of(os.fstat(fd))
+    if now == facts:
+        return
+    if now.size != facts.size:
+        what = f"{facts.size} bytes when verified, {now.size} now"
+    elif (now.dev, now.ino) != (facts.dev, facts.ino):
+        what = "another file now has its name"
+    else:
+        what = "written to since"
+    raise FileChangedError(f"{path}: changed since it was verified ({what}): re-run "
+                           f"`moe-pipeline verify {Path(path).parent}` and load it again")
+
+
+def file_name_problem(name) -> str | None:
+    """Why `name` cannot name a file at the top level of an artifact directory (None: it can)."""
+    if not isinstance(name, str) or name in ("", ".") or "\0" in name:
+        return f"{name!r} is not a file name"
+    if os.path.isabs(name) or name.startswith(("/", "\\")):
+        return f"{name!r} is an absolute path"
+    parts = name.replace("\\", "/").split("/")
+    if ".." in parts:
+        return f"{name!r} leads out of the directory ('..')"
+    if len(parts) > 1:
+        return f"{name!r} is a path, not a file at the directory's top level"
+    return None
+
+
+def open_regular(path: Path, follow_links: bool = True):
+    """`path` opened for binary reading; OSError unless it is a regular file (a FIFO does not block the open)
+    or, with `follow_links=False`, if it is a symbolic link."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

@@ -5,11 +5,14 @@ numbered locally. `save_weights` writes every tensor once under its global name 
 counted over the whole layer): one `model.safetensors`, or with several writing ranks one shard per
 rank plus `model.safetensors.index.json` (Hugging Face's sharded layout). `load_weights` fills a
 model of any layout, reading only the tensors that rank owns, each straight from the file (no mmap).
+Given what verification saw of a package's files (`files`, export/package.py), it reads only files
+the index may name and that are unchanged since (else a FileChangedError names the file).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,7 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.artifacts import INDEX, WEIGHTS, atomic_write_text
+from pipeline.artifacts import (INDEX, WEIGHTS, FileChangedError, FileFacts, atomic_write_text, check_unchanged,
+                                 file_name_problem, open_regular)
 from pipeline.model import GPT, global_name, split_expert_key
 
 
@@ -107,28 +111,69 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, s
     os.replace(tmp, path)
 
 
-def weight_files(src: Path) -> dict[str, str]:
-    """Global tensor name -> file name inside `src` (single file or sharded with an index)."""
+def weight_files(src: Path, files: dict[str, FileFacts] | None = None) -> dict[str, str]:
+    """Global tensor name -> file name inside `src` (single file or sharded with an index).
+
+    `files`: what verification saw of a package's files (export/package.py); then the index (or the
+    single file) must be the file verified, unchanged, and the index may name only verified files.
+    """
     src = Path(src)
-    if (src / INDEX).is_file():
-        return json.loads((src / INDEX).read_text())["weight_map"]
-    if (src / WEIGHTS).is_file():
-        with safe_open(src / WEIGHTS, framework="pt") as sf:
-            return {k: WEIGHTS for k in sf.keys()}
+    sharded = INDEX in files if files is not None else (src / INDEX).is_file()
+    if files is not None and not sharded and (src / INDEX).exists():
+        raise FileChangedError(f"{src / INDEX}: appeared after {src} was verified: re-run `moe-pipeline verify {src}`")
+    if sharded:
+        with open_regular(src / INDEX) as fh:
+            if files is not None:
+                check_unchanged(fh.fileno(), src / INDEX, files[INDEX])
+            raw = fh.read()
+        return index_weight_map(raw, src / INDEX, files)
+    if files is not None or (src / WEIGHTS).is_file():
+        if files is not None and WEIGHTS not in files:
+            raise ValueError(f"{src}: neither {WEIGHTS} nor {INDEX} was verified: not a package's weights")
+        with open_regular(src / WEIGHTS) as fh:
+            if files is not None:
+                check_unchanged(fh.fileno(), src / WEIGHTS, files[WEIGHTS])
+            header, _ = read_header(fh, src / WEIGHTS)
+        return {k: WEIGHTS for k in header}
     raise FileNotFoundError(f"{src} has no {WEIGHTS} or {INDEX}: train or export a model there first "
                             f"(moe-pipeline teacher RECIPE)")
 
 
-def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> None:
+def index_weight_map(raw: bytes, path: Path, files: dict[str, FileFacts] | None = None) -> dict[str, str]:
+    """The `weight_map` of an index file's bytes, checked: {tensor name: safetensors file in the same directory}
+    (and, with `files`, a verified one); a ValueError names the index and the entry at fault."""
+    try:
+        index = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{path}: needs a weight_map object {{tensor name: file name}}, got "
+                         f"{type(weight_map).__name__ if isinstance(index, dict) else type(index).__name__}")
+    for key, f in weight_map.items():
+        problem = file_name_problem(f) if isinstance(f, str) else f"{f!r} is not a file name"
+        if problem is None and not f.endswith(".safetensors"):
+            problem = f"{f!r} is not a .safetensors file"
+        if problem is None and files is not None and f not in files:
+            problem = f"{f!r} was not verified (manifest.json does not list it)"
+        if problem is not None:
+            raise ValueError(f"{path}: weight_map entry {key}: {problem}")
+    return weight_map
+
+
+def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None,
+                 files: dict[str, FileFacts] | None = None) -> None:
     """Fill `model` (any expert-parallel layout) from consolidated weights, reading only its own tensors.
 
     `rename` maps a global parameter name of `model` to the name it has in `src` (a student takes
     teacher block 5 as its block 2, say); by default the names are the same. A parameter with a
     `shard` attribute (dim, start, whole size) receives that slice of the stored tensor: expert and
-    tensor slicing read only a rank's part (export/inference.py).
+    tensor slicing read only a rank's part (export/inference.py). `files`: what verification saw of a
+    package's files (export/package.py); a file that differs from it, before or after its tensors are
+    read, is refused (FileChangedError). Without it, a file that changes while it is read is refused.
     """
     src = Path(src)
-    where = weight_files(src)
+    where = weight_files(src, files)
     rename = rename or (lambda name: name)
     wanted: dict[str, list[torch.Tensor]] = {}  # stored name -> the parameters it fills (a tied, sliced head: 2)
     for name, p in unique_params(model):
@@ -142,28 +187,43 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None) -> N
         by_file.setdefault(where[key], []).append(key)
     with torch.no_grad():
         for f, keys in by_file.items():
-            with open(src / f, "rb") as fh:
-                header, data_start = read_header(fh, src / f)
-                for key in sorted(keys, key=lambda k: header[k]["data_offsets"][0]):  # in file order
-                    params = wanted[key]
-                    for p in params:
-                        shard = getattr(p, "shard", None)  # (dim, start, whole size): one slice (export.inference)
-                        whole = list(p.shape)
-                        if shard is not None:
-                            whole[shard[0]] = shard[2]
-                        if list(header[key]["shape"]) != whole:
-                            raise ValueError(f"{src / f}: {key} has shape {tuple(header[key]['shape'])}, "
-                                             f"the model expects {tuple(whole)}")
-                    p = params[0]
-                    direct = (len(params) == 1 and getattr(p, "shard", None) is None and p.device.type == "cpu"
-                              and p.is_contiguous() and SAFETENSORS_DTYPES.get(header[key]["dtype"]) == p.dtype)
-                    t = _read_tensor(fh, header, key, data_start, src / f, out=p.data if direct else None)
-                    if direct:
-                        continue
-                    for p in params:
-                        shard = getattr(p, "shard", None)
-                        part = t.narrow(shard[0], shard[1], p.shape[shard[0]]) if shard is not None else t
-                        p.copy_(part.to(p.dtype))
+            with open_regular(src / f) as fh:
+                facts = files[f] if files is not None else FileFacts.of(os.fstat(fh.fileno()))
+                check_unchanged(fh.fileno(), src / f, facts)
+                try:
+                    _fill(fh, src / f, keys, wanted)
+                except ValueError:
+                    check_unchanged(fh.fileno(), src / f, facts)  # cut short because it changed: say that
+                    raise
+                check_unchanged(fh.fileno(), src / f, facts)  # written to while it was read
+
+
+def _fill(fh, path: Path, keys: list[str], wanted: dict[str, list[torch.Tensor]]) -> None:
+    """Read `keys` from the open safetensors file `fh` into the parameters `wanted` names for each."""
+    header, data_start = read_header(fh, path)
+    for key in keys:
+        if key not in header:
+            raise ValueError(f"{path}: has no tensor {key}, which the weight map places in it")
+    for key in sorted(keys, key=lambda k: header[k]["data_offsets"][0]):  # in file order
+        params = wanted[key]
+        for p in params:
+            shard = getattr(p, "shard", None)  # (dim, start, whole size): one slice (export.inference)
+            whole = list(p.shape)
+            if shard is not None:
+                whole[shard[0]] = shard[2]
+            if list(header[key]["shape"]) != whole:
+                raise ValueError(f"{path}: {key} has shape {tuple(header[key]['shape'])}, "
+                                 f"the model expects {tuple(whole)}")
+        p = params[0]
+        direct = (len(params) == 1 and getattr(p, "shard", None) is None and p.device.type == "cpu"
+                  and p.is_contiguous() and SAFETENSORS_DTYPES.get(header[key]["dtype"]) == p.dtype)
+        t = _read_tensor(fh, header, key, data_start, path, out=p.data if direct else None)
+        if direct:
+            continue
+        for p in params:
+            shard = getattr(p, "shard", None)
+            part = t.narrow(shard[0], shard[1], p.shape[shard[0]]) if shard is not None else t
+            p.copy_(part.to(p.dtype))
 
 
 # -- reading safetensors tensor by tensor ----------------------------------------------------------
@@ -180,7 +240,9 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 
 def read_header(fh, path: Path) -> tuple[dict, int]:
-    """(the safetensors JSON header without __metadata__, offset of the data section)."""
+    """(the safetensors JSON header without __metadata__, offset of the data section), checked as
+    safetensors' own reader checks it: each entry a dtype, a shape and two offsets, the tensors tiling
+    the data section exactly (a truncated or padded file is refused). A ValueError names the file."""
     size = os.fstat(fh.fileno()).st_size
     raw = fh.read(8)
     if len(raw) < 8:
@@ -192,13 +254,37 @@ def read_header(fh, path: Path) -> tuple[dict, int]:
         header = json.loads(fh.read(n))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: unreadable safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
     data_start = 8 + n
+    spans = []
     for key, info in header.items():
+        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str) and _counts(info.get("shape"))
+                and _counts(info.get("data_offsets")) and len(info["data_offsets"]) == 2):
+            raise ValueError(f"{path}: tensor {key}: a header entry needs dtype (a string), shape and "
+                             f"data_offsets (non-negative integers), got {str(info)[:120]}")
         begin, end = info["data_offsets"]
-        if not 0 <= begin <= end or data_start + end > size:
+        if not begin <= end or data_start + end > size:
             raise ValueError(f"{path}: tensor {key} lies outside the file ({size} bytes): truncated?")
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is not None and math.prod(info["shape"]) * dtype.itemsize != end - begin:
+            raise ValueError(f"{path}: tensor {key} has {end - begin} bytes, shape {info['shape']} of "
+                             f"{info['dtype']} needs {math.prod(info['shape']) * dtype.itemsize}")
+        spans.append((begin, end, key))
+    at = 0
+    for begin, end, key in sorted(spans):
+        if begin != at:
+            raise ValueError(f"{path}: tensor {key} starts at byte {begin} of the data section, not {at}: "
+                             f"tensors overlap or leave gaps")
+        at = end
+    if data_start + at != size:
+        raise ValueError(f"{path}: {size - data_start - at} bytes after the last tensor")
     return header, data_start
+
+
+def _counts(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
 
 
 def _read_tensor(fh, header: dict, key: str, data_start: int, path: Path, out: torch.Tensor | None = None) -> torch.Tensor:

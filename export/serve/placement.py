@@ -186,20 +186,30 @@ def keep_or_replace(current, new, demand: list[list[float]], ep: int, margin: fl
 class ExpertStore:
     """Every expert's tensors in the package (or stage directory), memory-mapped: the host tier. `load`
     copies one expert into resident tensors of `dtype` (on a GPU machine this would be the host-to-device
-    copy). The mapping is private copy-on-write, read only here: the files are never changed."""
+    copy). The mapping is private copy-on-write, read only here: the files are never changed.
 
-    def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype):
+    The files stay open as long as the store. Touching the mapping of a file truncated since it was mapped
+    kills the process (SIGBUS), so before each `load` the open files' size and modification time are
+    compared with what verification saw (`files`: export/package.py's `VerifiedPackage.files`; without it,
+    what the store saw when it opened them): a changed file fails that load with a FileChangedError."""
+
+    def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype, files: dict | None = None):
         import mmap
+        import os
 
+        from pipeline.artifacts import FileFacts, check_unchanged, open_regular
         from pipeline.weights import SAFETENSORS_DTYPES, read_header, weight_files
 
         self.src, self.cfg, self.dtype = Path(src), cfg, dtype
-        self.where = weight_files(self.src)
-        self._maps, self._views = {}, {}
+        self.where = weight_files(self.src, files)
+        self._files, self._facts, self._maps, self._views = {}, {}, {}, {}
         for f in sorted(set(self.where.values())):
-            with open(self.src / f, "rb") as fh:
-                header, start = read_header(fh, self.src / f)
-                self._maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            fh = self._files[f] = open_regular(self.src / f)
+            self._facts[f] = files[f] if files is not None else FileFacts.of(os.fstat(fh.fileno()))
+            check_unchanged(fh.fileno(), self.src / f, self._facts[f])
+            header, start = read_header(fh, self.src / f)
+            self._maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            check_unchanged(fh.fileno(), self.src / f, self._facts[f])  # what was mapped is what was verified
             for key, info in header.items():
                 if split_expert_key(key) is not None:
                     begin, end = info["data_offsets"]
@@ -212,7 +222,15 @@ class ExpertStore:
         return expert_key(self.cfg.moe_layers[layer], expert, part)
 
     def load(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
-        return tuple(self._views[self.key(layer, expert, p)].to(self.dtype, copy=True) for p in EXPERT_PARTS)
+        from pipeline.artifacts import FileChangedError, check_unchanged
+
+        keys = [self.key(layer, expert, p) for p in EXPERT_PARTS]
+        for f in dict.fromkeys(self.where[k] for k in keys):  # before touching the mapping
+            try:
+                check_unchanged(self._files[f].fileno(), self.src / f, self._facts[f])
+            except FileChangedError as err:
+                raise FileChangedError(f"expert {expert} of MoE layer {layer} not loaded: {err}") from None
+        return tuple(self._views[k].to(self.dtype, copy=True) for k in keys)
 
     def nbytes(self) -> int:
         """Bytes of one expert in the serving dtype."""
