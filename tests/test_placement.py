@@ -150,3 +150,27 @@ def test_placement_flags_and_predictor_training_fail_clearly(package, tmp_path):
     assert r.returncode == 2 and "--resident-experts" in r.stderr
     r = cli("predictor", "train", str(tmp_path / "nothing"), check=False)
     assert r.returncode == 2 and "predictor error" in r.stderr
+
+
+def test_a_package_file_changed_under_offloaded_experts_fails_requests_not_the_server(package, tmp_path):
+    """--resident-experts < 1 keeps the package mapped for the server's lifetime: a shard truncated underneath it
+    used to kill the process (SIGBUS) at the next on-demand load; now the request that needs it fails with a
+    message and the engine goes on."""
+    import shutil
+
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine, SamplingParams
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(package, pkg)
+    eng = Engine.from_config(ServeConfig(package=pkg, placement="none", resident_experts=0.25))
+    prompt = eng.encode("And God said unto Moses and Aaron")
+    weights = pkg / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    reqs = [eng.submit(prompt, SamplingParams(max_tokens=8)) for _ in range(3)]
+    while eng.pending():
+        eng.step()
+    assert {r.finish_reason for r in reqs} == {"error"}
+    assert all("changed since it was verified" in r.text for r in reqs)
+    assert eng.stats["failed"] == 3 and not eng.running and sorted(eng.cache.free) == list(range(eng.max_batch))

@@ -328,7 +328,7 @@ class Engine:
         `placement` the experts placed by a replica table (export/serve/placement.py) and rank 0's policy.
         Collective with several ranks."""
         from export.inference import load_package
-        from export.package import package_dtype, read_package, read_tokenizer
+        from export.package import package_dtype, read_tokenizer, verified_package
         from pipeline import dist
 
         ranks = ranks or dist.init()
@@ -341,10 +341,10 @@ class Engine:
         else:
             from export.serve.placement import placed_model
 
-            cfg, manifest = read_package(config.package, config.checksums)
-            model = placed_model(cfg, config.package, ranks, package_dtype(manifest, config.dtype),
-                                 config.resident_experts)
-            tok = read_tokenizer(config.package)
+            verified = verified_package(config.package, config.checksums)
+            model = placed_model(verified.cfg, config.package, ranks, package_dtype(verified.manifest, config.dtype),
+                                 config.resident_experts, files=verified.files)
+            tok = read_tokenizer(config.package, verified.files)
         engine = cls(model, tok, max_batch=config.max_batch, ranks=ranks)
         if config.placement is not None and ranks.rank == 0:
             engine.policy = make_policy(config, model.cfg, ranks.world)
@@ -507,9 +507,16 @@ class Engine:
             self.stats["decode_steps"] += 1
             if self.on_decode is not None:
                 self.on_decode(len(live))
-            logits = self._forward([s.slot for s in live], torch.tensor([[s.generated[-1]] for s in live]),
-                                   kind="decode", seqs=live)
-            for seq, row in zip(live, logits[:, -1]):
+            try:
+                logits = self._forward([s.slot for s in live], torch.tensor([[s.generated[-1]] for s in live]),
+                                       kind="decode", seqs=live)
+            except Exception as err:  # noqa: BLE001 - e.g. an offloaded expert's file changed on disk
+                if self.ranks is not None and self.ranks.world > 1:
+                    raise  # the other ranks may be inside this forward's collectives: the engine cannot go on
+                for seq in live:  # the requests of this forward fail; the others (waiting) go on
+                    self._fail(seq, err)
+                live = []
+            for seq, row in zip(live, logits[:, -1] if live else ()):
                 made += self._emit(seq, row)
         for seq in [s for s in self.running if s.finished]:
             self._retired(seq)

@@ -427,11 +427,13 @@ class PlacedMoE(nn.Module):
         return out, r.aux.new_zeros(()), r.counts
 
 
-def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0) -> GPT:
+def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
+                 files: dict | None = None) -> GPT:
     """The model with `PlacedMoE` layers on this rank: every rank holds the dense part and the gates;
     experts come from its `Placement` (its native experts, resident or mapped, plus replicas).
     Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
-    ServeConfig checks the flags)."""
+    ServeConfig checks the flags). `files`: what verification saw of each file (export.package.VerifiedPackage);
+    every read from the package compares it with the open file first."""
     from export.inference import Layout
     from pipeline import dist
     from pipeline.build import cast_keeping_gates, meta_model
@@ -441,7 +443,7 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
         if n % ranks.world:
             raise ValueError(f"--placement on {ranks.world} ranks: every MoE layer's experts {list(cfg.experts)} must "
                              f"divide evenly; choose --nproc accordingly")
-    placement = Placement(cfg, ExpertStore(src, cfg, dtype), ranks.rank, ranks.world, resident_fraction)
+    placement = Placement(cfg, ExpertStore(src, cfg, dtype, files), ranks.rank, ranks.world, resident_fraction)
     model = meta_model(cfg)
     model.to_empty(device="cpu")
     for i, block in enumerate(b for b in model.blocks if b.is_moe):
@@ -449,7 +451,7 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     if cfg.tie_embeddings:  # to_empty made the tied head a separate tensor
         model.lm_head.weight = model.wte.weight
     cast_keeping_gates(model, dtype)
-    load_weights(model, src)
+    load_weights(model, src, files=files)
     model = model.to(device=dist.device()).eval().requires_grad_(False)
     model.placement = placement
     model.layout = Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world)
@@ -478,6 +480,9 @@ class Policy:
 
     def observed(self, demand: list[list[int]], kind: str, seqs) -> None:
         """The per-layer, per-expert tokens routed in the forward that just ran."""
+
+    def finished(self, seq) -> None:
+        """A request is done (finished, aborted or failed): whatever the policy keeps for it goes."""
 
     def close(self) -> None:
         pass
