@@ -137,6 +137,8 @@ def test_aborted_requests_never_run_or_free_their_slot(engine):
         engine.step()
     assert [r.finish_reason for r in running[1:]] == ["length", "length"]
     assert sorted(engine.cache.free) == [0, 1, 2]
+    # nothing the engine keeps grows with its lifetime (a list of every decode step's batch size did)
+    assert all(isinstance(v, int) for v in engine.stats.values()) and engine.stats["decode_steps"] > 30
 
 
 def test_streamed_text_never_shows_what_a_later_token_changes():

@@ -10,25 +10,16 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import pytest
 import requests
 
 from conftest import cli
-from test_serve import start, stop
+from test_serve import package, start, stop  # noqa: F401  (package: the module's exported package fixture)
 
 pytestmark = pytest.mark.slow
 
 KEY = "open sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def package(small_run, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hardening") / "pkg"
-    cli("export", str(small_run), "--out", str(out))
-    return out
 
 
 @pytest.fixture(scope="module")
