@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/soak.py                       # runs/tiny/package, 1 rank then --ep-size 2
     .venv/bin/python benchmarks/soak.py --layouts 1 --clients 32 --requests 10
 
-For each layout the server runs as its own process on 127.0.0.1. A warm-up round sends every request
-kind once (the CPU allocator tuning keeps freed memory in the heap, so the steady state starts after
-it); then `--clients` threads send `--requests` requests each, drawn (seeded) from:
+For each layout the server runs as its own process on 127.0.0.1. A warm-up round has every client send
+every request kind once, all at once (the CPU allocator tuning keeps freed memory in the heap, which
+grows to the clients' concurrency once; the steady state starts after it); then `--clients` threads
+send `--requests` requests each, drawn (seeded) from:
 
   normal       a completion, greedy or sampled;
   stream       the same as server-sent events, read to [DONE];
@@ -147,12 +148,18 @@ def soak(pkg: Path, layout: str, args) -> dict:
                 unhealthy.append(repr(err))
 
     try:
-        rng = random.Random(0)
-        for kind in WELL_FORMED:  # warm-up: every kind once, then the steady state starts
-            client.well_formed(kind, rng)
-        for kind in HOSTILE:
-            client.hostile(kind)
-        client.hang_up(rng)
+        # warm-up: every kind once, from as many clients at once as the steady state has (the heap grows to
+        # its concurrency once), then the steady state starts
+        def warm(c: int):
+            rng = random.Random(c)
+            for kind in WELL_FORMED:
+                client.well_formed(kind, rng)
+            client.hostile(HOSTILE[c % len(HOSTILE)])
+            if c == 0:
+                client.hang_up(rng)
+
+        with ThreadPoolExecutor(args.clients) as pool:
+            list(pool.map(warm, range(args.clients)))
         time.sleep(1.5)  # the next /health ping has every rank's memory after the warm-up
         rss_start = rss_mib(url)
         watcher = threading.Thread(target=watch, daemon=True)
