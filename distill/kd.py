@@ -24,7 +24,18 @@ from pipeline.recipe import KDSpec
 
 
 DIVERGENCES = ("kl", "reverse_kl", "jsd")
-CHUNK_ELEMENTS = 1 << 18  # rows per chunk x vocabulary: 1 MiB of fp32, so a chunk's passes stay in cache
+# rows per chunk x vocabulary. On a CPU 1 MiB of fp32, so a chunk's passes stay in cache; on an accelerator
+# each chunk is ~15 kernel launches, and 2^18 elements would be ~5 rows at the paper's vocabulary (50,304):
+# a 4k-token micro-batch would be ~800 launch-bound iterations, so there a chunk is 2^26 elements (256 MiB
+# of fp32 working memory, ~1,300 rows).
+CHUNK_ELEMENTS = 1 << 18
+ACCELERATOR_CHUNK_ELEMENTS = 1 << 26
+
+
+def chunk_rows(vocab: int, device: torch.device) -> int:
+    """Token rows per chunk of the fused KD pass on `device`."""
+    elements = CHUNK_ELEMENTS if torch.device(device).type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+    return max(1, elements // vocab)
 
 
 def _check_kind(kind: str) -> None:
@@ -65,6 +76,12 @@ class _FusedKD(torch.autograd.Function):
         jsd:         h = (log p_s - log m) / 2,      dD/dz = p_s * (h - <p_s, h>)
     and dD/dstudent = dD/dz / T. The teacher and the weights get no gradient.
     Returns (loss, ce [N], div [N]); the per-token values are for logging (no gradient).
+
+    Precision: the gradient is kept in fp32 and cast to the student's dtype only in backward, after
+    `grad_loss` (the loss scale, with fp16) has multiplied it. Each entry is a per-token weight (1 /
+    real tokens, ~2.4e-4 for 2 x 2048 tokens) times a probability difference: stored in fp16 before
+    scaling, 97-99% of the entries at the paper's vocabulary flushed to zero, and DeepSpeed's initial
+    scale 2^16 itself is inf in fp16. Scaled first, fp16 holds them.
     """
 
     @staticmethod
@@ -76,9 +93,9 @@ class _FusedKD(torch.autograd.Function):
         ce = torch.empty(n, dtype=torch.float32, device=student.device)
         div = torch.empty(n, dtype=torch.float32, device=student.device)
         want_grad = ctx.needs_input_grad[0]
-        grad = torch.empty_like(s_rows) if want_grad else None
+        grad = torch.empty(s_rows.shape, dtype=torch.float32, device=student.device) if want_grad else None
         inv_t = 1.0 / temperature
-        step = max(1, CHUNK_ELEMENTS // vocab)
+        step = chunk_rows(vocab, student.device)
         for i in range(0, n, step):
             j = min(n, i + step)
             z, u, y = s_rows[i:j].float(), t_rows[i:j].float(), labels[i:j]
@@ -117,7 +134,7 @@ class _FusedKD(torch.autograd.Function):
                 g.add_(p_s.mul_(wc) if p_1w is None else p_1w)
             grad[i:j] = g.scatter_add_(1, y, -wc)  # - w_ce onehot(label)
         ctx.save_for_backward(grad)
-        ctx.shape = student.shape
+        ctx.shape, ctx.dtype = student.shape, student.dtype
         loss = (w_ce.squeeze(1) * ce).sum() + (w_div.squeeze(1) * div).sum()
         ctx.mark_non_differentiable(ce, div)
         return loss, ce, div
@@ -125,7 +142,9 @@ class _FusedKD(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_div):  # noqa: D102
         (grad,) = ctx.saved_tensors
-        return (grad * grad_loss.to(grad.dtype)).view(ctx.shape), None, None, None, None, None, None
+        # scale in fp32, then cast: the loss scale lifts the entries into fp16's range before they are rounded
+        scaled = (grad * grad_loss.float()).to(ctx.dtype).view(ctx.shape)
+        return scaled, None, None, None, None, None, None
 
 
 def fused_kd_loss(student_logits: torch.Tensor, labels: torch.Tensor, w_ce: torch.Tensor, teacher_logits: torch.Tensor,

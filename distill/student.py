@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline import dist
 from pipeline.model import GPT, ModelConfig, split_expert_key
 from pipeline.recipe import RecipeError
 from pipeline.weights import ep_rank_of as default_ep_rank_of
@@ -152,8 +153,7 @@ def block_importance(model: GPT, batches: Iterable[dict[str, Tensor]]) -> list[f
             h.remove()
         model.train(was_training)
     totals = torch.cat([distance, tokens.view(1)])  # one collective for numerators and count
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(totals)
+    dist.all_reduce_(totals)
     if totals[-1] == 0:
         raise ValueError("block_importance: the calibration batches hold no real token (loss_mask == 1)")
     return (totals[:-1] / totals[-1]).tolist()

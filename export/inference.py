@@ -116,12 +116,12 @@ class SlicedExpert(MLP):
         self.fc2.weight.shard = (1, index * width, whole)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import deepspeed.comm as dist
+        from pipeline import dist
 
         y = F.linear(F.gelu(self.fc1(x)), self.fc2.weight)
         if self.group is None:
             raise RuntimeError("a sliced expert needs its expert-slicing group (export.inference.parallelize)")
-        dist.all_reduce(y, group=self.group)
+        dist.all_reduce_(y, group=self.group)
         return y + self.fc2.bias
 
 
@@ -199,7 +199,8 @@ def parallelize(model: GPT, layout: Layout):
     tp > 1) and give the sliced experts their groups. Collective. Returns the engine. The model's linears
     to be sliced may still be on the meta device (`materialize_tp_layers` then gives them storage)."""
     import deepspeed
-    import deepspeed.comm as dist
+
+    from pipeline import dist
 
     dtype = next(p.dtype for n, p in model.named_parameters() if not n.endswith("gate.wg.weight"))
     gates = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("gate.wg.weight")}
@@ -234,7 +235,7 @@ def parallelize(model: GPT, layout: Layout):
         widths = {b.attn.q_proj.weight.shape[0] for b in engine.module.blocks}
         want = model.cfg.heads // layout.tp
         if heads != {want} or widths != {want * model.cfg.hidden // model.cfg.heads}:
-            raise RuntimeError(f"tensor slicing left {heads} heads of width {widths} on rank {dist.get_rank()}, "
+            raise RuntimeError(f"tensor slicing left {heads} heads of width {widths} on rank {deepspeed.comm.get_rank()}, "
                                f"expected {want} heads")
     dist.barrier()
     return engine

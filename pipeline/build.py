@@ -72,13 +72,15 @@ def build_model(cfg: ModelConfig, world: int = 1, ep_size: int | None = None, im
 def load_frozen(stage_dir: Path, world: int, ep_size: int | None, device: torch.device,
                 dtype: torch.dtype = torch.float32) -> GPT:
     """A finished stage's model, expert parallel over the `world` ranks (each reads only its own experts),
-    on `device` in `dtype`, in eval mode without gradients: the frozen KD teacher, a loaded teacher.
+    on `device` in `dtype` (the MoE gates fp32), in eval mode without gradients: the frozen KD teacher, a loaded
+    teacher.
     Collective with several ranks."""
     from pipeline.weights import load_weights
 
     model = build_model(read_model_config(stage_dir), world, ep_size)
     load_weights(model, stage_dir)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    # in `dtype` but the gates fp32, as packages keep them and the runtime runs them
+    return cast_keeping_gates(model.to(device=device), dtype).eval().requires_grad_(False)
 
 
 def cast_keeping_gates(model: GPT, dtype: torch.dtype) -> GPT:

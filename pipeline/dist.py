@@ -161,7 +161,48 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         get_accelerator().set_rng_state(state["accelerator"])
 
 
-def broadcast_json(obj=None):
+# -- collectives: every torch.distributed call of ours is here, each on the accelerator's device -------------
+# NCCL (DeepSpeed's CUDA accelerator) rejects CPU tensors; gloo takes CPU ones, and `device()` is the CPU
+# there. Each helper builds its tensors on `on` (default: `device()`) and refuses a tensor elsewhere, so
+# a call that would fail at the first collective on a GPU fails the same way on this machine's tests.
+
+def _check_device(t: torch.Tensor, dev: torch.device, what: str) -> None:
+    if t.device != dev:
+        raise ValueError(f"{what}: a tensor on {t.device}, but the process group's device is {dev}; build "
+                         f"collective tensors with pipeline.dist.device()")
+
+
+def all_reduce_(t: torch.Tensor, group=None, on: torch.device | None = None) -> torch.Tensor:
+    """Sum `t` over the ranks of `group` (all ranks by default), in place; `t` must be on the group's device."""
+    import torch.distributed as td
+
+    _check_device(t, on or device(), "all_reduce_")
+    if td.is_initialized() and td.get_world_size(group) > 1:
+        td.all_reduce(t, group=group)
+    return t
+
+
+def gather_numbers(values: list[float], on: torch.device | None = None) -> list[list[float]]:
+    """Every rank's `values` (the same count on each), gathered as one float64 row per rank (no pickle)."""
+    import torch.distributed as td
+
+    mine = torch.tensor(values, dtype=torch.float64, device=on or device())
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return [mine.tolist()]
+    rows = [torch.zeros_like(mine) for _ in range(td.get_world_size())]
+    td.all_gather(rows, mine)
+    return [r.tolist() for r in rows]
+
+
+def json_tensors(obj, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(length [1] int64, UTF-8 bytes uint8) of `obj` as JSON, on `on`: what broadcast_json sends."""
+    import json
+
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=on)
+    return torch.tensor([data.numel()], dtype=torch.long, device=on), data
+
+
+def broadcast_json(obj=None, on: torch.device | None = None):
     """Rank 0's JSON-serialisable `obj` on every rank (the others pass None): a length, then UTF-8 bytes.
 
     For small control messages between our own ranks (the serving plan); no pickle involved.
@@ -172,26 +213,20 @@ def broadcast_json(obj=None):
 
     if not td.is_initialized() or td.get_world_size() == 1:
         return obj
+    dev = on or device()
     if td.get_rank() == 0:
-        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.long)
+        size, data = json_tensors(obj, dev)
     else:
-        size = torch.zeros(1, dtype=torch.long)
+        size = torch.zeros(1, dtype=torch.long, device=dev)
     td.broadcast(size, src=0)
     if td.get_rank() != 0:
-        data = torch.empty(int(size), dtype=torch.uint8)
+        data = torch.empty(int(size), dtype=torch.uint8, device=dev)
     td.broadcast(data, src=0)
-    return json.loads(bytes(data.tolist()).decode())
-
-
-def world_size() -> int:
-    """Ranks in the process group (1 before `init` or alone)."""
-    import torch.distributed as td
-
-    return td.get_world_size() if td.is_initialized() else 1
+    return json.loads(bytes(data.cpu().numpy()).decode())
 
 
 def barrier() -> None:
+    """Wait for every rank (DeepSpeed's comm: on NCCL it synchronises on the current device)."""
     import torch.distributed as td
 
     if td.is_initialized() and td.get_world_size() > 1:

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.data import PackedTokens, global_sample_ids
-from pipeline.dist import Ranks, barrier, rng_state, set_rng_state
+from pipeline.dist import Ranks, all_reduce_, barrier, rng_state, set_rng_state
 from pipeline.artifacts import atomic_write_text
 from pipeline.model import GPT
 from pipeline.recipe import TrainSpec
@@ -76,14 +76,6 @@ def lm_step(engine, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Te
     return out.loss, {"lm_loss": out.lm_loss.detach(), "aux_loss": out.aux_loss.detach()}
 
 
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as td
-
-    if td.is_initialized() and td.get_world_size() > 1:
-        td.all_reduce(t)
-    return t
-
-
 @torch.no_grad()
 def evaluate(model: GPT, val: PackedTokens, batches: int | None, micro: int, ranks: Ranks) -> float:
     """Mean held-out loss per real token over the first `batches` x `micro` blocks (None: all of them).
@@ -110,7 +102,7 @@ def evaluate(model: GPT, val: PackedTokens, batches: int | None, micro: int, ran
         n = mask.sum()
         total += torch.stack([out.lm_loss.double() * n, n.double()])
     model.train(was_training)
-    total = _all_reduce_sum(total)
+    total = all_reduce_(total)
     return (total[0] / total[1]).item()
 
 
@@ -178,7 +170,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
         done = step + 1
         if done % train.log_every == 0 or done == train.steps:
             names = sorted(sums)
-            values = _all_reduce_sum(torch.stack([sums[k] for k in names]).double()) / (world * window_steps)
+            values = all_reduce_(torch.stack([sums[k] for k in names]).double()) / (world * window_steps)
             elapsed = time.perf_counter() - window_start
             record = {"stage": stage, "step": done, **{k: round(v, 5) for k, v in zip(names, values.tolist())},
                       "lr": lr, "tokens_per_s": round(tokens_per_step * window_steps / elapsed, 1)}

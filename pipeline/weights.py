@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from pipeline.artifacts import (INDEX, WEIGHTS, FileChangedError, FileFacts, atomic_write_text, check_unchanged,
                                  file_name_problem, open_regular)
+from pipeline.dist import barrier
 from pipeline.model import GPT, global_name, split_expert_key
 
 
@@ -89,7 +90,7 @@ def save_weights(model: GPT, out_dir: Path, metadata: dict[str, str] | None = No
         if rank < writers:
             _atomic_save(_owned(model, rank), out_dir / files[rank], meta)
     if world > 1:
-        td.barrier()
+        barrier()
     if writers > 1 and rank == 0:
         weight_map, total = {}, 0
         for f in files:
@@ -101,7 +102,7 @@ def save_weights(model: GPT, out_dir: Path, metadata: dict[str, str] | None = No
             {"metadata": {"total_size": total, **meta}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
         files.append(INDEX)
     if world > 1:
-        td.barrier()
+        barrier()
     return files
 
 

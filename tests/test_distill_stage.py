@@ -96,3 +96,35 @@ def test_student_experts_that_do_not_fit_the_kept_layers_stop_before_training(di
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("recipe error: student.experts = [2]: the experts of the kept")
     assert not (run / "metrics.jsonl").exists() or "student" not in (run / "metrics.jsonl").read_text()
+
+
+def test_the_teacher_is_frozen_with_fp32_gates_and_does_not_run_after_the_stop(distilled):
+    """The KD teacher in a bf16 student run: eval mode, no gradients, bf16 weights but fp32 gates (as packages and
+    the runtime keep them); its forward is called while beta > 0 and never after kd.stop_at."""
+    import torch
+
+    from distill.stage import load_teacher, make_kd_step
+    from pipeline import dist
+    from pipeline.build import build_model
+    from pipeline.artifacts import read_model_config
+    from pipeline.recipe import load_recipe
+
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [*RUN, "student.train.precision=bf16"])
+    teacher = load_teacher(distilled / "teacher", recipe, dist.init())
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    dtypes = {n: p.dtype for n, p in teacher.named_parameters()}
+    gates = [n for n in dtypes if n.endswith("gate.wg.weight")]
+    assert gates and all(dtypes[n] == torch.float32 for n in gates)
+    assert {d for n, d in dtypes.items() if n not in gates} == {torch.bfloat16}
+    calls = []
+    teacher.register_forward_hook(lambda *args: calls.append(1))
+    student = build_model(read_model_config(distilled / "student"), impl="reference", groups=False)
+    step = make_kd_step(teacher, recipe)
+    ids = torch.randint(0, student.cfg.vocab_size, (2, 16))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "loss_mask": torch.ones(2, 16)}
+    stop = recipe.kd_stop_step()
+    _, parts = step(student, batch, 0)
+    assert len(calls) == 1 and parts["kd_loss"] > 0
+    for s in (stop, stop + 1, recipe.student.train.steps - 1):
+        step(student, batch, s)
+    assert len(calls) == 1  # not a zero-weighted teacher forward: no forward at all

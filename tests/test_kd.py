@@ -109,3 +109,47 @@ def test_bf16_student_logits_get_a_bf16_gradient():
     out = kd_loss(s, torch.randint(0, 16, (2, 4)), None, torch.randn(2, 4, 16), KDSpec(), beta=1.0)
     out["loss"].backward()
     assert s.grad.dtype == torch.bfloat16 and torch.isfinite(s.grad.float()).all()
+
+
+def _reference_grad(s, t, labels, mask, kd, beta):
+    """fp32 autograd of the objective's definition (alpha * masked CE + beta * T^2 * masked mean divergence)."""
+    s32 = s.detach().float().requires_grad_(True)
+    ce = masked_cross_entropy(s32, labels, mask)
+    soft = (divergence(s32, t.float(), kd.temperature, kd.divergence) * mask).sum() / mask.sum()
+    (kd.alpha * ce + beta * kd.temperature ** 2 * soft).backward()
+    return s32.grad
+
+
+def _scaled_grad_error(dtype, vocab, tokens, kind, scale, seed=0):
+    """Relative L1 error of kd_loss's gradient in `dtype` with the loss scaled as DeepSpeed's fp16 optimizer does
+    ((loss * scale).backward(), then grads / scale), against fp32 autograd of the definition."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, tokens // 2)
+    s = (torch.randn(*shape, vocab, generator=g) * 2).to(dtype).requires_grad_(True)
+    t = (torch.randn(*shape, vocab, generator=g) * 2).to(dtype)
+    labels = torch.randint(0, vocab, shape, generator=g)
+    mask = (torch.rand(shape, generator=g) > 0.1).float()
+    kd = KDSpec(alpha=1.0, beta=1.0, temperature=1.0 if kind != "jsd" else 2.0, divergence=kind)
+    out = kd_loss(s, labels, mask, t, kd, beta=1.0)
+    (out["loss"] * scale).backward()
+    assert s.grad.dtype == dtype
+    got = s.grad.float() / scale
+    want = _reference_grad(s, t, labels, mask, kd, 1.0)
+    return float((got - want).abs().sum() / want.abs().sum())
+
+
+@pytest.mark.parametrize("kind", ["kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("dtype, scale", [(torch.float16, 2.0 ** 16), (torch.bfloat16, 1.0)])
+def test_half_precision_gradient_equals_fp32_autograd_under_the_loss_scale(kind, dtype, scale, monkeypatch):
+    """fp16 with DeepSpeed's initial loss scale 2^16 (inf in fp16 itself) and bf16 unscaled, across chunk
+    boundaries (7 rows per chunk): the gradient was stored in the half dtype before scaling and flushed."""
+    monkeypatch.setattr(kd_module, "CHUNK_ELEMENTS", 7 * 4096)
+    assert _scaled_grad_error(dtype, 4096, 256, kind, scale) < 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("dtype, scale", [(torch.float16, 2.0 ** 16), (torch.bfloat16, 1.0)])
+def test_half_precision_gradient_at_the_papers_vocabulary(kind, dtype, scale):
+    """V = 50,304 and a 1,024-token micro-batch (per-token weight ~1e-3): ~5 rows per CPU chunk, so ~200 chunks."""
+    assert _scaled_grad_error(dtype, 50304, 1024, kind, scale) < 1e-2

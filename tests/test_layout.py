@@ -7,6 +7,7 @@ format and the server load without the training loop; no import cycle between ou
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import ROOT, child_env
 
@@ -64,3 +65,39 @@ def test_package_format_and_server_load_without_training_code():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "monitored_barrier",
+               "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather",
+               "scatter", "send", "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list"}
+COMM_MODULES = {"torch.distributed", "deepspeed.comm"}
+
+
+def _collective_calls(path: Path) -> list[str]:
+    """`X.collective(...)` calls in `path` whose X is torch.distributed or deepspeed.comm (however imported)."""
+    tree = ast.parse(path.read_text())
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name in COMM_MODULES and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch", "deepspeed"):
+            aliases |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in COMM_MODULES}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
+            target = ast.unparse(node.func.value)
+            if target in aliases or target in COMM_MODULES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node.func)}")
+        elif isinstance(node, ast.ImportFrom) and node.module in COMM_MODULES and \
+                {a.name for a in node.names} & COLLECTIVES:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module} import a collective")
+    return found
+
+
+def test_every_collective_goes_through_pipeline_dist():
+    """pipeline/dist.py builds every collective's tensors on the accelerator's device (NCCL rejects CPU tensors);
+    nothing else calls torch.distributed or deepspeed.comm collectives directly."""
+    calls = [c for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py")) if path != ROOT / "pipeline" / "dist.py"
+             for c in _collective_calls(path)]
+    assert calls == []
+    assert _collective_calls(ROOT / "pipeline" / "dist.py")  # the walker does see them where they are

@@ -417,9 +417,9 @@ class PlacedMoE(nn.Module):
                 offset += k
             start += n
         if pl.ep > 1:
-            import torch.distributed as td
+            from pipeline import dist
 
-            td.all_reduce(out, group=pl.group)
+            dist.all_reduce_(out, group=pl.group)
         pl.observe(self.index, loads)
         out = out.view(B, T, C)
         if cfg.mlp_type == "residual":

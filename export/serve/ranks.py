@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 
-import torch
-
 
 @dataclass(frozen=True)
 class Forward:
@@ -93,21 +91,14 @@ class RankStatus:
 
 
 def gather_status(rank: int, forwards: int, placement=None) -> list[RankStatus]:
-    """Collective: every rank's status, gathered as numbers (one float64 row per rank, no pickle)."""
-    import torch.distributed as td
-
+    """Collective: every rank's status, gathered as numbers (one float64 row per rank, on the accelerator's device:
+    `pipeline.dist.gather_numbers`)."""
     from pipeline import dist
 
     pl = placement
     held = pl.resident_bytes() if pl is not None else {"native": 0, "replicas": 0, "native_full": 0}
-    mine = torch.tensor([rank, os.getpid(), forwards, rss_mib(), pl.stats.hits if pl else 0,
-                         pl.stats.misses if pl else 0, held["native"], held["replicas"], held["native_full"]],
-                        dtype=torch.float64)
-    if dist.world_size() > 1:
-        rows = [torch.zeros_like(mine) for _ in range(dist.world_size())]
-        td.all_gather(rows, mine)
-    else:
-        rows = [mine]
+    rows = dist.gather_numbers([rank, os.getpid(), forwards, rss_mib(), pl.stats.hits if pl else 0,
+                                pl.stats.misses if pl else 0, held["native"], held["replicas"], held["native_full"]])
     out = []
     for r in rows:
         extra = {}
