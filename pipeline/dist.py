@@ -225,6 +225,13 @@ def broadcast_json(obj=None, on: torch.device | None = None):
     return json.loads(bytes(data.cpu().numpy()).decode())
 
 
+def world_size() -> int:
+    """Ranks in the process group (1 before `init` or alone)."""
+    import torch.distributed as td
+
+    return td.get_world_size() if td.is_initialized() else 1
+
+
 def barrier() -> None:
     """Wait for every rank (DeepSpeed's comm: on NCCL it synchronises on the current device)."""
     import torch.distributed as td

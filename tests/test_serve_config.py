@@ -56,6 +56,7 @@ def test_rank_messages_survive_the_json_trip():
     for msg in (ranks.Forward([3, 1], [[5], [7]], [], table, [[1], [2, 3]], True), ranks.Forward([0], [[1, 2]], [0]),
                 ranks.Ping(), ranks.Stop()):
         assert ranks.decode(json.loads(json.dumps(ranks.encode(msg)))) == msg
+    ranks.send(ranks.Ping())  # one rank: nobody to tell, and no error
     status = ranks.gather_status(0, 7)  # one rank: its own row
     assert [(s.rank, s.forwards) for s in status] == [(0, 7)] and status[0].rss_mib > 0
     assert set(status[0].to_dict()) == {"rank", "pid", "forwards", "rss_mib"}  # no placement: no placement fields

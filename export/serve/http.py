@@ -26,6 +26,7 @@ the engine loop (export/serve/server.py) and awaits it.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -208,10 +209,116 @@ def _host_allowed(host_header: str) -> bool:
     return host in LOOPBACK
 
 
+def authorized(request: Request, api_key: str | None) -> bool:
+    """No key set, or the request's bearer token is the key (compared in constant time)."""
+    if not api_key:
+        return True
+    return hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode())
+
+
+class Guard:
+    """Plain ASGI middleware in front of every route (not Starlette's BaseHTTPMiddleware, whose wrapped `receive`
+    hides a client's disconnect from the handlers): turns a request away before any handler runs when its Host,
+    size, key or content type is wrong."""
+
+    def __init__(self, app, config, metrics: ServeMetrics):
+        self.app, self.config, self.metrics = app, config, metrics
+        self.loopback = config.host in LOOPBACK
+
+    def refuse(self, request: Request) -> JSONResponse | None:
+        """The answer to a request turned away, or None to let it in."""
+        max_body = self.config.max_body_bytes
+        if self.loopback and not _host_allowed(request.headers.get("host", "")):
+            # bound to this machine: a page elsewhere that resolves its name to 127.0.0.1 must not read answers
+            return _error(BadRequest(400, "Host: this server answers only to 127.0.0.1, localhost or [::1]",
+                                     "Host"), self.metrics)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body:
+            return _error(BadRequest(413, f"request body of {length} bytes exceeds the limit of {max_body} "
+                                     "(--max-body-bytes)"), self.metrics)
+        if request.url.path != "/health" and not authorized(request, self.config.api_key):
+            return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                           kind="authentication_error"), status_code=401)
+        if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip().lower() \
+                != "application/json":
+            # a browser's cross-site form or no-cors fetch cannot send this content type without a preflight
+            return _error(BadRequest(415, "Content-Type: send 'Content-Type: application/json'", "Content-Type"),
+                          self.metrics)
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            answer = self.refuse(Request(scope))
+            if answer is not None:
+                return await answer(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def complete_all(worker, request: Request, req: CompletionRequest,
+                       encoded: list[list[int]]) -> list[EngineRequest] | None:
+    """Submit every prompt; the finished engine requests, in order; None if the client disconnected first
+    (then each is aborted: a waiting one never runs, a running one frees its slot at the next step)."""
+    loop = asyncio.get_running_loop()
+    futures, submitted = [], []
+    for p in encoded:
+        fut = loop.create_future()
+        submitted.append(worker.submit(p, req.sampling(), on_finish=lambda seq, fut=fut: loop.call_soon_threadsafe(
+            lambda: fut.done() or fut.set_result(seq))))
+        futures.append(fut)
+    everything = asyncio.gather(*futures)
+    hung_up = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({everything, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+    if everything.done():
+        hung_up.cancel()
+        return everything.result()
+    for seq in submitted:
+        worker.engine.abort(seq)
+    worker.wake.set()
+    return None
+
+
+def stream_events(worker, metrics: ServeMetrics, model_name: str, req: CompletionRequest, prompt: list[int],
+                  text: str, rid: str, created: int):
+    """Submit the prompt now; server-sent events: the echoed prompt, each new piece of text no later token can
+    change (`Request.stable_text`), the finish reason. A client that hangs up aborts the request."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    seq = worker.submit(prompt, req.sampling(),
+                        on_token=lambda s: loop.call_soon_threadsafe(queue.put_nowait, ("token", s.stable_text())),
+                        on_finish=lambda s: loop.call_soon_threadsafe(queue.put_nowait, ("done", s)))
+
+    async def events():
+        finished = False
+        try:
+            if req.echo and text:
+                yield _sse(rid, created, model_name, text, None)
+            emitted = ""
+            while True:
+                kind, value = await queue.get()
+                if kind == "token":
+                    if len(value) > len(emitted):
+                        yield _sse(rid, created, model_name, value[len(emitted):], None)
+                        emitted = value
+                    continue
+                finished = True
+                final = value.text if value.finish_reason != "error" else emitted
+                if len(final) > len(emitted):
+                    yield _sse(rid, created, model_name, final[len(emitted):], None)
+                yield _sse(rid, created, model_name, "", value.finish_reason)
+                yield "data: [DONE]\n\n"
+                metrics.finished(value)
+                return
+        finally:
+            if not finished:  # the client went away (the response was cancelled): stop generating for it
+                worker.engine.abort(seq)
+                worker.wake.set()
+
+    return events()
+
+
 def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = None):
     """The FastAPI app over `worker` (an EngineLoop: `worker.engine`, `worker.submit`, `alive`, `error`) with the
     limits of `config` (a ServeConfig)."""
-    import hmac
     from concurrent.futures import ThreadPoolExecutor
 
     from fastapi import FastAPI
@@ -219,54 +326,13 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
     engine = worker.engine
     metrics = metrics or ServeMetrics()
     engine.on_decode = metrics.batch.observe
-    api_key, max_body = config.api_key, config.max_body_bytes
-    loopback = config.host in LOOPBACK
+    max_body = config.max_body_bytes
     # tokenizing a long prompt takes a while: off the event loop, in one thread (a fast tokenizer is not
     # reentrant when its settings change)
     tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
     app = FastAPI(title="moe-pipeline", docs_url=None, redoc_url=None)
 
-    def authorized(request: Request) -> bool:
-        if not api_key:
-            return True
-        sent = request.headers.get("authorization", "").encode()
-        return hmac.compare_digest(sent, f"Bearer {api_key}".encode())
-
-    def refuse(request: Request) -> JSONResponse | None:
-        """The answer to a request the guard turns away before any handler runs, or None to let it in."""
-        if loopback and not _host_allowed(request.headers.get("host", "")):
-            # bound to this machine: a page elsewhere that resolves its name to 127.0.0.1 must not read answers
-            return _error(BadRequest(400, "Host: this server answers only to 127.0.0.1, localhost or [::1]",
-                                     "Host"), metrics)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body:
-            return _error(BadRequest(413, f"request body of {length} bytes exceeds the limit of {max_body} "
-                                     "(--max-body-bytes)"), metrics)
-        if request.url.path != "/health" and not authorized(request):
-            return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                           kind="authentication_error"), status_code=401)
-        if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip().lower() \
-                != "application/json":
-            # a browser's cross-site form or no-cors fetch cannot send this content type without a preflight
-            return _error(BadRequest(415, "Content-Type: send 'Content-Type: application/json'", "Content-Type"),
-                          metrics)
-        return None
-
-    class Guard:
-        """Plain ASGI middleware (not Starlette's BaseHTTPMiddleware, whose wrapped `receive` hides a client's
-        disconnect from `Request.is_disconnected`)."""
-
-        def __init__(self, inner):
-            self.inner = inner
-
-        async def __call__(self, scope, receive, send):
-            if scope["type"] == "http":
-                answer = refuse(Request(scope))
-                if answer is not None:
-                    return await answer(scope, receive, send)
-            await self.inner(scope, receive, send)
-
-    app.add_middleware(Guard)
+    app.add_middleware(Guard, config=config, metrics=metrics)
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
@@ -274,7 +340,7 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
     @app.get("/health")
     async def health(request: Request):
         alive = worker.alive and worker.error is None
-        if not authorized(request):  # with a key set, strangers learn only whether it is up
+        if not authorized(request, config.api_key):  # with a key set, strangers learn only whether it is up
             return JSONResponse({"status": "ok" if alive else "unhealthy"}, status_code=200 if alive else 503)
         heard = engine.rank_status_at
         body = {"status": "ok" if alive else "unhealthy", "ranks": engine.ranks.world if engine.ranks else 1,
@@ -351,8 +417,9 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
             return response
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if req.stream:
-            return StreamingResponse(_stream(req, encoded[0], texts[0], rid, created), media_type="text/event-stream")
-        seqs = await _complete_all(request, req, encoded)
+            events = stream_events(worker, metrics, model_name, req, encoded[0], texts[0], rid, created)
+            return StreamingResponse(events, media_type="text/event-stream")
+        seqs = await complete_all(worker, request, req, encoded)
         if seqs is None:  # the client hung up: its requests were aborted
             metrics.request(499)
             return JSONResponse(error_body("client closed the request"), status_code=499)
@@ -370,64 +437,5 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": choices,
                 "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out,
                           "total_tokens": usage_in + usage_out}}
-
-    async def _complete_all(request: Request, req: CompletionRequest,
-                            encoded: list[list[int]]) -> list[EngineRequest] | None:
-        """Submit every prompt; the finished engine requests, in order; None if the client disconnected first
-        (then each is aborted: a waiting one never runs, a running one frees its slot at the next step)."""
-        loop = asyncio.get_running_loop()
-        futures, submitted = [], []
-        for p in encoded:
-            fut = loop.create_future()
-            submitted.append(worker.submit(p, req.sampling(), on_finish=lambda seq, fut=fut: loop.call_soon_threadsafe(
-                lambda: fut.done() or fut.set_result(seq))))
-            futures.append(fut)
-        everything = asyncio.gather(*futures)
-        hung_up = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({everything, hung_up}, return_when=asyncio.FIRST_COMPLETED)
-        if everything.done():
-            hung_up.cancel()
-            return everything.result()
-        for seq in submitted:
-            worker.engine.abort(seq)
-        worker.wake.set()
-        return None
-
-    def _stream(req: CompletionRequest, prompt: list[int], text: str, rid: str, created: int):
-        """Submit the prompt now; server-sent events: the echoed prompt, each new piece of text no later token can
-        change (`Request.stable_text`), the finish reason. A client that hangs up aborts the request."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        seq = worker.submit(prompt, req.sampling(),
-                            on_token=lambda s: loop.call_soon_threadsafe(queue.put_nowait, ("token", s.stable_text())),
-                            on_finish=lambda s: loop.call_soon_threadsafe(queue.put_nowait, ("done", s)))
-
-        async def events():
-            finished = False
-            try:
-                if req.echo and text:
-                    yield _sse(rid, created, model_name, text, None)
-                emitted = ""
-                while True:
-                    kind, value = await queue.get()
-                    if kind == "token":
-                        if len(value) > len(emitted):
-                            yield _sse(rid, created, model_name, value[len(emitted):], None)
-                            emitted = value
-                        continue
-                    finished = True
-                    final = value.text if value.finish_reason != "error" else emitted
-                    if len(final) > len(emitted):
-                        yield _sse(rid, created, model_name, final[len(emitted):], None)
-                    yield _sse(rid, created, model_name, "", value.finish_reason)
-                    yield "data: [DONE]\n\n"
-                    metrics.finished(value)
-                    return
-            finally:
-                if not finished:  # the client went away (the response was cancelled): stop generating for it
-                    worker.engine.abort(seq)
-                    worker.wake.set()
-
-        return events()
 
     return app
