@@ -421,34 +421,71 @@ def read_package(pkg: Path, checksums: bool = True) -> tuple[ModelConfig, dict]:
     return verified.cfg, verified.manifest
 
 
+class _Refused(Exception):
+    """The problems that stop verification at one step (the later steps need what this one checks)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def _refuse_if(problems: list[str]) -> None:
+    if problems:
+        raise _Refused(problems)
+
+
 def _verify(pkg: Path, checksums: bool) -> tuple[list[str], VerifiedPackage | None]:
+    """Each step refuses (with every problem it found) before the next one opens anything more."""
+    try:
+        manifest = _checked_manifest(pkg)
+        listed, weights = manifest["files"], manifest["weights"]
+        _check_names(listed, weights)
+        _check_files(pkg, listed)
+        facts, kept = _checksum_files(pkg, listed, checksums)
+        cfg = _checked_config(pkg, kept)
+        found, stored = _read_headers(pkg, weights, facts)
+        expected = _expected_of(cfg, found, manifest)
+        _check_index(listed, kept, found, stored)
+        _check_tensors(expected, found, manifest)
+    except _Refused as refused:
+        return refused.problems, None
+    return [], VerifiedPackage(pkg, cfg, manifest, facts)
+
+
+def _checked_manifest(pkg: Path) -> dict:
+    """The manifest, read without following a link, of the types verification and the CLI read."""
     if not pkg.is_dir():
-        return [f"{pkg}: not a directory"], None
+        raise _Refused([f"{pkg}: not a directory"])
     try:
         with open_regular(pkg / MANIFEST, follow_links=False) as fh:
             manifest = json.loads(_read_json_bytes(fh))
     except FileNotFoundError:
-        return [f"{MANIFEST}: missing (not a package made by `moe-pipeline export`)"], None
+        raise _Refused([f"{MANIFEST}: missing (not a package made by `moe-pipeline export`)"]) from None
     except OSError as err:  # a link (ELOOP), a directory, a FIFO
-        return [f"{MANIFEST}: {_os_problem(err)}"], None
+        raise _Refused([f"{MANIFEST}: {_os_problem(err)}"]) from None
     except ValueError as err:  # not JSON, not UTF-8, too large
-        return [f"{MANIFEST}: unreadable ({err})"], None
-    problems = _manifest_problems(manifest)
-    if problems:
-        return problems, None
-    listed, weights = manifest["files"], manifest["weights"]
+        raise _Refused([f"{MANIFEST}: unreadable ({err})"]) from None
+    _refuse_if(_manifest_problems(manifest))
+    return manifest
 
-    # 1. names: each a file at the package's top level, before any is opened
+
+def _check_names(listed: dict, weights: list[str]) -> None:
+    """1. names: each a file at the package's top level, before any is opened; the required ones listed."""
+    problems = []
     for name in dict.fromkeys([*listed, *weights]):
         problem = file_name_problem(name)
         if problem is not None:
             problems.append(f"{MANIFEST}: file name {problem}: a package lists only the files at its top level")
-    if problems:
-        return problems, None
+    _refuse_if(problems)
     for name in [CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES, *CODE_FILES, *weights]:
         if name not in listed:
             problems.append(f"{name}: not listed in {MANIFEST}")
-    # 2. each listed name a regular file inside the package, not a link (to a file elsewhere, or here)
+    _refuse_if(problems)
+
+
+def _check_files(pkg: Path, listed: dict) -> None:
+    """2. each listed name a regular file inside the package, not a link (to a file elsewhere, or here); no extras."""
+    problems = []
     root = os.path.realpath(pkg)
     for name in listed:
         path = pkg / name
@@ -469,10 +506,13 @@ def _verify(pkg: Path, checksums: bool) -> tuple[list[str], VerifiedPackage | No
             problems.append(f"{name}: not a regular file")
     extra = sorted(p.name for p in pkg.iterdir() if p.name not in listed and p.name != MANIFEST)
     problems += [f"{name}: not listed in {MANIFEST} (an unexpected file)" for name in extra]
-    if problems:
-        return problems, None
+    _refuse_if(problems)
 
-    # 3. sizes and checksums, each file read through one handle; config.json and the index are kept as read
+
+def _checksum_files(pkg: Path, listed: dict, checksums: bool) -> tuple[dict[str, FileFacts], dict[str, bytes]]:
+    """3. sizes and checksums, each file read through one handle: (what was seen of each, config.json and the
+    index as they were read)."""
+    problems = []
     facts: dict[str, FileFacts] = {}
     kept: dict[str, bytes] = {}
     for name, entry in listed.items():
@@ -496,18 +536,23 @@ def _verify(pkg: Path, checksums: bool) -> tuple[list[str], VerifiedPackage | No
             problems.append(f"{name}: changed while it was being verified")
         except (OSError, ValueError) as err:
             problems.append(f"{name}: {_os_problem(err) if isinstance(err, OSError) else err}")
-    if problems:
-        return problems, None
+    _refuse_if(problems)
+    return facts, kept
 
-    # 4. config.json: every ModelConfig field, each of its type
+
+def _checked_config(pkg: Path, kept: dict[str, bytes]) -> ModelConfig:
+    """4. config.json: every ModelConfig field, each of its type."""
     try:
-        cfg = model_config_from(json.loads(kept[CONFIG]), pkg)
+        return model_config_from(json.loads(kept[CONFIG]), pkg)
     except PackageError as err:
-        return err.problems, None
+        raise _Refused(err.problems) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        return [f"{CONFIG}: not JSON ({err})"], None
+        raise _Refused([f"{CONFIG}: not JSON ({err})"]) from None
 
-    # 5. safetensors headers (not tensors), from the files as verified
+
+def _read_headers(pkg: Path, weights: list[str], facts: dict[str, FileFacts]):
+    """5. safetensors headers (not tensors), from the files as verified: ({tensor: (file, shape, dtype)}, files)."""
+    problems = []
     found: dict[str, tuple[str, tuple[int, ...], torch.dtype | None]] = {}
     stored = sorted(f for f in weights if f.endswith(".safetensors"))
     for f in stored:
@@ -528,25 +573,31 @@ def _verify(pkg: Path, checksums: bool) -> tuple[list[str], VerifiedPackage | No
             if key in found:
                 problems.append(f"{f}: tensor {key} is also in {found[key][0]}")
             found[key] = (f, tuple(info["shape"]), SAFETENSORS_DTYPES.get(info["dtype"]))
-    if problems:
-        return problems, None
+    _refuse_if(problems)
+    return found, stored
 
-    # the model config.json describes, on the meta device; each layer and expert has at least one tensor,
-    # so a config of more than the files hold is refused before it is built
+
+def _expected_of(cfg: ModelConfig, found: dict, manifest: dict) -> dict:
+    """The tensors the model config.json describes (on the meta device). Each layer and expert has at least one
+    tensor, so a config of more than the files hold is refused before it is built."""
     if max(cfg.layers, sum(cfg.experts)) > len(found):
-        return [f"{CONFIG}: {cfg.layers} layers and {sum(cfg.experts)} experts, more than the {len(found)} "
-                f"tensors the weights hold"], None
+        raise _Refused([f"{CONFIG}: {cfg.layers} layers and {sum(cfg.experts)} experts, more than the {len(found)} "
+                        f"tensors the weights hold"])
     try:
-        expected = expected_tensors(cfg, DTYPE_OF_NAME[manifest["dtype"]])
+        return expected_tensors(cfg, DTYPE_OF_NAME[manifest["dtype"]])
     except (ValueError, TypeError, RuntimeError, AssertionError) as err:  # a model torch refuses to build
-        return [f"{CONFIG}: describes no model this code builds ({type(err).__name__}: {str(err)[:160]})"], None
+        raise _Refused([f"{CONFIG}: describes no model this code builds ({type(err).__name__}: "
+                        f"{str(err)[:160]})"]) from None
 
-    # 6. the index: what the loaders will read, exactly the files and tensors verified
+
+def _check_index(listed: dict, kept: dict[str, bytes], found: dict, stored: list[str]) -> None:
+    """6. the index: what the loaders will read, exactly the files and tensors verified."""
+    problems = []
     if INDEX in listed:
         try:
             weight_map = index_weight_map(kept[INDEX], Path(INDEX), listed)
         except ValueError as err:
-            return [str(err)], None
+            raise _Refused([str(err)]) from None
         for f in sorted(set(weight_map.values()) - set(stored)):
             problems.append(f"{INDEX}: maps tensors to {f}, which the manifest's weights do not list")
         for key, f in sorted(weight_map.items()):
@@ -558,10 +609,12 @@ def _verify(pkg: Path, checksums: bool) -> tuple[list[str], VerifiedPackage | No
             problems.append(f"{found[key][0]}: tensor {key} is not in {INDEX}")
     elif stored != [WEIGHTS]:
         problems.append(f"{MANIFEST}: weights {stored} without {INDEX}: an unsharded package holds {WEIGHTS} alone")
-    if problems:
-        return problems, None
+    _refuse_if(problems)
 
-    # 7. tensors: exactly those the config implies, with their shapes and dtypes
+
+def _check_tensors(expected: dict, found: dict, manifest: dict) -> None:
+    """7. tensors: exactly those the config implies, with their shapes and dtypes."""
+    problems = []
     for key in sorted(set(expected) - set(found)):
         problems.append(f"tensor {key}: missing (config.json implies it)")
     for key in sorted(set(found) - set(expected)):
@@ -575,9 +628,7 @@ def _verify(pkg: Path, checksums: bool) -> tuple[list[str], VerifiedPackage | No
             problems.append(f"{f}: tensor {key} is {got_dt}, the package's dtype implies {dt}")
     if manifest["tensors"] != len(expected):
         problems.append(f"{MANIFEST}: tensors {manifest['tensors']}, config.json implies {len(expected)}")
-    if problems:
-        return problems, None
-    return [], VerifiedPackage(pkg, cfg, manifest, facts)
+    _refuse_if(problems)
 
 
 def _manifest_problems(manifest) -> list[str]:
