@@ -26,8 +26,8 @@ from pipeline.recipe import KDSpec
 DIVERGENCES = ("kl", "reverse_kl", "jsd")
 # rows per chunk x vocabulary. On a CPU 1 MiB of fp32, so a chunk's passes stay in cache; on an accelerator
 # each chunk is ~15 kernel launches, and 2^18 elements would be ~5 rows at the paper's vocabulary (50,304):
-# a 4k-token micro-batch would be ~800 launch-bound iterations, so there a chunk is 2^26 elements (256 MiB
-# of fp32 working memory, ~1,300 rows).
+# a 4k-token micro-batch would be ~800 launch-bound iterations, so there a chunk is 2^26 elements (~1,300
+# rows; each of the chunk's ~6 fp32 temporaries is 256 MiB).
 CHUNK_ELEMENTS = 1 << 18
 ACCELERATOR_CHUNK_ELEMENTS = 1 << 26
 

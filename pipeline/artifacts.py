@@ -111,10 +111,11 @@ class FileFacts:
     mtime_ns: int
     dev: int
     ino: int  # with dev: the same file, not another one renamed over it
+    ctime_ns: int  # changes on every write, and unlike mtime no one can set it back (cp -p, touch -r, rsync -t)
 
     @classmethod
     def of(cls, st: os.stat_result) -> "FileFacts":
-        return cls(st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino)
+        return cls(st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 def check_unchanged(fd: int, path: Path, facts: FileFacts) -> None:

@@ -173,11 +173,14 @@ def _check_device(t: torch.Tensor, dev: torch.device, what: str) -> None:
 
 
 def all_reduce_(t: torch.Tensor, group=None, on: torch.device | None = None) -> torch.Tensor:
-    """Sum `t` over the ranks of `group` (all ranks by default), in place; `t` must be on the group's device."""
+    """Sum `t` over the ranks of `group` (all ranks by default), in place; `t` must be on the group's device
+    (checked whenever a collective runs, and whenever `on` names the device: one rank needs no collective)."""
     import torch.distributed as td
 
-    _check_device(t, on or device(), "all_reduce_")
-    if td.is_initialized() and td.get_world_size(group) > 1:
+    several = td.is_initialized() and td.get_world_size(group) > 1
+    if several or on is not None:
+        _check_device(t, on or device(), "all_reduce_")
+    if several:
         td.all_reduce(t, group=group)
     return t
 

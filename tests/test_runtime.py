@@ -163,3 +163,21 @@ def test_streamed_text_never_shows_what_a_later_token_changes():
         assert all(req.text.startswith(s) for s in shown), (stop, shown)
         assert all("\ufffd" not in s for s in shown[:-1])
         assert req.text == (text[:text.index(stop[0])] if stop else text)
+
+
+def test_a_prompt_that_cannot_be_scored_fails_alone_after_its_forward(engine):
+    """Scoring runs between the vocabulary projection's chunks (collective under tensor slicing): an error there is
+    kept until the forward has finished on every rank, then fails that request alone."""
+    from export.serve.engine import SamplingParams
+
+    p = engine.encode("And God said unto Moses")
+    bad = engine.submit(p, SamplingParams(max_tokens=2, echo=True, logprobs=10 ** 6))  # more alternatives than V
+    good = engine.submit(p, SamplingParams(max_tokens=4, temperature=0))
+    while engine.pending():
+        engine.step()
+    assert bad.finish_reason == "error" and "ScoringError" not in bad.text and bad.text
+    assert good.generated == alone(engine, p, 4) and sorted(engine.cache.free) == [0, 1, 2]
+    engine.fail_all("stopping")
+    with pytest.raises(RuntimeError, match="the engine stopped"):
+        engine.submit(p, SamplingParams(max_tokens=1))  # nobody would ever finish it
+    engine.closed = None  # the module's engine serves the other tests

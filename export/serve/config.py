@@ -75,7 +75,8 @@ class ServeConfig(BaseModel):
     def _read_key(self) -> str | None:
         if self.api_key_file is not None:
             try:
-                key = self.api_key_file.read_text().strip()
+                lines = self.api_key_file.read_text().splitlines()
+                key = lines[0].strip() if lines else ""
             except OSError as err:
                 raise ValueError(f"--api-key-file {self.api_key_file}: unreadable ({err.strerror})") from None
             if not key:

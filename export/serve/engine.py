@@ -258,6 +258,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+class ScoringError(RuntimeError):
+    """Scoring a prompt's log-probabilities failed after the forward itself completed on every rank."""
+
+    def __init__(self, err: Exception):
+        super().__init__(f"{type(err).__name__}: {err}")
+        self.__cause__ = err
+
+
 # -- expert load -------------------------------------------------------------------------------------
 
 class ExpertLoad:
@@ -315,6 +323,7 @@ class Engine:
         self.stats = {"forwards": 0, "tokens_in": 0, "tokens_out": 0, "decode_steps": 0, "failed": 0}
         self.on_decode = None  # callback(batch size) after each decode step (the server's metrics)
         self._aborts: set[int] = set()  # ids of requests to end at the next step (their client hung up)
+        self.closed: str | None = None  # why the engine stopped (fail_all), refusing new requests
         self.load = ExpertLoad(self.cfg, ranks.world if ranks is not None else 1, getattr(model, "layout", None))
         # expert placement (export/serve/placement.py): this rank's side, and rank 0's policy
         self.placement = getattr(model, "placement", None)
@@ -371,6 +380,8 @@ class Engine:
             seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                                           else int(time.time_ns() % (1 << 62)))
         with self.lock:
+            if self.closed is not None:  # after fail_all: nobody would ever finish it
+                raise RuntimeError(f"the engine stopped: {self.closed}")
             self.waiting.append(seq)
         return seq
 
@@ -379,14 +390,19 @@ class Engine:
             return len(self.waiting) + len(self.running)
 
     def fail_all(self, message: str) -> None:
-        """Finish every waiting and running sequence with finish_reason 'error' (the engine cannot go on)."""
+        """Finish every waiting and running sequence with finish_reason 'error' (the engine cannot go on); later
+        submits are refused."""
         with self.lock:
+            self.closed = message
             seqs, self.waiting = self.waiting + self.running, []
             self.running = []
         for seq in seqs:
             if not seq.finished:
                 seq.text = message
-                seq.finish("error")
+                try:
+                    seq.finish("error")
+                except Exception:  # noqa: BLE001 - its client's event loop is gone
+                    pass
 
     def abort(self, seq: Request) -> None:
         """End `seq` at the next step (from any thread): a waiting one never runs, a running one frees its slot."""
@@ -400,7 +416,10 @@ class Engine:
             self.waiting = [r for r in self.waiting if r.id not in ids]
         gone += [r for r in self.running if r.id in ids and not r.finished]
         for req in gone:
-            req.finish("abort")
+            try:
+                req.finish("abort")
+            except Exception:  # noqa: BLE001 - its client's event loop is gone: nobody left to tell
+                pass
             self._retired(req)
 
     def _retired(self, req: Request) -> None:
@@ -434,8 +453,18 @@ class Engine:
             rank_msgs.send(rank_msgs.Forward(rows, tokens.tolist(), list(reset), table, expect, last_only))
         if self.placement is not None:
             self.placement.apply(table, expect)
-        logits = self._run(rows, tokens, last_only, on_rows=seqs[0].score_rows if kind == "prefill" and not last_only
-                           else None)
+        scoring_error: list[Exception] = []
+
+        def score(start, rows_logits):  # an error scoring the prompt must not leave the other ranks mid-loop
+            if not scoring_error:
+                try:
+                    seqs[0].score_rows(start, rows_logits)
+                except Exception as err:  # noqa: BLE001
+                    scoring_error.append(err)
+
+        logits = self._run(rows, tokens, last_only, on_rows=score if kind == "prefill" and not last_only else None)
+        if scoring_error:
+            raise ScoringError(scoring_error[0])
         if self.policy is not None:
             self.policy.observed(self.load.last, kind, seqs)
         return logits
@@ -495,6 +524,9 @@ class Engine:
             try:
                 logits = self._forward([seq.slot], torch.tensor([seq.prompt]), reset=[seq.slot], kind="prefill",
                                        seqs=[seq], last_only=not scored)[0]  # [1, V]
+            except ScoringError as err:  # every rank finished the forward: this request alone fails
+                self._fail(seq, err.__cause__ or err)
+                continue
             except Exception as err:  # noqa: BLE001
                 if self.ranks is not None and self.ranks.world > 1:
                     raise  # the other ranks may be inside this forward's collectives: the engine cannot go on

@@ -237,8 +237,8 @@ class Guard:
             return _error(BadRequest(413, f"request body of {length} bytes exceeds the limit of {max_body} "
                                      "(--max-body-bytes)"), self.metrics)
         if request.url.path != "/health" and not authorized(request, self.config.api_key):
-            return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                           kind="authentication_error"), status_code=401)
+            return _error(BadRequest(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                     kind="authentication_error"), self.metrics)
         if request.method == "POST" and request.headers.get("content-type", "").split(";")[0].strip().lower() \
                 != "application/json":
             # a browser's cross-site form or no-cors fetch cannot send this content type without a preflight
@@ -254,6 +254,15 @@ class Guard:
         await self.app(scope, receive, send)
 
 
+def _from_engine(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run `fn(*args)` on the event loop, from the engine's thread; nothing if the loop has closed (shutdown)."""
+    if not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # closed between the check and the call
+            pass
+
+
 async def complete_all(worker, request: Request, req: CompletionRequest,
                        encoded: list[list[int]]) -> list[EngineRequest] | None:
     """Submit every prompt; the finished engine requests, in order; None if the client disconnected first
@@ -262,8 +271,8 @@ async def complete_all(worker, request: Request, req: CompletionRequest,
     futures, submitted = [], []
     for p in encoded:
         fut = loop.create_future()
-        submitted.append(worker.submit(p, req.sampling(), on_finish=lambda seq, fut=fut: loop.call_soon_threadsafe(
-            lambda: fut.done() or fut.set_result(seq))))
+        submitted.append(worker.submit(p, req.sampling(), on_finish=lambda seq, fut=fut: _from_engine(
+            loop, lambda: fut.done() or fut.set_result(seq))))
         futures.append(fut)
     everything = asyncio.gather(*futures)
     hung_up = asyncio.ensure_future(_disconnected(request))
@@ -284,8 +293,8 @@ def stream_events(worker, metrics: ServeMetrics, model_name: str, req: Completio
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     seq = worker.submit(prompt, req.sampling(),
-                        on_token=lambda s: loop.call_soon_threadsafe(queue.put_nowait, ("token", s.stable_text())),
-                        on_finish=lambda s: loop.call_soon_threadsafe(queue.put_nowait, ("done", s)))
+                        on_token=lambda s: _from_engine(loop, queue.put_nowait, ("token", s.stable_text())),
+                        on_finish=lambda s: _from_engine(loop, queue.put_nowait, ("done", s)))
 
     async def events():
         finished = False
