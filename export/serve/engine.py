@@ -174,7 +174,7 @@ class Request:
     def emit(self, logits: torch.Tensor, eos: int | None, decode) -> bool:
         """Sample the next token from the last position's logits [V], then check the stop conditions (the end
         token, a stop string, max_tokens). True if a token was sampled."""
-        if len(self.generated) >= self.params.max_tokens:  # aborted
+        if len(self.generated) >= self.params.max_tokens:  # max_tokens=0: nothing to sample
             self.finish(self.finish_reason or "length")
             return False
         token = sample(logits, self.params, self.generator)
@@ -376,7 +376,7 @@ class Engine:
         seq = Request(next(self.ids), list(prompt), params, on_token=on_token, on_finish=on_finish)
         if self.policy is not None:
             self.policy.submitted(seq)
-        if params.temperature > 0:
+        if params.temperature >= GREEDY_BELOW:  # sampled (below it sampling is greedy and draws nothing)
             seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                                           else int(time.time_ns() % (1 << 62)))
         with self.lock:

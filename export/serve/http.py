@@ -90,6 +90,23 @@ class CompletionRequest(BaseModel):
                               seed=self.seed, stop=list(self.stop or []), logprobs=self.logprobs, echo=self.echo)
 
 
+def _encodable(text: str) -> bool:
+    try:
+        _check_text(text)
+    except ValueError:
+        return False
+    return True
+
+
+async def _json_field(request: Request, max_body: int, key: str, valid, expected: str):
+    """One field of a JSON object body, if `valid(value)`; else 400 naming the field and what to send."""
+    raw = await _read_json(request, max_body)
+    value = raw.get(key) if isinstance(raw, dict) else None
+    if not valid(value):
+        raise BadRequest(400, f"{key}: send {expected}", key)
+    return value
+
+
 def _check_text(text) -> None:
     """JSON can carry a lone surrogate ("\\ud800") that no UTF-8 tokenizer can encode: refuse it here."""
     if isinstance(text, str):
@@ -371,16 +388,10 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
-            raw = await _read_json(request, max_body)
+            text = await _json_field(request, max_body, "prompt", lambda v: isinstance(v, str) and _encodable(v),
+                                     '{"prompt": "text"}')
         except BadRequest as err:
             return _error(err, metrics)
-        try:
-            text = raw["prompt"]
-            if not isinstance(text, str):
-                raise TypeError
-            _check_text(text)
-        except (KeyError, TypeError, ValueError):
-            return JSONResponse(error_body("prompt: send {\"prompt\": \"text\"}", "prompt"), status_code=400)
         tokens = await off_loop(engine.encode, text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.cfg.seq_len}
 
@@ -388,16 +399,12 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
     async def detokenize(request: Request):
         vocab = engine.cfg.vocab_size
         try:
-            raw = await _read_json(request, max_body)
+            tokens = await _json_field(
+                request, max_body, "tokens",
+                lambda v: isinstance(v, list) and all(isinstance(t, int) and 0 <= t < vocab for t in v),
+                f'{{"tokens": [ids in [0, {vocab})]}}')
         except BadRequest as err:
             return _error(err, metrics)
-        try:
-            tokens = raw["tokens"]
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
-                raise TypeError
-        except (KeyError, TypeError):
-            return JSONResponse(error_body(f"tokens: send {{\"tokens\": [ids in [0, {vocab})]}}", "tokens"),
-                                status_code=400)
         return {"prompt": await off_loop(engine.decode, tokens)}
 
     @app.get("/v1/models")
