@@ -108,6 +108,7 @@ def layer_values(metrics: dict, name: str) -> list[float]:
 
 def workloads(pkg: Path, n: int, prompt_len: int, seed: int) -> dict[str, list[list[int]]]:
     """Token-id prompts from the held-out split: random windows, and the windows most routed to rank 0."""
+    import numpy as np
     import torch
 
     from export.inference import load_package
@@ -120,7 +121,7 @@ def workloads(pkg: Path, n: int, prompt_len: int, seed: int) -> dict[str, list[l
 
     manifest = read_manifest(pkg)
     prepared = data_lib.prepare_data(validate_stored(manifest["recipe"]).data, cache_root())
-    val = torch.from_numpy(prepared.val.astype("int64"))
+    val = torch.from_numpy(np.asarray(prepared.val).astype("int64"))  # the held-out split, loaded whole
     windows = val[: len(val) // prompt_len * prompt_len].view(-1, prompt_len)
     windows = windows[(windows != prepared.eod_id).all(dim=1)]  # within one document
     model, _ = load_package(pkg)

@@ -1,5 +1,6 @@
 """`moe-pipeline`: the command line. Maps command names to stage functions and does nothing else.
 
+    moe-pipeline prepare recipes/1.3b.yaml [--set data.workers=16]   # tokenize the corpus into the data cache, once
     moe-pipeline teacher recipes/tiny.yaml [--nproc 2] [--set teacher.train.steps=50] [--run-dir DIR] [--redo]
     moe-pipeline distill recipes/tiny.yaml [--nproc 2] ...     # teacher (skipped when done), then the student
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
@@ -43,6 +44,10 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-pipeline", description="PR-MoE teacher -> Mixture-of-Students pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="tokenize the recipe's corpus into token shards in the data cache (resumable); "
+                                       "teacher and distill then read it")
+    _recipe_args(p)
 
     for name, text in (("teacher", "train (or load) the recipe's PR-MoE teacher"),
                        ("distill", "the teacher stage (skipped when done), then the Mixture-of-Students student")):
@@ -253,6 +258,25 @@ def cmd_eval(args, argv: list[str]) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    import time
+
+    from pipeline.artifacts import cache_root
+    from pipeline.data import prepare_data
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    t0 = time.perf_counter()
+    try:
+        data = prepare_data(recipe.data, cache_root())
+    except ValueError as err:  # data errors name their recipe key
+        raise RecipeError.from_message(str(err)) from None
+    splits = data.meta["splits"]
+    print(f"[prepare] {data.cache_dir}: train {splits['train']['tokens']:,} tokens, val {splits['val']['tokens']:,} "
+          f"tokens in {len(splits['train']['shard_tokens'])} part(s), vocabulary {data.vocab_size:,} "
+          f"({time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
 def cmd_plan(args) -> int:
     from distill.plan import format_plan, plan
 
@@ -328,6 +352,7 @@ def cmd_predictor(args) -> int:
 
 
 COMMANDS = {
+    "prepare": lambda args, argv: cmd_prepare(args),
     "teacher": lambda args, argv: cmd_stages(args, argv),
     "distill": lambda args, argv: cmd_stages(args, argv),
     "plan": lambda args, argv: cmd_plan(args),

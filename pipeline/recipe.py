@@ -60,6 +60,7 @@ class DataSpec(Section):
     tokenizer: Literal["gpt2", "bpe"] = "bpe"  # GPT-2's BPE, or a byte-level BPE trained on the train split
     vocab_size: int = Field(8192, ge=260, le=1_000_000)  # bpe only: small, so the output layer doesn't dominate
     seq_len: int = Field(256, ge=8)  # tokens per training sequence; also the model's context (learned positions)
+    workers: int | None = Field(None, ge=0)  # processes that tokenize (0: in this one); None: this node's cores, at most 16
 
 
 class ModelSpec(Section):

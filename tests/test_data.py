@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import importlib.util
 import json
 import math
 import shutil
@@ -24,6 +25,7 @@ import torch
 import transformers
 
 from pipeline import data as D
+from pipeline.shards import committed_parts
 
 
 def make_cfg(**overrides) -> SimpleNamespace:
@@ -34,6 +36,7 @@ def make_cfg(**overrides) -> SimpleNamespace:
         tokenizer="bpe",
         vocab_size=512,
         seq_len=64,
+        workers=0,
     )
     values.update(overrides)
     return SimpleNamespace(**values)
@@ -255,12 +258,12 @@ def test_prepare_data_builds_then_reuses_cache(tmp_path, small_corpus):
         split = data.meta["splits"][name]
         assert split["tokens"] == len(tokens) and tokens[-1] == data.eod_id
         assert int((np.asarray(tokens) == data.eod_id).sum()) == split["documents"]
-    assert set(data.meta["splits"]["train"]["document_ids"]).isdisjoint(
-        data.meta["splits"]["val"]["document_ids"]
-    )
+    # The same split as split_documents, its ids in each split's stream order.
+    train_docs, val_docs = D.split_documents(D.load_documents(cfg), cfg.validation_fraction)
+    assert list(D.document_ids(data.cache_dir, "train")) == [d.id for d in train_docs]
+    assert list(D.document_ids(data.cache_dir, "val")) == [d.id for d in val_docs]
     # The first training document decodes back to its text.
     first_eod = int(np.argmax(np.asarray(data.train) == data.eod_id))
-    train_docs, _ = D.split_documents(D.load_documents(cfg), cfg.validation_fraction)
     assert data.tokenizer.decode(data.train[:first_eod].tolist()) == train_docs[0].text
 
     meta_file = data.cache_dir / "meta.json"
@@ -299,6 +302,116 @@ def test_concurrent_prepare_data_is_safe(tmp_path, small_corpus):
     assert [p.name for p in tmp_path.iterdir()] == [results[0].cache_dir.name]
     np.testing.assert_array_equal(results[0].train, results[1].train)
     assert results[0].eod_id == 50256 and results[0].vocab_size == 50257
+
+
+# --------------------------------------------------------------------------- shards at scale
+
+
+def test_token_shards_read_ranges_across_shard_boundaries(tmp_path):
+    rng = np.random.default_rng(0)
+    sizes = [5, 0, 1, 17, 3, 0, 9]  # empty parts (a part with no held-out document) have no file
+    flat = rng.integers(0, 60000, size=sum(sizes)).astype(np.uint16)
+    files, start = [], 0
+    for i, n in enumerate(sizes):
+        files.append(tmp_path / f"train-{i:05d}.bin")
+        if n:
+            flat[start : start + n].tofile(files[-1])
+        start += n
+    shards = D.TokenShards(files, sizes, "uint16")
+    assert len(shards) == flat.size and shards.dtype == np.uint16
+    for a in range(flat.size + 1):
+        for b in range(a, flat.size + 2):
+            np.testing.assert_array_equal(shards[a:b], flat[a:b])
+    assert [shards[i] for i in range(-3, 3)] == [flat[i] for i in range(-3, 3)]
+    with pytest.raises(IndexError):
+        shards[flat.size]
+    np.testing.assert_array_equal(np.concatenate(list(shards.chunks(4))), flat)
+    np.testing.assert_array_equal(np.asarray(shards), flat)
+    packed, reference = D.PackedTokens(shards, 4, eod_id=0), D.PackedTokens(flat, 4, eod_id=0)
+    ids = list(range(len(packed)))
+    assert all(torch.equal(packed.batch(ids)[k], reference.batch(ids)[k]) for k in reference.batch(ids))
+    files[3].write_bytes(b"\0" * 10)  # 5 tokens where 17 were written
+    with pytest.raises(ValueError, match="train-00003.bin is damaged") as err:
+        D.TokenShards(files, sizes, "uint16")
+    assert "delete" in str(err.value)
+
+
+def _verse_corpus(tmp_path: Path) -> Path:
+    """The KJV's verses as a jsonl corpus of 31,103 small documents, read from the installed package."""
+    verses = Path(importlib.util.find_spec("bible").origin).parent / "data" / "kjv.jsonl"
+    path = tmp_path / "verses.jsonl"
+    path.write_text(verses.read_text(encoding="utf-8"), encoding="utf-8")
+    return path
+
+
+def test_find_split_is_split_documents_in_bounded_memory(tmp_path):
+    path = _verse_corpus(tmp_path)
+    for fraction in (0.05, 0.3, 1e-6):  # 1e-6: the one document with the smallest hash
+        cfg = make_cfg(train=str(path), validation_fraction=fraction)
+        docs = D.load_documents(cfg)
+        _, val = D.split_documents(docs, fraction)
+        split = D.find_split(cfg, tmp_path / "digests")
+        assert (split.documents, split.validation) == (len(docs), len(val))
+        assert [d.id for d in docs if split.held_out(d.id)] == [d.id for d in val]
+        assert not (tmp_path / "digests").exists()
+
+
+@pytest.mark.slow
+def test_shards_give_todays_blocks_on_the_bundled_corpus(tmp_path):
+    """The tiny recipe's data (bundled corpus, bpe 8192): 2 worker processes writing ~100k-token shards give the
+    tokens, and so every training and validation block, of the flat in-memory cache this replaced."""
+    cfg = make_cfg(vocab_size=8192, seq_len=128, workers=2)
+    data = D.prepare_data(cfg, tmp_path, shard_tokens=100_000)
+    assert len(data.train.files) > 20  # many shards, so many blocks straddle two
+    train_docs, val_docs = D.split_documents(D.load_documents(cfg), cfg.validation_fraction)
+    tok = D.train_bpe_tokenizer(train_docs, 8192, 128)
+    assert tok.get_vocab() == data.tokenizer.get_vocab()
+    for docs, shards in ((train_docs, data.train), (val_docs, data.val)):
+        flat = D.encode_documents(tok, docs, data.eod_id, np.dtype(np.uint16))
+        new, old = D.PackedTokens(shards, 128, data.eod_id), D.PackedTokens(flat, 128, data.eod_id)
+        assert len(new) == len(old)
+        ids = list(range(len(old)))
+        for key, value in old.batch(ids).items():
+            assert torch.equal(new.batch(ids)[key], value), key
+    assert data.meta["splits"]["train"]["tokens"] == len(data.train)
+
+
+@pytest.mark.slow
+def test_a_killed_preparation_resumes_after_its_last_part(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    corpus = _verse_corpus(tmp_path)
+    cfg = make_cfg(train=str(corpus), vocab_size=300)
+    root = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "pipeline.data", str(corpus), "--tokenizer", "bpe", "--vocab-size", "300",
+           "--workers", "0", "--shard-tokens", "2000", "--cache-dir", str(root)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    work = root / f".{D.cache_key(cfg)[:16]}.partial"
+    deadline = time.monotonic() + 120
+    while not (work / "part-00020.json").exists():
+        assert proc.poll() is None, "the preparation ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = committed_parts(work)
+    assert 20 < len(done) and not (work / "meta.json").exists()
+    kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in work.glob("*-0000[0-9].*")}
+    assert kept
+
+    data = D.prepare_data(cfg, root, shard_tokens=2000)  # resumes
+    assert sorted(p.name for p in root.iterdir()) == [data.cache_dir.name]
+    assert {n: ((data.cache_dir / n).stat().st_ino, (data.cache_dir / n).stat().st_mtime_ns) for n in kept} == kept
+    clean = D.prepare_data(cfg, tmp_path / "clean", shard_tokens=10**9)  # one part: the same tokens
+    assert len(clean.train.files) == 1 and len(data.train.files) > 100
+    for name in ("train", "val"):
+        np.testing.assert_array_equal(np.asarray(getattr(data, name)), np.asarray(getattr(clean, name)))
+        assert list(D.document_ids(data.cache_dir, name)) == list(D.document_ids(clean.cache_dir, name))
+    assert data.meta["splits"]["train"]["documents"] + data.meta["splits"]["val"]["documents"] == 31103
 
 
 # --------------------------------------------------------------------------- packing + sampling
@@ -362,3 +475,17 @@ def test_cli_summary(small_corpus, capsys):
     with pytest.raises(SystemExit) as exit_info:
         D.main([str(small_corpus / "missing.txt")])
     assert exit_info.value.code == 2
+
+
+def test_cli_prepare_fills_the_cache_teacher_reads(tmp_path, data_cache):
+    from conftest import cli, sets
+
+    proc = cli("prepare", "recipes/tiny.yaml")
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"[prepare] {data_cache}/"), line
+    cache_dir = Path(line.split()[1].rstrip(":"))
+    meta = json.loads((cache_dir / "meta.json").read_text())
+    assert f"train {meta['splits']['train']['tokens']:,} tokens" in line
+    assert (cache_dir / "train-00000.bin").stat().st_size == 2 * meta["splits"]["train"]["tokens"]
+    bad = cli("prepare", "recipes/tiny.yaml", *sets(f"data.train={tmp_path}/none/*.txt"), check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("recipe error: data.train: the pattern")

@@ -132,7 +132,8 @@ def _blocks(tokens, seq_len: int, count: int, seed: int) -> torch.Tensor:
 
     n = len(tokens) // seq_len
     order = np.random.default_rng(seed).permutation(n)[:count]
-    arr = np.asarray(tokens[: n * seq_len]).reshape(n, seq_len)[np.sort(order)]
+    # block by block: the split (memory-mapped shards) is never loaded whole
+    arr = np.stack([np.asarray(tokens[i * seq_len : (i + 1) * seq_len]) for i in np.sort(order)])
     return torch.from_numpy(arr.astype("int64"))
 
 
