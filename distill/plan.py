@@ -63,15 +63,16 @@ def describe(cfg: ModelConfig, train: TrainSpec, world: int, ep_override: int | 
 
 
 def plan(recipe: Recipe, world: int) -> dict:
-    """Teacher and student sizes. The student is the one `student.layer_selection` builds; `importance`
-    depends on calibration data, so it is planned with the paper's rule (same counts per layer type)."""
+    """Teacher and student sizes. The student is the one `student.layer_selection` builds (with
+    `student.experts`, pruned); `importance` depends on calibration data, so it is planned with the paper's
+    rule (same counts per layer type)."""
     ep = recipe.distributed.ep_size
     teacher = teacher_config(recipe)
     method = "paper" if recipe.student.layer_selection == "importance" else recipe.student.layer_selection
     kept = select_layers(teacher, recipe.student.layers, recipe.moe_layer_count(recipe.student.layers), method)
     return {
         "teacher": describe(teacher, recipe.teacher.train, world, ep),
-        "student": describe(student_config(teacher, kept), recipe.student.train, world, ep),
+        "student": describe(student_config(teacher, kept, recipe.student.experts), recipe.student.train, world, ep),
     }
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from distill.kd import beta_at, kd_loss
-from distill.student import block_importance, init_from_teacher, select_layers, student_config
+from distill.student import (block_importance, expert_scores, init_from_teacher, select_experts, select_layers,
+                             student_config)
 from pipeline import data as data_lib
 from pipeline import dist
 from pipeline.dist import Ranks, barrier
@@ -43,25 +44,42 @@ def load_teacher(teacher_dir: Path, recipe: Recipe, ranks: Ranks) -> GPT:
     return load_frozen(teacher_dir, ranks.world, recipe.distributed.ep_size, dist.device(), dtype)
 
 
+def calibration_batches(recipe: Recipe, train: data_lib.PackedTokens, ranks: Ranks):
+    """`student.calibration_batches` micro-batches: the first blocks of the training split's order, different
+    on each rank."""
+    s = recipe.student
+    micro = s.train.micro_batch_size
+    first = ranks.rank * s.calibration_batches * micro
+    return (train.batch([(first + b * micro + i) % train.num_blocks for i in range(micro)])
+            for b in range(s.calibration_batches))
+
+
 def choose_layers(recipe: Recipe, teacher: GPT, train: data_lib.PackedTokens, ranks: Ranks) -> dict:
-    """Which teacher layers the student keeps (and, for `importance`, every block's score)."""
+    """Which teacher layers the student keeps (and, for `importance`, every block's score), and in the MoE
+    layers `student.experts` prunes, which experts (with every expert's score)."""
     s = recipe.student
     scores = None
     if s.layer_selection == "importance":
-        micro = s.train.micro_batch_size
-        # calibration: the first blocks of the training split's order, different on each rank
-        first = ranks.rank * s.calibration_batches * micro
-        batches = (train.batch([(first + b * micro + i) % train.num_blocks for i in range(micro)])
-                   for b in range(s.calibration_batches))
-        scores = block_importance(teacher, batches)
+        scores = block_importance(teacher, calibration_batches(recipe, train, ranks))
     moe_count = recipe.moe_layer_count(s.layers)
     kept = select_layers(teacher.cfg, s.layers, moe_count, s.layer_selection, scores)
-    cfg = student_config(teacher.cfg, kept)
-    if s.experts is not None and list(cfg.experts) != list(s.experts):
-        raise RecipeError("student.experts", s.experts, f"the experts of the kept teacher layers {kept}: "
-                          f"{list(cfg.experts)} (or leave it unset)")
-    return {"method": s.layer_selection, "kept_teacher_layers": kept, "scores": scores,
-            "moe_layers": list(cfg.moe_layers), "experts": list(cfg.experts)}
+    full = student_config(teacher.cfg, kept)
+    cfg = student_config(teacher.cfg, kept, s.experts)  # refuses more experts than a kept layer has
+    selection = {"method": s.layer_selection, "kept_teacher_layers": kept, "scores": scores,
+                 "moe_layers": list(cfg.moe_layers), "experts": list(cfg.experts)}
+    pruned = [kept[p] for p, e, f in zip(cfg.moe_layers, cfg.experts, full.experts) if e < f]
+    if pruned:
+        ranking = expert_scores(teacher, calibration_batches(recipe, train, ranks), s.expert_selection)
+        keep = {kept[p]: e for p, e in zip(cfg.moe_layers, cfg.experts)}
+        selection.update(expert_selection=s.expert_selection,
+                         expert_scores={str(t): ranking[t] for t in pruned},
+                         kept_experts={str(t): select_experts(ranking[t], keep[t]) for t in pruned})
+    return selection
+
+
+def kept_experts(selection: dict) -> dict[int, list[int]]:
+    """selection.json's kept experts per pruned teacher layer (JSON keys are strings)."""
+    return {int(t): ids for t, ids in selection.get("kept_experts", {}).items()}
 
 
 def make_kd_step(teacher: GPT, recipe: Recipe):
@@ -113,10 +131,10 @@ def run_student(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
         if ranks.rank == 0:
             atomic_write_text(work / SELECTION, json.dumps(selection, indent=1))
     kept = selection["kept_teacher_layers"]
-    cfg = student_config(teacher.cfg, kept)
+    cfg = student_config(teacher.cfg, kept, selection["experts"])
     student = build_model(cfg, ranks.world, recipe.distributed.ep_size, groups=False)  # deepspeed.initialize makes them
     if recipe.student.init == "teacher":
-        init_from_teacher(student, teacher_dir, kept)
+        init_from_teacher(student, teacher_dir, kept, kept_experts(selection))
     else:
         init_weights(student, recipe.seed + 1, ep_rank_of)  # +1: not the teacher's own initial weights
 

@@ -128,12 +128,15 @@ class TeacherSpec(Section):
 
 class StudentSpec(Section):
     layers: int = Field(ge=1)  # the Mixture-of-Students is shallower than its teacher (paper: 24 -> 21)
-    experts: list[int] | None = None  # None: the experts of the teacher layers kept (checked against them if set)
+    experts: list[int] | None = None  # None: the experts of the teacher layers kept; fewer prunes experts
     # which teacher layers the student keeps, within each type (MoE, dense): the paper's rule (drop the
     # lowest MoE layers and the dense ones between them), evenly spaced, or the most influential on
     # calibration batches (Minitron's depth pruning: 1 - cosine(block input, block output))
     layer_selection: Literal["paper", "uniform", "importance"] = "paper"
-    calibration_batches: int = Field(8, ge=1)  # importance: training micro-batches (per rank) to score blocks on
+    calibration_batches: int = Field(8, ge=1)  # importance, pruning: training micro-batches (per rank) to score on
+    # which experts a pruned MoE layer keeps (student.experts below its teacher layer's count): the most chosen
+    # by the router on calibration batches, or REAP's saliency (mean gate weight x expert output norm)
+    expert_selection: Literal["frequency", "saliency"] = "frequency"
     # teacher: start from the kept layers' weights; random: from scratch, as the paper's reference code did
     init: Literal["teacher", "random"] = "teacher"
     train: TrainSpec
@@ -246,6 +249,9 @@ class Recipe(Section):
         for i, e in enumerate(student_experts):
             if e < m.top_k:
                 raise RecipeError(f"student.experts.{i}", e, f"at least model.top_k ({m.top_k}) experts")
+            if e > max(m.experts):
+                raise RecipeError(f"student.experts.{i}", e, f"at most the teacher's largest MoE layer "
+                                  f"({max(m.experts)} experts); below its kept teacher layer's count prunes experts")
         return self
 
     @model_validator(mode="after")

@@ -169,7 +169,9 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None,
     `rename` maps a global parameter name of `model` to the name it has in `src` (a student takes
     teacher block 5 as its block 2, say); by default the names are the same. A parameter with a
     `shard` attribute (dim, start, whole size) receives that slice of the stored tensor: expert and
-    tensor slicing read only a rank's part (export/inference.py). `files`: what verification saw of a
+    tensor slicing read only a rank's part (export/inference.py); one with a `pick` attribute (dim,
+    indices, whole size) receives those indices along dim (a pruned student's router keeps the rows of
+    its experts, distill/student.py). `files`: what verification saw of a
     package's files (export/package.py); a file that differs from it, before or after its tensors are
     read, is refused (FileChangedError). Without it, a file that changes while it is read is refused.
     """
@@ -209,21 +211,27 @@ def _fill(fh, path: Path, keys: list[str], wanted: dict[str, list[torch.Tensor]]
         params = wanted[key]
         for p in params:
             shard = getattr(p, "shard", None)  # (dim, start, whole size): one slice (export.inference)
+            pick = getattr(p, "pick", None)  # (dim, indices, whole size): chosen rows (distill.student)
             whole = list(p.shape)
             if shard is not None:
                 whole[shard[0]] = shard[2]
+            if pick is not None:
+                whole[pick[0]] = pick[2]
             if list(header[key]["shape"]) != whole:
                 raise ValueError(f"{path}: {key} has shape {tuple(header[key]['shape'])}, "
                                  f"the model expects {tuple(whole)}")
         p = params[0]
-        direct = (len(params) == 1 and getattr(p, "shard", None) is None and p.device.type == "cpu"
+        direct = (len(params) == 1 and getattr(p, "shard", None) is None and getattr(p, "pick", None) is None
+                  and p.device.type == "cpu"
                   and p.is_contiguous() and SAFETENSORS_DTYPES.get(header[key]["dtype"]) == p.dtype)
         t = _read_tensor(fh, header, key, data_start, path, out=p.data if direct else None)
         if direct:
             continue
         for p in params:
-            shard = getattr(p, "shard", None)
+            shard, pick = getattr(p, "shard", None), getattr(p, "pick", None)
             part = t.narrow(shard[0], shard[1], p.shape[shard[0]]) if shard is not None else t
+            if pick is not None:
+                part = part.index_select(pick[0], torch.as_tensor(pick[1], dtype=torch.long))
             p.copy_(part.to(p.dtype))
 
 

@@ -89,15 +89,40 @@ def test_two_rank_distill_finishes_and_resumes_after_sigkill(tmp_path):
             assert (resumed[k] == uninterrupted[k]).all(), f"{k} differs after resume"
 
 
-def test_student_experts_that_do_not_fit_the_kept_layers_stop_before_training(distilled, tmp_path):
+def test_student_experts_above_the_kept_layers_stop_before_training(distilled, tmp_path):
     run = tmp_path / "bad"
+    # uniform keeps teacher MoE layer 1 (2 experts) of [1, 3]
     proc = cli("distill", "recipes/tiny.yaml", "--run-dir", str(run),
-               *sets(*RUN, "student.experts=[2]", f"teacher.load={distilled / 'teacher'}"), check=False)
+               *sets(*RUN, "student.experts=[4]", "student.layer_selection=uniform", f"teacher.load={distilled / 'teacher'}"),
+               check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("recipe error: student.experts = [2]: the experts of the kept")
+    assert proc.stderr.strip().splitlines()[-1] == ("recipe error: student.experts.0 = 4: between model.top_k (1) and "
+                                                    "the experts of its teacher layer 1 (2); fewer prunes experts")
     assert not (run / "metrics.jsonl").exists() or "student" not in (run / "metrics.jsonl").read_text()
+    proc = cli("distill", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN, "student.experts=[5]"), check=False)
+    assert proc.returncode == 2 and "student.experts.0 = 5: at most the teacher's largest MoE layer (4 experts)" in proc.stderr
 
 
+def test_a_pruned_student_keeps_the_same_experts_on_one_rank_and_on_two(distilled, tmp_path):
+    """student.experts=[2] prunes the kept 4-expert layer by saliency: 2 expert-parallel ranks (each holding two of
+    the teacher's experts, then one of the student's) score and keep the same experts as 1 rank."""
+    prune = [*RUN, "student.experts=[2]", "student.expert_selection=saliency", f"teacher.load={distilled / 'teacher'}",
+             "student.train.steps=2", "student.train.warmup_steps=1", "student.train.eval_every=2",
+             "student.train.checkpoint_every=2", "kd.stop_at=null"]
+    selections = {}
+    for nproc in (1, 2):
+        run = tmp_path / f"r{nproc}"
+        # each rank scores its own calibration batches, the next ones in the training order: 1 rank x 4 batches
+        # are the same tokens as 2 ranks x 2
+        cli("distill", "recipes/tiny.yaml", "--run-dir", str(run), "--nproc", str(nproc),
+            *sets(*prune, f"student.calibration_batches={4 // nproc}"))
+        selections[nproc] = json.loads((run / "student" / "selection.json").read_text())
+        config = json.loads((run / "student" / "config.json").read_text())
+        assert config["experts"] == [2] and selections[nproc]["experts"] == [2]
+        assert {"expert_scores", "expert_selection", "kept_experts"} <= set(selections[nproc])
+    one, two = selections[1], selections[2]
+    assert one["kept_experts"] == two["kept_experts"] and len(one["kept_experts"]["3"]) == 2
+    assert two["expert_scores"]["3"] == pytest.approx(one["expert_scores"]["3"], rel=1e-4)
 def test_the_teacher_is_frozen_with_fp32_gates_and_does_not_run_after_the_stop(distilled):
     """The KD teacher in a bf16 student run: eval mode, no gradients, bf16 weights but fp32 gates (as packages and
     the runtime keep them); its forward is called while beta > 0 and never after kd.stop_at."""

@@ -64,3 +64,14 @@ def test_fp16_needs_a_gpu(tmp_path):
                check=False)
     assert proc.returncode == 2 and "teacher.train.precision = 'fp16': bf16 or fp32" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_a_pruned_student_plans_with_its_expert_counts():
+    full = plan(load_recipe(ROOT / "recipes" / "1.3b.yaml"), world=128)["student"]
+    pruned = plan(load_recipe(ROOT / "recipes" / "1.3b.yaml", ["student.experts=[32, 32, 32, 32, 32, 32, 32, 32, 64, 64]"]),
+                  world=128)["student"]
+    assert pruned["experts"] == [32] * 8 + [64] * 2 and full["experts"] == [64] * 8 + [128] * 2
+    assert pruned["params_total"] < 0.6 * full["params_total"]
+    # top-1: one expert a token either way; the routers lose their pruned experts' rows (hidden 2048 each)
+    hidden = load_recipe(ROOT / "recipes" / "1.3b.yaml").model.hidden
+    assert full["params_active_per_token"] - pruned["params_active_per_token"] == (32 * 8 + 64 * 2) * hidden

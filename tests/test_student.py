@@ -203,3 +203,100 @@ def test_block_importance_counts_only_real_tokens():
     assert block_importance(model, [masked]) == pytest.approx(block_importance(model, [half]), rel=1e-5)
     with pytest.raises(ValueError, match="no real token"):
         block_importance(model, [dict(full, loss_mask=torch.zeros(2, 16))])
+
+
+# -- expert pruning -----------------------------------------------------------------------------
+
+def _by_hand(model: GPT, batches, layer: int) -> tuple[list[float], list[float]]:
+    """Frequency and REAP saliency of `layer`'s experts, from the definitions: a forward that records the MoE
+    layer's input, then each expert run on the tokens whose top-k chose it."""
+    import torch.nn.functional as F
+
+    seen = []
+    h = model.blocks[layer].mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        for b in batches:
+            model.eval()(b["input_ids"])
+    h.remove()
+    x = torch.cat(seen)
+    moe = model.blocks[layer].mlp.moe.deepspeed_moe
+    with torch.no_grad():
+        probs = F.linear(x.float(), moe.gate.wg.weight.float()).softmax(-1)
+    top_p, top_i = probs.topk(model.cfg.top_k, dim=-1)
+    E = probs.shape[1]
+    freq = [float((top_i == e).sum()) / top_i.numel() for e in range(E)]
+    sal = []
+    for e in range(E):
+        rows = (top_i == e).any(-1)
+        if not rows.any():
+            sal.append(0.0)
+            continue
+        w = probs[rows, e] / (top_p[rows].sum(-1) if model.cfg.top_k > 1 else 1.0)
+        with torch.no_grad():
+            y = moe.experts.deepspeed_experts[e](x[rows])
+        sal.append(float((w * y.norm(dim=-1)).mean()))
+    return freq, sal
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("impl", ["reference", "deepspeed"])
+def test_expert_scores_are_frequency_and_reap_saliency(impl, top_k):
+    """Both MoE implementations score as the definitions say; DeepSpeed's zero-padded capacity slots (each
+    expert gets the busiest one's capacity at eval) do not count as tokens."""
+    from distill.student import expert_scores
+
+    cfg = model_config(layers=4, experts=(2, 8), moe_layers=(1, 3), top_k=top_k)
+    model = GPT(cfg, moe_impl=impl)
+    init_weights(model, seed=0)
+    batches = _batches(cfg, n=2)
+    freq, sal = expert_scores(model, batches, "frequency"), expert_scores(model, batches, "saliency")
+    assert sorted(freq) == sorted(sal) == [1, 3]
+    for layer in (1, 3):
+        want_freq, want_sal = _by_hand(model, batches, layer)
+        assert freq[layer] == pytest.approx(want_freq, abs=1e-12) and sum(freq[layer]) == pytest.approx(1.0)
+        assert sal[layer] == pytest.approx(want_sal, rel=1e-5)
+    with pytest.raises(RecipeError, match="student.expert_selection"):
+        expert_scores(model, batches, "random")
+
+
+def test_select_experts_keeps_the_best_in_id_order():
+    from distill.student import select_experts
+
+    assert select_experts([0.1, 0.5, 0.3, 0.5], 2) == [1, 3]
+    assert select_experts([0.2, 0.2, 0.2, 0.1], 2) == [0, 1]  # ties: the lower id
+    assert select_experts([0.1, 0.5, 0.3, 0.5], 4) == [0, 1, 2, 3]
+
+
+def test_student_config_prunes_per_layer_and_refuses_more_than_the_teacher():
+    kept = select_layers(TINY, layers=5, moe_count=2, method="paper")  # MoE layers with 4 and 8 experts
+    assert student_config(TINY, kept, [2, 6]).experts == (2, 6)  # per layer, a pyramid still
+    with pytest.raises(RecipeError, match=r"student.experts.1 = 9: between model.top_k \(1\) and the experts of its "
+                                          r"teacher layer 5 \(8\)"):
+        student_config(TINY, kept, [4, 9])
+    with pytest.raises(RecipeError, match="student.experts.0 = 0"):
+        student_config(TINY, kept, [0, 8])
+
+
+def test_a_pruned_student_starts_from_the_kept_experts_and_their_router_rows(tmp_path):
+    from distill.student import expert_scores, select_experts
+
+    teacher_cfg = model_config(layers=6, experts=(2, 2, 4), moe_layers=(1, 3, 5))
+    teacher = GPT(teacher_cfg, moe_impl="reference")
+    init_weights(teacher, seed=1)
+    save_weights(teacher, tmp_path)
+    kept = [0, 2, 3, 4, 5]
+    ids = select_experts(expert_scores(teacher, _batches(teacher_cfg), "saliency")[5], 3)
+    student = GPT(student_config(teacher_cfg, kept, [2, 3]), moe_impl="reference")
+    init_from_teacher(student, tmp_path, kept, {5: ids})
+    t, s = teacher.state_dict(), student.state_dict()
+    gate = "mlp.moe.deepspeed_moe.gate.wg.weight"
+    assert torch.equal(s[f"blocks.4.{gate}"], t[f"blocks.5.{gate}"][ids])
+    for j, e in enumerate(ids):
+        for suffix in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+            name = f"blocks.4.mlp.moe.deepspeed_moe.experts.deepspeed_experts.{j}.{suffix}"
+            assert torch.equal(s[name], t[f"blocks.5.mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e}.{suffix}"])
+    for name in ("blocks.4.mlp.moe.mlp.fc1.weight", "blocks.4.mlp.moe.coefficient.weight"):  # never pruned
+        assert torch.equal(s[name], t[name.replace("blocks.4.", "blocks.5.")])
+    assert not hasattr(student.blocks[4].mlp.moe.deepspeed_moe.gate.wg.weight, "pick")
+    with pytest.raises(ValueError, match=r"kept experts of teacher layer 5 \(\[0, 0, 1\]\) must be 3 distinct"):
+        init_from_teacher(student, tmp_path, kept, {5: [0, 0, 1]})
