@@ -4,6 +4,7 @@
     moe-pipeline teacher recipes/tiny.yaml [--nproc 2] [--set teacher.train.steps=50] [--run-dir DIR] [--redo]
     moe-pipeline distill recipes/tiny.yaml [--nproc 2] ...     # teacher (skipped when done), then the student
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
+    moe-pipeline plan recipes/tiny.yaml --measure    # candidate students cut from the trained teacher, scored untrained
     moe-pipeline export runs/tiny [--stage teacher] [--dtype bf16] [--out DIR] [--force]
     moe-pipeline verify runs/tiny/package
     moe-pipeline serve runs/tiny/package [--port 8000] [--ep-size 2] [--placement predictive] [--api-key-file F]
@@ -64,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     _recipe_args(p)
     p.add_argument("--world-size", type=_positive_int, default=None, help="ranks to plan for (default: distributed.nproc)")
     p.add_argument("--json", action="store_true", help="print one JSON object {teacher: ..., student: ...}")
+    p.add_argument("--measure", action="store_true",
+                   help="score candidate students cut from the trained teacher (depth by each layer rule, experts "
+                        "by each pruning rule) on held-out blocks, before any training; table, JSON and PNG")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="with --measure: the run whose teacher stage to cut from (default: runs/<recipe name>; "
+                        "teacher.load wins)")
+    p.add_argument("--blocks", type=_positive_int, default=64, help="with --measure: held-out blocks to score on")
+    p.add_argument("--out", type=Path, default=None, help="with --measure: where measure.json/png go (default RUN/plan)")
 
     p = sub.add_parser("export", help="a deployable package of a run's student (or teacher)")
     p.add_argument("run", type=Path, help="a run directory (or a finished stage directory)")
@@ -281,6 +290,12 @@ def cmd_plan(args) -> int:
     from distill.plan import format_plan, plan
 
     recipe = load_recipe(args.recipe, args.overrides, world_size=args.world_size)
+    if args.measure:
+        from distill.measure import run
+
+        run_dir = args.run_dir or Path("runs") / recipe.name
+        run(recipe, run_dir, args.out or run_dir / "plan", args.blocks, args.json)
+        return 0
     world = args.world_size or recipe.distributed.nproc
     try:
         result = plan(recipe, world)

@@ -75,3 +75,36 @@ def test_a_pruned_student_plans_with_its_expert_counts():
     # top-1: one expert a token either way; the routers lose their pruned experts' rows (hidden 2048 each)
     hidden = load_recipe(ROOT / "recipes" / "1.3b.yaml").model.hidden
     assert full["params_active_per_token"] - pruned["params_active_per_token"] == (32 * 8 + 64 * 2) * hidden
+
+
+@pytest.mark.slow
+def test_plan_measure_scores_candidates_cut_from_the_trained_teacher(small_run, tmp_path):
+    from conftest import SMALL_RUN, sets
+
+    out = tmp_path / "plan"
+    proc = cli("plan", "recipes/tiny.yaml", *sets(*SMALL_RUN), "--measure", "--run-dir", str(small_run), "--json",
+               "--blocks", "8", "--out", str(out))
+    result = json.loads(proc.stdout)
+    rows = result["candidates"]
+    assert [(r["kind"], r["rule"], r["layers"]) for r in rows] == [
+        ("teacher", "-", 4),
+        ("depth", "paper", 3), ("depth", "uniform", 3), ("depth", "importance", 3),
+        ("depth", "paper", 2), ("depth", "uniform", 2), ("depth", "importance", 2),
+        ("experts", "frequency", 4), ("experts", "frequency", 4), ("experts", "saliency", 4), ("experts", "saliency", 4)]
+    assert [r["experts"] for r in rows if r["kind"] == "experts"] == [[2, 3], [1, 2], [2, 3], [1, 2]]
+    # the paper rule's 3 layers are the student the distill stage starts from
+    paper3 = rows[1]
+    assert paper3["kept_teacher_layers"] == json.loads((small_run / "student" / "selection.json").read_text())[
+        "kept_teacher_layers"]
+    # the teacher row is the teacher stage's own held-out loss: the same 8 blocks (2 eval batches of 4)
+    done = json.loads((small_run / "teacher" / "DONE.json").read_text())
+    assert rows[0]["val_loss"] == pytest.approx(done["val_loss"], abs=1e-4) and rows[0]["retention"] == 1.0
+    assert all(r["params_total"] < rows[0]["params_total"] for r in rows[1:])
+    assert all(r["retention"] == pytest.approx(rows[0]["val_loss"] / r["val_loss"], abs=1e-4) for r in rows)
+    assert len(result["block_importance"]) == 4 and set(result["expert_scores"]) == {"frequency", "saliency"}
+    assert json.loads((out / "measure.json").read_text())["candidates"] == rows
+    assert (out / "measure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from distill.measure import format_table
+
+    table = format_table(result)  # what the command prints without --json
+    assert all(r["name"][:33] in table for r in rows) and "retention" in table
