@@ -135,8 +135,9 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_metrics(metrics: Path, out: Path) -> Path | None:
-    """Training curves of every stage in `metrics` (metrics.jsonl) as one PNG: training loss (CE for a student)
-    and held-out loss (with the teacher's next to a student's), and KD's beta when a stage logged it."""
+    """Training curves of every stage in `metrics` (metrics.jsonl) as one PNG, over the tokens each stage trained
+    on (over steps for records without a token count): training loss (CE for a student) with KD's beta on a second
+    y-axis, so the staged stop shows, and held-out loss (with the teacher's next to a student's)."""
     records = read_metrics(metrics)
     if not records:
         return None
@@ -146,29 +147,39 @@ def plot_metrics(metrics: Path, out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     stages = list(dict.fromkeys(r["stage"] for r in records if "stage" in r))
-    has_beta = any("beta" in r for r in records)
-    fig, axes = plt.subplots(1, 2 + has_beta, figsize=(4.2 * (2 + has_beta), 3.3), dpi=90, squeeze=False)
-    ax_train, ax_val = axes[0][0], axes[0][1]
+    by_tokens = all("tokens" in r for r in records if "loss" in r or "val_loss" in r)
+
+    def x(r: dict) -> float:
+        return r["tokens"] / 1e6 if by_tokens else r["step"]
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(9.5, 3.4), dpi=90)
+    ax_beta = None
     for i, stage in enumerate(stages):
         rows = [r for r in records if r.get("stage") == stage]
-        train = [(r["step"], r.get("lm_loss", r.get("loss"))) for r in rows if "loss" in r]
-        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        train = [(x(r), r.get("lm_loss", r.get("loss"))) for r in rows if "loss" in r]
+        val = [(x(r), r["val_loss"]) for r in rows if "val_loss" in r]
         if train:
             ax_train.plot(*zip(*train), color=f"C{i}", lw=1, label=stage)
         if val:
             ax_val.plot(*zip(*val), "o-", color=f"C{i}", ms=3, label=stage)
-        teacher = [(r["step"], r["teacher_val_loss"]) for r in rows if "teacher_val_loss" in r]
+        teacher = [(x(r), r["teacher_val_loss"]) for r in rows if "teacher_val_loss" in r]
         if teacher:
             ax_val.plot(*zip(*teacher), "--", color="gray", lw=1, label=f"teacher (during {stage})")
-        beta = [(r["step"], r["beta"]) for r in rows if "beta" in r]
+        beta = [(x(r), r["beta"]) for r in rows if "beta" in r and "loss" in r]
         if beta:
-            axes[0][2].step(*zip(*beta), where="post", color=f"C{i}", label=stage)
-    ax_train.set(title="training loss (CE)", xlabel="step", ylabel="nats/token")
-    ax_val.set(title="held-out loss", xlabel="step", ylabel="nats/token")
-    if has_beta:
-        axes[0][2].set(title="KD weight beta (staged KD)", xlabel="student step")
-    for ax in axes[0]:
-        ax.legend(fontsize=7)
+            ax_beta = ax_beta or ax_train.twinx()
+            ax_beta.step(*zip(*beta), where="post", color=f"C{i}", ls=":", lw=1.5, label=f"beta ({stage})")
+    xlabel = "tokens trained (M)" if by_tokens else "step"
+    ax_train.set(title="training loss (CE)", xlabel=xlabel, ylabel="nats/token")
+    ax_val.set(title="held-out loss", xlabel=xlabel, ylabel="nats/token")
+    ax_train.legend(fontsize=7, loc="upper center")
+    if ax_beta is not None:
+        ax_beta.set_ylabel("KD weight beta (dotted)", fontsize=7)
+        ax_beta.set_ylim(-0.05, max(1.05, ax_beta.get_ylim()[1]))
+        ax_beta.legend(fontsize=7, loc="upper right")
+        ax_beta.tick_params(labelsize=7)
+    ax_val.legend(fontsize=7)
+    for ax in (ax_train, ax_val):
         ax.tick_params(labelsize=7)
     fig.suptitle(f"{Path(metrics).parent.name}: training", fontsize=9)
     fig.tight_layout()
