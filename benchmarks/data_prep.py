@@ -6,11 +6,13 @@
 A corpus of `--sizes` GB is generated into a temporary folder as jsonl (documents of 1-40 consecutive KJV
 verses or Shakespeare lines, drawn at random from the installed corpus packages; nothing is copied into this
 repository), then prepared by `python -m pipeline.data CORPUS --tokenizer gpt2 --cache-dir DIR` in a child
-process, whose process tree's memory (PSS, proportional set size: the main process plus its tokenizer workers,
-pages they share counted once) is sampled every 0.1 s. `--legacy-sizes` also runs the in-memory path this replaced (every document, then the whole token
+process, whose process tree's memory (the main process plus its tokenizer workers) is sampled every 0.1 s from
+/proc/PID/smaps_rollup: Pss_Anon, what the processes allocated (pages the forked workers share counted once),
+and Rss, which also counts the pages of memory-mapped files (the kernel drops those when it needs the memory;
+the summary's pass over the token shards maps them all). `--legacy-sizes` also runs the in-memory path this replaced (every document, then the whole token
 array, held in one process: `load_documents` + `encode_documents`) on those sizes, for comparison.
 
-Printed side by side: wall seconds, tokens/s, peak memory (PSS) of the tree and of the main process, and the ratio of
+Printed side by side: wall seconds, tokens/s, worker processes seen, peak anonymous memory and peak RSS, and the ratio of
 the largest size to the smallest (flat memory: a ratio near 1 while the corpus doubles). Results also go
 to benchmarks/results/data_prep.json.
 """
@@ -65,28 +67,42 @@ def generate(path: Path, gigabytes: float, seed: int = 0) -> int:
     return docs
 
 
+def _rollup(pid: int) -> dict[str, int]:
+    """/proc/PID/smaps_rollup in bytes: Rss, Pss, Pss_Anon, Pss_File, ..."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
 def measure(cmd: list[str]) -> dict:
-    """Run `cmd`; its wall seconds and the peak PSS (bytes) of its process tree and of the process alone."""
+    """Run `cmd`; its wall seconds and the peaks (bytes) of its process tree's memory: Pss_Anon (what the
+    processes allocated, pages forked workers share counted once) and Rss (also the pages of memory-mapped
+    files, which the kernel drops when it needs them: a pass over the token shards maps them all)."""
     import psutil
 
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
     top = psutil.Process(proc.pid)
-    tree_peak = main_peak = 0
+    peak = {"anon": 0, "rss": 0, "workers": 0}
     while proc.poll() is None:
         try:
-            # PSS: forked workers share the main process's pages, which RSS would count once per process
-            main = top.memory_full_info().pss
-            tree = main + sum(c.memory_full_info().pss for c in top.children(recursive=True))
-        except psutil.Error:  # the process or a worker ended between the calls
+            pids = [proc.pid] + [c.pid for c in top.children(recursive=True)]
+            rollups = [_rollup(pid) for pid in pids]
+        except (OSError, psutil.Error):  # the process or a worker ended between the calls
             continue
-        tree_peak, main_peak = max(tree_peak, tree), max(main_peak, main)
+        peak["anon"] = max(peak["anon"], sum(r.get("Pss_Anon", 0) for r in rollups))
+        peak["rss"] = max(peak["rss"], sum(r.get("Rss", 0) for r in rollups))
+        peak["workers"] = max(peak["workers"], len(pids) - 1)
         time.sleep(0.1)
     out = proc.stdout.read()
     if proc.returncode != 0:
         raise SystemExit(f"`{' '.join(cmd)}` failed ({proc.returncode}):\n{out[-2000:]}")
-    return {"wall_s": time.perf_counter() - t0, "tree_pss": tree_peak, "main_pss": main_peak, "stdout": out}
+    return {"wall_s": time.perf_counter() - t0, **peak, "stdout": out}
 
 
 def _tokens(stdout: str) -> int:
@@ -125,20 +141,20 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = _tokens(m["stdout"])
                 rows.append({"path": kind, "corpus_gb": gb, "corpus_bytes": corpus.stat().st_size, "tokens": tokens,
                              "wall_s": round(m["wall_s"], 1), "tokens_per_s": round(tokens / m["wall_s"]),
-                             "peak_pss_tree_mib": round(m["tree_pss"] / 2**20), "peak_pss_main_mib":
-                                 round(m["main_pss"] / 2**20)})
-    print(f"\n{'path':<20}{'corpus':>9}{'tokens':>15}{'wall s':>9}{'tokens/s':>11}{'PSS tree MiB':>14}{'PSS main MiB':>14}")
+                             "peak_anon_mib": round(m["anon"] / 2**20), "peak_rss_mib": round(m["rss"] / 2**20),
+                             "workers": m["workers"]})
+    print(f"\n{'path':<20}{'corpus':>9}{'tokens':>15}{'wall s':>9}{'tokens/s':>11}{'workers':>8}"
+          f"{'peak anon MiB':>15}{'peak RSS MiB':>14}")
     for r in rows:
         print(f"{r['path']:<20}{r['corpus_gb']:>7g}GB{r['tokens']:>15,}{r['wall_s']:>9.1f}{r['tokens_per_s']:>11,}"
-              f"{r['peak_pss_tree_mib']:>14,}{r['peak_pss_main_mib']:>14,}")
+              f"{r['workers']:>8}{r['peak_anon_mib']:>15,}{r['peak_rss_mib']:>14,}")
     for kind in ("sharded", "in-memory (before)"):
         mine = [r for r in rows if r["path"] == kind]
         if len(mine) >= 2:
             a, b = mine[0], mine[-1]
             print(f"{kind}: {b['corpus_gb']:g} GB / {a['corpus_gb']:g} GB: corpus x{b['corpus_bytes'] / a['corpus_bytes']:.2f}, "
-                  f"tokens/s x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, peak PSS (tree) "
-                  f"x{b['peak_pss_tree_mib'] / a['peak_pss_tree_mib']:.2f}, (main) "
-                  f"x{b['peak_pss_main_mib'] / a['peak_pss_main_mib']:.2f}")
+                  f"tokens/s x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, peak anonymous memory "
+                  f"x{b['peak_anon_mib'] / a['peak_anon_mib']:.2f}, peak RSS x{b['peak_rss_mib'] / a['peak_rss_mib']:.2f}")
     out = ROOT / "benchmarks" / "results" / "data_prep.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
