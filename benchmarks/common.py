@@ -25,8 +25,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start_server(pkg: Path, extra: list[str] = (), threads: int | None = None):
-    """`moe-pipeline serve PKG --port P EXTRA` as a separate process, once /health answers: (process, url)."""
+def start_server(pkg: Path, extra: list[str] = (), threads: int | None = None, env: dict[str, str] | None = None):
+    """`moe-pipeline serve PKG --port P EXTRA` as a separate process, once /health answers: (process, url).
+    `env`: variables to set for the server (CUDA_VISIBLE_DEVICES="" serves on the CPU of a GPU machine)."""
     import subprocess
     import time
 
@@ -35,7 +36,8 @@ def start_server(pkg: Path, extra: list[str] = (), threads: int | None = None):
     from pipeline.dist import free_port
 
     port = free_port()
-    env = child_env()
+    extra_env, env = env, child_env()
+    env.update(extra_env or {})
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen([*cli_command(), "serve", str(pkg), "--port", str(port), *extra], cwd=ROOT, env=env,
@@ -79,3 +81,52 @@ def run_logged(cmd: list[str], log: Path, timeout: float | None, append: bool = 
         tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-25:]
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({rc}); last lines of {log}:\n" + "\n".join(tail))
     return wall
+
+
+def random_package(out: Path, layers: int = 4, overrides: list[str] = (), dtype: str = "bf16", seed: int = 0) -> Path:
+    """A package of recipes/350m.yaml's model cut to its first `layers` layers, with random weights: a medium
+    model to measure serving on, with no training.
+
+    The cut keeps the pyramid: the last MoE layer gets the recipe's top expert count, the ones below it the
+    lower layers' (4 layers: MoE layers 2 and 4 with [32, 64] experts, 0.91B parameters, 0.12B active per
+    token, hidden 1024, GPT-2's tokenizer, 2048 positions). `overrides` are `--set` values applied after the
+    cut (e.g. ["model.hidden=256", "model.experts=[4, 8]"] for a CPU-sized one). Weights come from
+    `init_weights(seed)` (drawn on the CPU: the same bits on every machine), exported in `dtype` (the gates fp32)
+    to `out` (replaced if it exists). Returns `out`.
+    """
+    import json
+    import shutil
+
+    from export.package import export_package
+    from pipeline import data as data_lib
+    from pipeline.artifacts import CONFIG, DONE, DTYPES, RECIPE_FILE, TOKENIZER
+    from pipeline.build import teacher_config
+    from pipeline.model import GPT, init_weights
+    from pipeline.recipe import dump_recipe, load_recipe
+    from pipeline.weights import save_weights
+
+    base = load_recipe(ROOT / "recipes" / "350m.yaml")
+    moe_count = layers // base.model.moe_every
+    experts = list(base.model.experts[:moe_count - 1]) + list(base.model.experts[-1:]) if moe_count else []
+    recipe = load_recipe(ROOT / "recipes" / "350m.yaml",
+                         [f"model.layers={layers}", f"model.experts={experts}", f"student.layers={layers - 1}",
+                          "distributed.nproc=1", *overrides])  # student and ranks: only to pass validation
+    cfg = teacher_config(recipe)
+    out = Path(out)
+    build = out.parent / f".{out.name}.build"
+    run = build / f"350m-{layers}layers"  # a run directory with one finished stage, `random`: the package's name
+    stage = run / "random"
+    shutil.rmtree(build, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        model = GPT(cfg, moe_impl="reference")
+        init_weights(model, seed)
+        save_weights(model.to(DTYPES[dtype]), stage, {"stage": "random", "recipe": recipe.name})
+        del model
+        (stage / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
+        data_lib.save_tokenizer(data_lib.gpt2_tokenizer(cfg.seq_len), stage / TOKENIZER)
+        (stage / DONE).write_text(json.dumps({"stage": "random", "steps": 0, "seed": seed}))
+        (run / RECIPE_FILE).write_text(dump_recipe(recipe))
+        return export_package(stage, out, dtype=dtype, force=True)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)

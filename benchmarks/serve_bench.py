@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/serve_bench.py                     # runs/tiny/package (README command 1, then export)
     .venv/bin/python benchmarks/serve_bench.py --teacher runs/tiny/teacher-package --new-tokens 64
+    python benchmarks/serve_bench.py --package PKG --device cuda   # server and HF on the GPU (benchmarks/gpu_check.py)
 
 One run, side by side (each throughput the median of --repeats runs; same package, same dtype, same threads, greedy, `--new-tokens` tokens each):
   (a) one request: our server (HTTP, continuous batching) vs `AutoModelForCausalLM.generate` (its KV cache);
@@ -10,7 +11,7 @@ One run, side by side (each throughput the median of --repeats runs; same packag
   (c) the student's server tokens/s against the teacher's (`--teacher PACKAGE`, optional);
   (d) batch-1 decode against the memory-bandwidth bound: active parameter bytes read per token ÷ a
       measured copy bandwidth (the fastest a token could come if weights were read once per token);
-  (e) latency percentiles (p50, p99) of 32 concurrent clients x 10 requests each, and the failures;
+  (e) latency percentiles (p50, p99) of 32 concurrent clients x 10 requests each (--latency-requests), and the failures;
   (f) with --layouts: 16 concurrent requests on multi-rank layouts (ep2, tp2, expert-slicing-4).
 Targets: (b) at least 1.5x HF, (a) not slower than HF. Results: a table on stdout and
 `serve_bench.json` under `--out`. The server runs as a separate process (`moe-pipeline serve`).
@@ -69,15 +70,17 @@ def median_run(results: list):
     return results[len(results) // 2]
 
 
-def load_hf(pkg: Path):
-    """The package through transformers (its remote code), warmed up: (model, tokenizer)."""
+def load_hf(pkg: Path, device: str = "cpu"):
+    """The package through transformers (its remote code) on `device` in the package's dtype, warmed up:
+    (model, tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(pkg), trust_remote_code=True).eval()
+    dtype = getattr(torch, read_manifest(pkg)["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(str(pkg), trust_remote_code=True, dtype=dtype).to(device).eval()
     tok = AutoTokenizer.from_pretrained(str(pkg), trust_remote_code=True)
     with torch.no_grad():
-        model.generate(torch.tensor([tok.encode(PROMPTS[0])]), max_new_tokens=4, do_sample=False)
+        model.generate(torch.tensor([tok.encode(PROMPTS[0])], device=device), max_new_tokens=4, do_sample=False)
     return model, tok
 
 
@@ -89,22 +92,30 @@ def hf_run(hf, prompts: list[str], new_tokens: int) -> tuple[float, int]:
     t0, total = time.perf_counter(), 0
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([tok.encode(p)])
+            ids = torch.tensor([tok.encode(p)], device=model.device)
             out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
             total += out.shape[1] - ids.shape[1]
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()  # the time of the work, not of queueing it
     return time.perf_counter() - t0, total
 
 
-def copy_bandwidth() -> float:
+def copy_bandwidth(device: str = "cpu") -> float:
+    """Bytes read + written per second by a tensor copy on `device` (64 MiB on a CPU, 2 GiB on a GPU: well past
+    its L2), the mean of 10 copies after one."""
     import torch
 
-    a = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+    n = (2 << 30) if device != "cpu" else (64 << 20)
+    a = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
     b = torch.empty_like(a)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     b.copy_(a)
+    sync()
     t0 = time.perf_counter()
     for _ in range(10):
         b.copy_(a)
-    return 2 * a.numel() * 10 / (time.perf_counter() - t0)  # bytes read + written per second
+    sync()
+    return 2 * a.numel() * 10 / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--threads cores: on a small CPU this measures the layouts' overhead, not a speed-up)")
     p.add_argument("--repeats", type=int, default=5, help="runs of (a), (b), (c) each; the median is reported")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--latency-requests", type=int, default=320, help="(e): requests the 32 clients send in all")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the server and HF run (auto: cuda when there is a GPU); the bound uses its bandwidth")
     args = p.parse_args(argv)
     if not is_package(args.package):
         p.error(f"--package {args.package}: not a package; run README command 1, then `moe-pipeline export runs/tiny`")
@@ -126,11 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    # the server runs on DeepSpeed's accelerator: on a GPU machine, hiding the GPU is how it runs on the CPU
+    server_env = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" and torch.cuda.is_available() else None
     n = args.new_tokens
-    res: dict = {"new_tokens": n, "threads": args.threads, "package": str(args.package)}
+    res: dict = {"new_tokens": n, "threads": args.threads, "package": str(args.package), "device": device}
+    if device == "cuda":
+        res["device_name"] = torch.cuda.get_device_name()
 
-    hf = load_hf(args.package)
-    proc, url = start_server(args.package, threads=args.threads)
+    hf = load_hf(args.package, device)
+    proc, url = start_server(args.package, threads=args.threads, env=server_env)
     try:
         server_run(url, PROMPTS[:2], 4, 2)  # warm-up
         # server and HF alternate, run by run: this machine's speed drifts, and both see the same drift
@@ -141,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             runs["s16"].append(server_run(url, PROMPTS[:16], n, 16))
             runs["h16"].append(hf_run(hf, PROMPTS[:16], n))
-        lat = server_run(url, [PROMPTS[i % 16] for i in range(320)], 16, 32)
+        lat = server_run(url, [PROMPTS[i % 16] for i in range(args.latency_requests)], 16, 32)
     finally:
         stop_server(proc)
     s1, h1, s16, h16 = (median_run(runs[k]) for k in ("s1", "h1", "s16", "h16"))
@@ -152,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                       "p50_s": statistics.median(lats), "p99_s": lats[int(0.99 * (len(lats) - 1))],
                       "tok_s": lat[1] / lat[0]}
     if args.teacher is not None:
-        proc, url = start_server(args.teacher, threads=args.threads)
+        proc, url = start_server(args.teacher, threads=args.threads, env=server_env)
         try:
             server_run(url, PROMPTS[:2], 4, 2)
             t16 = median_run([server_run(url, PROMPTS[:16], n, 16) for _ in range(args.repeats)])
@@ -160,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(proc)
         res["teacher_sixteen_tok_s"] = t16[1] / t16[0]
     for name in args.layouts:
-        proc, url = start_server(args.package, LAYOUTS[name], threads=args.threads)
+        proc, url = start_server(args.package, LAYOUTS[name], threads=args.threads, env=server_env)
         try:
             server_run(url, PROMPTS[:2], 4, 2)
             r = median_run([server_run(url, PROMPTS[:16], n, 16) for _ in range(args.repeats)])
@@ -170,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     manifest = read_manifest(args.package)
     elt = 4 if manifest["dtype"] == "float32" else 2
     active_bytes = manifest["params"]["active_per_token"] * elt
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(device)
     res["bandwidth"] = {"copy_bytes_per_s": bw, "active_bytes_per_token": active_bytes,
                         "bound_tok_s": bw / 2 / active_bytes}  # reading the weights once per token
 
     a, b = res["one_request"], res["sixteen"]
-    print(f"\n== serve vs HF generate, {args.package} ({manifest['dtype']}), {n} new tokens, {args.threads} threads ==")
+    print(f"\n== serve vs HF generate, {args.package} ({manifest['dtype']}) on {device}, {n} new tokens, "
+          f"{args.threads} threads ==")
     print(f"(a) 1 request:     server {a['server_tok_s']:8.1f} tok/s   HF {a['hf_tok_s']:8.1f} tok/s   "
           f"ratio {a['server_tok_s'] / a['hf_tok_s']:.2f} (target >= 1.0)")
     print(f"(b) 16 concurrent: server {b['server_tok_s']:8.1f} tok/s   HF {b['hf_tok_s']:8.1f} tok/s   "
@@ -188,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({active_bytes / 1e6:.1f} MB active per token, copy {bd['copy_bytes_per_s'] / 1e9:.1f} GB/s): "
           f"{100 * a['server_tok_s'] / bd['bound_tok_s']:.0f}% of the bound")
     L = res["latency"]
-    print(f"(e) 32 clients x 10 requests (16 tokens): p50 {L['p50_s'] * 1e3:.0f} ms, p99 {L['p99_s'] * 1e3:.0f} ms, "
+    print(f"(e) 32 clients, {L['requests']} requests (16 tokens): p50 {L['p50_s'] * 1e3:.0f} ms, "
+          f"p99 {L['p99_s'] * 1e3:.0f} ms, "
           f"{L['tok_s']:.0f} tok/s, failures {L['failures']}")
     for name, r in res.get("layouts", {}).items():
         print(f"(f) {name:17s} ({' '.join(r['args'])}): 16 concurrent {r['tok_s']:8.1f} tok/s = "

@@ -174,6 +174,8 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
             elapsed = time.perf_counter() - window_start
             record = {"stage": stage, "step": done, **{k: round(v, 5) for k, v in zip(names, values.tolist())},
                       "lr": lr, "tokens_per_s": round(tokens_per_step * window_steps / elapsed, 1)}
+            if engine.fp16_enabled():  # the dynamic loss scale and the updates it skipped (overflow) so far
+                record.update(loss_scale=engine.optimizer.loss_scale, skipped_steps=int(engine.skipped_steps))
             if ranks.rank == 0:
                 run.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
@@ -202,5 +204,8 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
     bar.close()
     if val_loss is None:  # resumed at the very end: report the held-out loss anyway
         val_loss = evaluate(engine.module, val_data, train.eval_batches, micro, ranks)
+    # skipped_steps: optimizer steps DeepSpeed's fp16 loss scaler skipped on overflow (kept in its checkpoints, so
+    # a resumed run counts them all); 0 in fp32 and bf16
     return {"steps": train.steps, "resumed_from_step": start, "val_loss": val_loss,
-            "tokens_per_step": tokens_per_step, "train_seconds": round(time.perf_counter() - t0, 2)}
+            "skipped_steps": int(engine.skipped_steps), "tokens_per_step": tokens_per_step,
+            "train_seconds": round(time.perf_counter() - t0, 2)}

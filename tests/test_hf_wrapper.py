@@ -156,7 +156,8 @@ with torch.no_grad():
     res["logits"] = model(ids).logits
     res["loss"] = model(ids, labels=ids).loss
     first = model(ids[:, :2], use_cache=True)
-    res["cached_last_logits"] = model(ids[:, 2:], past_key_values=first.cache).logits[:, -1]
+    past = first.cache if hasattr(first, "cache") else first.past_key_values  # 5.17: past_key_values
+    res["cached_last_logits"] = model(ids[:, 2:], past_key_values=past).logits[:, -1]
     kv = sys.modules[gpt_module].KVCache(config.to_model_config(), batch=1, max_len=config.seq_len)  # ours works too
     model(ids[:, :2], cache=kv)
     res["kv_cache_last_logits"] = model(ids[:, 2:], cache=kv).logits[:, -1]

@@ -38,6 +38,7 @@ def test_stage_writes_exactly_its_files(finished):
     assert (stage / "tokenizer" / "tokenizer.json").is_file()
     done = json.loads((stage / "DONE.json").read_text())
     assert done["steps"] == 16 and done["world_size"] == 1
+    assert done["skipped_steps"] == 0  # recorded for fp16's loss scaler; fp32 skips no update
     assert set(done["outputs"]) >= {"config.json", "model.safetensors", "tokenizer/tokenizer.json"}
     assert done["params"]["total"] > done["params"]["active_per_token"] > 0
     records = [json.loads(line) for line in (finished / "metrics.jsonl").read_text().splitlines()]

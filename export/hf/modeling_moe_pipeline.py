@@ -26,6 +26,8 @@ Design:
     says so before it starts.
 """
 
+import dataclasses
+
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache as HFCache
@@ -33,6 +35,9 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_moe_pipeline import MoEPipelineConfig
+
+# the output's cache field: `cache` in recent transformers 5 releases, `past_key_values` before (5.17 has that)
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 from .moe_model import GPT, Cache, KVCache
 
 
@@ -135,7 +140,7 @@ class MoEPipelineForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
         return out.to_tuple() if return_dict is False else out
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, *args, **kwargs):
