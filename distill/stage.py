@@ -141,7 +141,8 @@ def run_student(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
     train_spec = recipe.student.train
     teacher_val = evaluate(teacher, val, train_spec.eval_batches, train_spec.micro_batch_size, ranks)
     summary = train_model(student, train_spec, train, val, run, STAGE, work, recipe.seed, ranks,
-                          step_fn=make_kd_step(teacher, recipe), val_extra={"teacher_val_loss": round(teacher_val, 5)})
+                          step_fn=make_kd_step(teacher, recipe), val_extra={"teacher_val_loss": round(teacher_val, 5)},
+                          monitor=recipe.monitor, job=f"{recipe.name}-{STAGE}")
     save_weights(student, work, {"stage": STAGE, "recipe": recipe.name})
     if ranks.rank == 0:
         atomic_write_text(work / CONFIG, json.dumps(cfg.to_dict(), indent=1))

@@ -188,6 +188,27 @@ class KDSpec(Section):
         return self
 
 
+class MonitorSpec(Section):
+    """DeepSpeed's own monitors (its `tensorboard`, `csv_monitor` and `wandb` config sections), fed with what
+    metrics.jsonl records: each stage writes under `output_path` (default RUN/monitor) as job `<recipe>-<stage>`."""
+
+    tensorboard: bool = False  # needs the tensorboard package
+    csv: bool = False  # DeepSpeed's csv_monitor: one CSV file per quantity
+    wandb: bool = False  # needs the wandb package; offline (WANDB_MODE=offline) unless WANDB_MODE says otherwise
+    wandb_project: str = "moe-pipeline"
+    output_path: str | None = None  # None: the run directory's monitor/
+
+    @model_validator(mode="after")
+    def _packages_installed(self) -> Self:
+        import importlib.util
+
+        for field, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            if getattr(self, field) and importlib.util.find_spec(package) is None:
+                raise RecipeError(f"monitor.{field}", True, f"the {package} package installed "
+                                  f"(`pip install {package}`), or monitor.{field}: false")
+        return self
+
+
 class DistributedSpec(Section):
     nproc: int = Field(1, ge=1)  # ranks on this node when the CLI launches them itself
     ep_size: int | None = Field(None, ge=1)  # expert-parallel degree; None: per layer min(world size, experts)
@@ -202,6 +223,7 @@ class Recipe(Section):
     student: StudentSpec
     kd: KDSpec = KDSpec()
     distributed: DistributedSpec = DistributedSpec()
+    monitor: MonitorSpec = MonitorSpec()
 
     # -- derived facts, computed from the fields above (never stored twice) --
 
@@ -396,8 +418,13 @@ def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
 
 
+# settings that change how a run is made or watched, not what it computes: a run directory accepts them changed
+RUN_INDEPENDENT = ("data.workers", "monitor.")
+
+
 def diff_recipes(a: Recipe, b: Recipe) -> list[str]:
-    """Key paths whose values differ, for 'this run directory holds another recipe' errors."""
+    """Key paths whose values differ, for 'this run directory holds another recipe' errors (RUN_INDEPENDENT
+    ones left out)."""
     def flat(d: Any, prefix: str = "") -> dict[str, Any]:
         if isinstance(d, dict):
             out: dict[str, Any] = {}
@@ -406,7 +433,8 @@ def diff_recipes(a: Recipe, b: Recipe) -> list[str]:
             return out
         return {prefix[:-1]: d}
     fa, fb = flat(a.model_dump(mode="json")), flat(b.model_dump(mode="json"))
-    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb))
+            if fa.get(k) != fb.get(k) and not k.startswith(RUN_INDEPENDENT)]
 
 
 if __name__ == "__main__":

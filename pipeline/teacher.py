@@ -119,7 +119,8 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
         model = build_model(cfg, ranks.world, recipe.distributed.ep_size, groups=False)  # deepspeed.initialize makes them
         init_weights(model, recipe.seed, ep_rank_of)
         train = data_lib.PackedTokens(prepared.train, recipe.data.seq_len, prepared.eod_id)
-        summary = train_model(model, recipe.teacher.train, train, val, run, STAGE, work, recipe.seed, ranks)
+        summary = train_model(model, recipe.teacher.train, train, val, run, STAGE, work, recipe.seed, ranks,
+                              monitor=recipe.monitor, job=f"{recipe.name}-{STAGE}")
         save_weights(model, work, {"stage": STAGE, "recipe": recipe.name})
     if ranks.rank == 0:
         write_stage_files(work, cfg, prepared)

@@ -24,15 +24,17 @@ from pipeline.data import PackedTokens, global_sample_ids
 from pipeline.dist import Ranks, all_reduce_, barrier, rng_state, set_rng_state
 from pipeline.artifacts import atomic_write_text
 from pipeline.model import GPT
-from pipeline.recipe import TrainSpec
+from pipeline.monitor import deepspeed_sections, write_record
+from pipeline.recipe import MonitorSpec, TrainSpec
 from pipeline.runs import RunDir
 
 CHECKPOINTS = "checkpoints"
 
 
-def deepspeed_config(train: TrainSpec, world: int) -> dict:
-    """The DeepSpeed JSON, generated from the recipe (never templated by hand)."""
-    return {
+def deepspeed_config(train: TrainSpec, world: int, monitors: dict | None = None) -> dict:
+    """The DeepSpeed JSON, generated from the recipe (never templated by hand); `monitors`: the recipe's
+    monitor section as DeepSpeed's entries (pipeline.monitor.deepspeed_sections)."""
+    return {**(monitors or {}),
         "train_batch_size": train.global_batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.global_batch_size // (train.micro_batch_size * world),
@@ -119,11 +121,13 @@ def _prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
 
 def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data: PackedTokens,
                 run: RunDir, stage: str, work_dir: Path, seed: int, ranks: Ranks,
-                step_fn=lm_step, val_extra: dict | None = None) -> dict:
+                step_fn=lm_step, val_extra: dict | None = None, monitor: MonitorSpec | None = None,
+                job: str | None = None) -> dict:
     """Train `model` in place (resuming from `work_dir/checkpoints` if present). Returns a summary.
 
     `step_fn(engine, batch, step) -> (loss, {name: scalar tensor})` computes one micro-batch; the
     named values are averaged into metrics.jsonl. `val_extra` is logged next to each validation loss.
+    `monitor` (the recipe's section) also sends every record to DeepSpeed's monitors, as job `job`.
     """
     import deepspeed
 
@@ -132,7 +136,8 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
                                   betas=tuple(train.betas), eps=train.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(train, ranks.world))
+                                           config=deepspeed_config(train, ranks.world,
+                                                                   deepspeed_sections(monitor, run.root, job or stage)))
 
     start = 0
     if (ckpt_dir / "latest").is_file():
@@ -172,19 +177,24 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
             names = sorted(sums)
             values = all_reduce_(torch.stack([sums[k] for k in names]).double()) / (world * window_steps)
             elapsed = time.perf_counter() - window_start
-            record = {"stage": stage, "step": done, **{k: round(v, 5) for k, v in zip(names, values.tolist())},
+            record = {"stage": stage, "step": done, "tokens": done * tokens_per_step,
+                      **{k: round(v, 5) for k, v in zip(names, values.tolist())},
                       "lr": lr, "tokens_per_s": round(tokens_per_step * window_steps / elapsed, 1)}
             if engine.fp16_enabled():  # the dynamic loss scale and the updates it skipped (overflow) so far
                 record.update(loss_scale=engine.optimizer.loss_scale, skipped_steps=int(engine.skipped_steps))
             if ranks.rank == 0:
                 run.log(record)
+                write_record(engine, record, f"Train/{stage}")
                 bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
                                 tok_s=f"{record['tokens_per_s']:.0f}")
             sums, window_steps = {}, 0
         if done % train.eval_every == 0 or done == train.steps:
             val_loss = evaluate(engine.module, val_data, train.eval_batches, micro, ranks)
             if ranks.rank == 0:
-                run.log({"stage": stage, "step": done, "val_loss": round(val_loss, 5), **(val_extra or {})})
+                record = {"stage": stage, "step": done, "tokens": done * tokens_per_step, "val_loss": round(val_loss, 5),
+                          **(val_extra or {})}
+                run.log(record)
+                write_record(engine, record, f"Val/{stage}")
                 extra = "".join(f", {k} {v:.4f}" for k, v in (val_extra or {}).items())
                 bar.write(f"[{stage}] step {done}: validation loss {val_loss:.4f}{extra}")
         if done % train.checkpoint_every == 0 and done < train.steps:

@@ -27,7 +27,7 @@ SMALL = [
 SMALL_RUN = SMALL + ["teacher.train.steps=8", "teacher.train.checkpoint_every=4", "teacher.train.eval_every=8",
                      "student.train.steps=12", "student.train.warmup_steps=2", "student.train.log_every=2",
                      "student.train.checkpoint_every=4", "student.train.eval_every=6", "student.train.eval_batches=2",
-                     "kd.stop_at=50%"]
+                     "kd.stop_at=50%", "monitor.csv=true"]
 
 
 def model_config(**kw):

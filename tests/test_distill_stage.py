@@ -53,6 +53,25 @@ def test_staged_kd_is_logged_and_stops(distilled):
     assert [r["step"] for r in val] == [6, 12] and all("teacher_val_loss" in r for r in val)
 
 
+def test_the_monitor_section_feeds_deepspeeds_csv_monitor(distilled):
+    """monitor.csv=true (in SMALL_RUN): DeepSpeed's csv_monitor writes its own lr events and every metrics.jsonl
+    quantity of both stages, against the samples trained on (8 a step)."""
+    import csv
+
+    def rows(job: str, name: str) -> list[list[str]]:
+        with open(distilled / "monitor" / job / f"{name}.csv") as f:
+            return list(csv.reader(f))
+
+    lr = rows("tiny-teacher", "Train_Samples_lr")
+    assert lr[0] == ["step", "lr"] and len(lr) == 1 + 8  # DeepSpeed's own event, every teacher step
+    loss = rows("tiny-student", "Train_student_kd_loss")
+    assert [int(r[0]) for r in loss[1:]] == [16, 32, 48, 64, 80, 96]  # logged every 2 steps of 8 samples
+    train = [r for r in records(distilled, "student") if "kd_loss" in r]
+    assert [float(r[1]) for r in loss[1:]] == [r["kd_loss"] for r in train]
+    val = rows("tiny-student", "Val_student_teacher_val_loss")
+    assert len(val) == 1 + 2 and rows("tiny-teacher", "Val_teacher_val_loss")[0] == ["step", "val_loss"]
+
+
 def test_rerun_skips_both_stages(distilled):
     out = cli("distill", "recipes/tiny.yaml", "--run-dir", str(distilled), *sets(*RUN))
     assert "[teacher] already done" in out.stdout and "[student] already done" in out.stdout

@@ -11,7 +11,7 @@ import yaml
 
 from conftest import ROOT, cli, sets
 from pipeline.cli import main
-from pipeline.recipe import KDSpec, Recipe, RecipeError, dump_recipe, load_recipe, validate
+from pipeline.recipe import KDSpec, Recipe, RecipeError, diff_recipes, dump_recipe, load_recipe, validate
 from pipeline.train import deepspeed_config
 
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -22,7 +22,7 @@ PAPER_WORLD = 128  # the README's `moe-pipeline plan recipes/1.3b.yaml --world-s
 def _worlds(path):
     """World sizes a shipped recipe is run at: its distributed.nproc; the paper recipes also at PAPER_WORLD."""
     nproc = load_recipe(path).distributed.nproc
-    return [nproc] if path.stem == "tiny" else [nproc, PAPER_WORLD]
+    return [nproc] if path.stem in ("tiny", "small") else [nproc, PAPER_WORLD]  # the laptop-sized ones: 1 node
 
 
 SHIPPED = [(path, world) for path in RECIPES for world in _worlds(path)]
@@ -245,3 +245,24 @@ def test_a_stored_recipe_from_before_percentages_reads_its_float_as_the_share_it
         validate(raw)
     with pytest.raises(RecipeError, match="kd.stop_at"):
         load_recipe(tmp_path / "recipe.yaml")
+
+
+def test_monitor_section_maps_to_deepspeeds_monitor_config(tmp_path):
+    import importlib.util
+
+    from pipeline.monitor import deepspeed_sections
+
+    recipe = load_recipe(TINY, ["monitor.csv=true"])
+    sections = deepspeed_sections(recipe.monitor, tmp_path, "tiny-teacher")
+    assert sections == {"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "monitor"),
+                                        "job_name": "tiny-teacher"}}
+    assert deepspeed_sections(load_recipe(TINY).monitor, tmp_path, "x") == {}  # all off: nothing added
+    ds = deepspeed_config(recipe.teacher.train, 1, sections)
+    assert ds["csv_monitor"]["enabled"] and ds["train_batch_size"] == recipe.teacher.train.global_batch_size
+    for name in ("tensorboard", "wandb"):
+        if importlib.util.find_spec(name) is None:  # not installed here: the recipe says so, naming the key
+            with pytest.raises(RecipeError, match=rf"monitor.{name} = True: the {name} package installed"):
+                load_recipe(TINY, [f"monitor.{name}=true"])
+    # watching a run differently is not another recipe
+    assert diff_recipes(load_recipe(TINY), recipe) == []
+    assert diff_recipes(load_recipe(TINY), load_recipe(TINY, ["data.workers=3"])) == []
