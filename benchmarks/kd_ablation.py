@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/kd_ablation.py                      # ~30-40 minutes on 2 CPU cores
     .venv/bin/python benchmarks/kd_ablation.py --steps 20 --teacher-steps 20 --out /tmp/kd   # a quick check
     .venv/bin/python benchmarks/kd_ablation.py --teacher-run runs/tiny   # reuse a finished teacher run
+    .venv/bin/python benchmarks/kd_ablation.py --recipe recipes/small.yaml --seeds 1234 1235 \
+        --variants no_kd_scratch kd_all_scratch staged_scratch     # the paper's protocol, seed-to-seed spread
 
 The paper's small-scale claim (DeepSpeed-MoE, "Mixture-of-Students and staged KD"): a 21-layer
 student distilled with KD for the first ~60% of its steps and then on the LM loss alone ends at
@@ -118,8 +120,8 @@ def ensure_teacher(args) -> tuple[Path, dict]:
         done = _done(run / "teacher")
         print(f"[teacher] already finished: {run}/teacher (held-out loss {done['val_loss']:.4f})", flush=True)
         return run, {**done, "bench_wall_s": None, "reused": True}
-    print(f"[teacher] training {RECIPE} into {run} ...", flush=True)
-    wall = run_logged([*cli_command(), "teacher", RECIPE, "--run-dir", str(run), *_sets(overrides)], run.parent / f"{name}.log",
+    print(f"[teacher] training {args.recipe} into {run} ...", flush=True)
+    wall = run_logged([*cli_command(), "teacher", args.recipe, "--run-dir", str(run), *_sets(overrides)], run.parent / f"{name}.log",
                 args.timeout)
     done = _done(run / "teacher")
     print(f"[teacher] done in {wall:.0f}s: held-out loss {done['val_loss']:.4f}", flush=True)
@@ -131,10 +133,12 @@ def _scaled_warmup(warmup: int, steps: int, recipe_steps: int) -> int:
     return min(steps, max(1, round(warmup * steps / recipe_steps))) if warmup else 0
 
 
-def run_variant(name: str, args, teacher_run: Path) -> dict:
+def run_variant(name: str, args, teacher_run: Path, seed: int) -> dict:
     overrides, text = VARIANTS[name]
-    run = (args.out / "runs" / f"{name}_s{args.steps}").resolve()
-    sets = {"teacher.load": str(teacher_run / "teacher"),
+    # the recipe's own seed keeps the directory name of runs made before --seeds existed
+    suffix = "" if seed == args.recipe_seed else f"_seed{seed}"
+    run = (args.out / "runs" / f"{name}_s{args.steps}{suffix}").resolve()
+    sets = {"teacher.load": str(teacher_run / "teacher"), "seed": seed,
             "student.train.steps": args.steps,
             "student.train.warmup_steps": _scaled_warmup(args.recipe_student_warmup, args.steps,
                                                          args.recipe_student_steps),
@@ -143,7 +147,8 @@ def run_variant(name: str, args, teacher_run: Path) -> dict:
     wall = None
     if _done(run / "student") is None:
         print(f"[{name}] {text}: {args.steps} steps into {run} ...", flush=True)
-        wall = run_logged([*cli_command(), "distill", RECIPE, "--run-dir", str(run), *_sets(sets)], run.parent / f"{name}.log",
+        wall = run_logged([*cli_command(), "distill", args.recipe, "--run-dir", str(run), *_sets(sets)],
+                          run.parent / f"{name}{suffix}.log",
                     args.timeout)
     else:
         print(f"[{name}] already finished: {run}/student", flush=True)
@@ -156,7 +161,7 @@ def run_variant(name: str, args, teacher_run: Path) -> dict:
     speed = {phase: [r["tokens_per_s"] for r in train_curve if "tokens_per_s" in r and (r.get("beta", 0) > 0) == kd_on]
              for phase, kd_on in (("kd", True), ("lm", False))}
     selection = json.loads((run / "student" / "selection.json").read_text())
-    row = {"variant": name, "description": text, "run_dir": str(run), "overrides": sets,
+    row = {"variant": name, "seed": seed, "description": text, "run_dir": str(run), "overrides": sets,
            "val_loss": done["val_loss"], "teacher_val_loss": done["teacher_val_loss"],
            "gap": done["val_loss"] - done["teacher_val_loss"],
            "gap_pct": 100 * (done["val_loss"] / done["teacher_val_loss"] - 1),
@@ -174,18 +179,19 @@ def run_variant(name: str, args, teacher_run: Path) -> dict:
 
 # -- report --------------------------------------------------------------------------------------
 
-def print_table(teacher: dict, rows: list[dict], failed: dict[str, str], steps: int) -> None:
+def print_table(teacher: dict, rows: list[dict], failed: dict[str, str], steps: int, recipe: str = RECIPE) -> None:
     print()
-    print(f"== KD ablation, {RECIPE}: {steps} student steps each (16 x 128 tokens/step), one teacher, "
+    print(f"== KD ablation, {recipe}: {steps} student steps each, one teacher, "
           "held-out loss on the whole validation split (nats/token) ==")
     print(f"{'variant':<27} {'setup':<41} {'held-out':>8} {'gap':>8} {'gap %':>6} {'stage s':>7} {'train s':>7} "
           f"{'tok/s KD':>8} {'tok/s LM':>8}")
-    print(f"{'teacher (6 layers)':<27} {'PR-MoE teacher, ' + str(teacher.get('steps')) + ' steps':<41} "
+    print(f"{'teacher':<27} {'PR-MoE teacher, ' + str(teacher.get('steps')) + ' steps':<41} "
           f"{teacher['val_loss']:>8.4f} {'':>8} {'':>6} {teacher.get('wall_seconds', float('nan')):>7.0f} "
           f"{teacher.get('train_seconds', float('nan')):>7.0f}")
     for r in rows:
         tok = [f"{v:>8.0f}" if v else f"{'-':>8}" for v in (r["tokens_per_s_kd"], r["tokens_per_s_lm"])]
-        print(f"{r['variant']:<27} {r['description']:<41} {r['val_loss']:>8.4f} {r['gap']:>+8.4f} {r['gap_pct']:>+5.1f}% "
+        label = r["variant"] if r.get("seed") in (None, teacher.get("seed")) else f"{r['variant']} seed {r['seed']}"
+        print(f"{label:<27} {r['description']:<41} {r['val_loss']:>8.4f} {r['gap']:>+8.4f} {r['gap_pct']:>+5.1f}% "
               f"{r['student_wall_s']:>7.0f} {r['student_train_s']:>7.0f} {tok[0]} {tok[1]}")
     for name, err in failed.items():
         print(f"{name:<27} FAILED: {err.splitlines()[0]}")
@@ -195,7 +201,12 @@ def print_table(teacher: dict, rows: list[dict], failed: dict[str, str], steps: 
               "'stage s' = the student stage's wall time (teacher evaluation, layer choice, training, evaluations, "
               "checkpoints), 'train s' = its training loop; tok/s KD / LM = median training tokens/s of the logged "
               "windows with the teacher running (beta > 0) / without it")
-        by = {r["variant"]: r["val_loss"] for r in rows}
+        for name in dict.fromkeys(r["variant"] for r in rows):
+            losses = [r["val_loss"] for r in rows if r["variant"] == name]
+            if len(losses) > 1:
+                print(f"{name}: {len(losses)} seeds, held-out loss {statistics.mean(losses):.4f} mean, "
+                      f"spread (max - min) {max(losses) - min(losses):.4f}")
+        by = {r["variant"]: r["val_loss"] for r in rows if r.get("seed") in (None, teacher.get("seed"))}
         if all(k in by for k in ("no_kd_scratch", "kd_all_scratch", "staged_scratch")):
             order = sorted(("no_kd_scratch", "kd_all_scratch", "staged_scratch"), key=by.get)
             print("from scratch, best to worst: " + " < ".join(f"{k} ({by[k]:.4f})" for k in order)
@@ -221,7 +232,10 @@ def save(out: Path, result: dict) -> tuple[Path, Path]:
         for i, v in enumerate(losses):
             ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
         ax.axhline(teacher["val_loss"], color="k", ls="--", lw=1, label=f"teacher {teacher['val_loss']:.3f}")
-        ax.set_xticks(range(len(rows)), ["\n".join(r["variant"].rsplit("_", 1)) for r in rows], fontsize=7)
+        seed = teacher.get("seed")
+        ax.set_xticks(range(len(rows)), ["\n".join(r["variant"].rsplit("_", 1))
+                                         + ("" if r.get("seed") in (None, seed) else f"\nseed {r['seed']}")
+                                         for r in rows], fontsize=7)
         lo = min(losses + [teacher["val_loss"]])
         hi = max(losses + [teacher["val_loss"]])
         ax.set_ylim(lo - 0.15 * (hi - lo + 0.05), hi + 0.15 * (hi - lo + 0.05))
@@ -261,12 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--evals", type=int, default=3, help="held-out evaluations per student run (curve points)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--timeout", type=float, default=None, help="seconds per CLI command (default: none)")
+    p.add_argument("--recipe", default=RECIPE, help=f"the recipe (default {RECIPE})")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="student seeds per variant (data order and init; default: the recipe's seed)")
     args = p.parse_args(argv)
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
     from pipeline.recipe import load_recipe
 
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(args.recipe)
+    args.recipe_seed = recipe.seed
+    args.seeds = args.seeds or [recipe.seed]
     args.recipe_student_steps = recipe.student.train.steps
     args.recipe_student_warmup = recipe.student.train.warmup_steps
     args.recipe_teacher_steps = recipe.teacher.train.steps
@@ -280,11 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     teacher_run, teacher = ensure_teacher(args)
     rows, failed = [], {}
     for name in args.variants:
-        try:
-            rows.append(run_variant(name, args, teacher_run))
-        except RuntimeError as err:  # report it and go on with the others
-            print(f"[{name}] FAILED: {err}", file=sys.stderr, flush=True)
-            failed[name] = str(err)
+        for seed in args.seeds:
+            try:
+                rows.append(run_variant(name, args, teacher_run, seed))
+            except RuntimeError as err:  # report it and go on with the others
+                print(f"[{name} seed {seed}] FAILED: {err}", file=sys.stderr, flush=True)
+                failed[f"{name} seed {seed}"] = str(err)
 
     total = time.perf_counter() - t0
     import torch
@@ -292,10 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     teacher_info = {k: teacher.get(k) for k in ("val_loss", "steps", "train_seconds", "wall_seconds",
                                                  "val_unigram_entropy", "params", "bench_wall_s", "reused")}
     teacher_info["run_dir"] = str(teacher_run)
+    teacher_info["seed"] = recipe.seed
     result = {
         "meta": {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
                  "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                 "recipe": RECIPE, "seed": recipe.seed,
+                 "recipe": args.recipe, "seed": recipe.seed,
                  "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                  "total_seconds": round(total, 1)},
         "steps": args.steps,
@@ -303,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": rows,
         "failed": failed,
     }
-    print_table(teacher_info, rows, failed, args.steps)
+    print_table(teacher_info, rows, failed, args.steps, args.recipe)
     json_path, png_path = save(args.out, result)
     print(f"\nwrote {json_path} and {png_path}; total {total:.0f}s")
     return 1 if failed else 0
