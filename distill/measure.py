@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from distill.stage import calibration_batches
 from distill.student import (METHODS, EXPERT_METHODS, block_importance, expert_scores, init_from_teacher,
                              select_experts, select_layers, student_config)
 from pipeline import data as data_lib
@@ -121,16 +122,11 @@ def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool 
     micro = recipe.student.train.micro_batch_size
     one = Ranks(rank=0, world=1, local_rank=0, local_world=1)
 
-    def calibration():  # the student stage's calibration batches on rank 0
-        return ({k: v.to(on) for k, v in train.batch([(b * micro + i) % train.num_blocks
-                                                        for i in range(micro)]).items()}
-                for b in range(recipe.student.calibration_batches))
-
     teacher = GPT(teacher_cfg, moe_impl="reference")
     load_weights(teacher, teacher_dir)
     teacher = teacher.to(on).eval().requires_grad_(False)
-    importance = block_importance(teacher, calibration())
-    scores = {rule: expert_scores(teacher, calibration(), rule) for rule in EXPERT_METHODS}
+    importance = block_importance(teacher, calibration_batches(recipe, train, one))  # the student stage's, rank 0
+    scores = {rule: expert_scores(teacher, calibration_batches(recipe, train, one), rule) for rule in EXPERT_METHODS}
     del teacher
     batches = max(1, min(blocks, val.num_blocks) // micro)
     rows = []

@@ -71,9 +71,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.artifacts import sha256_file
-from pipeline.shards import (SPLITS, PartWriter, TokenShards, default_workers, document_ids, ordered_map, shard_name,
-                             write_json)
+from pipeline.artifacts import atomic_write_text, sha256_file
+from pipeline.shards import SPLITS, PartWriter, TokenShards, default_workers, document_ids, ordered_map, shard_name
 
 # Bump when the on-disk format or the tokenization changes, so old caches are not reused.
 FORMAT_VERSION = 2  # 2: token shards (pipeline/shards.py) instead of one train.bin/val.bin
@@ -738,7 +737,7 @@ def _build_cache(cfg: DataConfig, key_inputs: dict[str, Any], key: str, work: Pa
         split = Split(**json.loads(split_file.read_text(encoding="utf-8")))
     else:
         split = find_split(cfg, work / "digests.tmp")
-        write_json(split_file, asdict(split))
+        atomic_write_text(split_file, json.dumps(asdict(split)))
     tok = _prepare_tokenizer(cfg, split, work)
     eod_id = tok.convert_tokens_to_ids(EOD_TOKEN)
     dtype = token_dtype(len(tok))
@@ -784,7 +783,7 @@ def _build_cache(cfg: DataConfig, key_inputs: dict[str, Any], key: str, work: Pa
         "splits": splits,
     }
     # meta.json last: its presence marks a complete cache.
-    write_json(work / "meta.json", meta)
+    atomic_write_text(work / "meta.json", json.dumps(meta, indent=1))
 
 
 @contextlib.contextmanager

@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 import multiprocessing
 import numpy as np
 
+from pipeline.artifacts import atomic_write_text
+
 SPLITS = ("train", "val")
 PART_RE = re.compile(r"part-(\d{5})\.json")
 
@@ -185,7 +187,7 @@ class PartWriter:
             os.replace(self.directory / (name + ".tmp"), self.directory / name)
         self._open = {}
         record = {"part": self.part, "doc_start": self.doc_start, "doc_end": doc_end, "splits": self._counts}
-        write_json(self.directory / part_name(self.part), record)
+        atomic_write_text(self.directory / part_name(self.part), json.dumps(record, indent=1))
         self.parts.append(record)
         self.doc_start = doc_end
         self._counts = self._empty()
@@ -203,13 +205,6 @@ def committed_parts(directory: Path) -> list[dict[str, Any]]:
     while (Path(directory) / part_name(len(parts))).is_file():
         parts.append(json.loads((Path(directory) / part_name(len(parts))).read_text(encoding="utf-8")))
     return parts
-
-
-def write_json(path: Path, value: Any) -> None:
-    """Write ``value`` as JSON under a temporary name, then rename (readers see all or nothing)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def split_shards(directory: Path, parts: Sequence[dict[str, Any]], split: str, dtype: np.dtype | str) -> TokenShards:

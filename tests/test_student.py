@@ -141,12 +141,17 @@ def test_init_from_teacher_copies_every_tensor(tmp_path, tie):
         assert not torch.equal(random_student.state_dict()[name], tensor), name
 
 
-def test_init_from_teacher_rejects_a_wrong_expert_count(tmp_path):
+def _saved_teacher(tmp_path):
+    """A 6-layer teacher (experts 2, 2, 4) saved into `tmp_path`, and the 5 layers the paper rule keeps."""
     teacher_cfg = model_config(layers=6, experts=(2, 2, 4), moe_layers=(1, 3, 5))
     teacher = GPT(teacher_cfg, moe_impl="reference")
     init_weights(teacher, seed=1)
     save_weights(teacher, tmp_path)
-    kept = [0, 2, 3, 4, 5]
+    return teacher_cfg, teacher, [0, 2, 3, 4, 5]
+
+
+def test_init_from_teacher_rejects_a_wrong_expert_count(tmp_path):
+    teacher_cfg, teacher, kept = _saved_teacher(tmp_path)
     # a student whose top layer has 2 experts would otherwise take experts 0-1 of the teacher's 4
     wrong = model_config(layers=5, experts=(2, 2), moe_layers=(2, 4))
     with pytest.raises(ValueError, match="student layer 4 has 2 experts, its teacher layer 5"):
@@ -280,11 +285,7 @@ def test_student_config_prunes_per_layer_and_refuses_more_than_the_teacher():
 def test_a_pruned_student_starts_from_the_kept_experts_and_their_router_rows(tmp_path):
     from distill.student import expert_scores, select_experts
 
-    teacher_cfg = model_config(layers=6, experts=(2, 2, 4), moe_layers=(1, 3, 5))
-    teacher = GPT(teacher_cfg, moe_impl="reference")
-    init_weights(teacher, seed=1)
-    save_weights(teacher, tmp_path)
-    kept = [0, 2, 3, 4, 5]
+    teacher_cfg, teacher, kept = _saved_teacher(tmp_path)
     ids = select_experts(expert_scores(teacher, _batches(teacher_cfg), "saliency")[5], 3)
     student = GPT(student_config(teacher_cfg, kept, [2, 3]), moe_impl="reference")
     init_from_teacher(student, tmp_path, kept, {5: ids})
