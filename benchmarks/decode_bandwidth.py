@@ -1,0 +1,471 @@
+"""Batch-1 decode tokens/s of the serving engine against the memory read-bandwidth bound (issue: >= 60% of it).
+
+    .venv/bin/python benchmarks/decode_bandwidth.py                      # fp32 and bf16, a few minutes on 2 cores
+    .venv/bin/python benchmarks/decode_bandwidth.py --dtype bf16 --new-tokens 512 --repeats 5
+    .venv/bin/python benchmarks/decode_bandwidth.py --set model.hidden=256 --set model.experts=[4,8]  # a small one
+
+The package is `benchmarks/common.random_package`: recipes/350m.yaml cut to 4 layers with random weights (hidden
+1024, MoE layers 2 and 4 with 32 and 64 experts, top-1, residual MLP, tied 50,304-entry head: ~0.12B parameters
+read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches), built once per dtype under
+`--work`. For each dtype, in one process with `--threads` threads:
+
+  (a) read bandwidth: a 1 GiB fp32 buffer (`--buffer-gib`) read by `torch.sum` and by `torch.mv` (a GEMV, the
+      decode's own kind of read), best of `--repeats`+2 each; the bound uses the faster of the two. `torch.mv`
+      on a bf16 matrix is measured too, as a diagnostic of the bf16 GEMV kernel (it is not the bandwidth);
+  (b) decode: `Engine.from_config(ServeConfig(package, max_batch=1))`, one greedy request of `--new-tokens`
+      tokens (the end token ignored, so every run is as long), timed from its first token to its last: decode
+      steps only, no prefill. Best and median of `--repeats` runs;
+  (c) active bytes per token: the parameters one decode step reads, in their stored dtype (gates fp32): attention,
+      dense MLPs, each MoE layer's gate + residual MLP + coefficient + top_k experts, the norms, the lm_head (the
+      tied embedding: all of it), the embedding rows. The KV cache a step reads is shown beside (not in the bound).
+
+bound = bandwidth / active bytes; ratio = decode tok/s (best run) / bound (also shown against the mv bandwidth).
+Then where the time goes: one more run timed by module (forward hooks: attention, dense MLP, gate + routing,
+experts, residual MLP, lm_head, the rest), each with the bytes it reads and the bandwidth it reaches, and
+torch.profiler's top operators. And (d), unless --no-prepacked: the fix tried in this process (no engine file
+changed): every nn.Linear's forward on a weight prepacked for oneDNN (bf16) or MKL (fp32), as torch.compile's CPU
+weight freezing does, measured the same way, with how many greedy tokens still equal the engine's.
+Results: a table on stdout, `decode_bandwidth.json` and `decode_bandwidth.png` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, random_package  # noqa: E402
+
+sys.path.insert(1, str(ROOT))  # this checkout's pipeline/, export/
+
+TARGET = 0.60  # the issue's target share of the bound (llama.cpp reaches 84-95% on CPUs)
+PROMPT = "And God said"
+CATEGORIES = ("attention", "dense_mlp", "gate_routing", "experts", "residual_mlp", "lm_head", "other")
+
+
+# -- (a) read bandwidth --------------------------------------------------------------------------------------------
+
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
+    """Bytes read per second of a `gib` GiB buffer: {op: bytes/s} for sum_fp32, mv_fp32 (and mv_bf16, a kernel
+    diagnostic), best of `repeats` after one untimed run; `bytes_per_s` and `op`: the faster fp32 one."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n = int(gib * (1 << 30)) // 4
+    cols = 4096
+    rows = n // cols
+
+    def best(fn, nbytes):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return nbytes / min(times)
+
+    a = torch.ones(rows, cols)
+    v = torch.ones(cols)
+    ops = {"sum_fp32": best(lambda: a.sum(), a.numel() * 4), "mv_fp32": best(lambda: torch.mv(a, v), a.numel() * 4)}
+    del a
+    b = torch.ones(rows, 2 * cols, dtype=torch.bfloat16)  # the same bytes
+    vb = torch.ones(2 * cols, dtype=torch.bfloat16)
+    ops["mv_bf16"] = best(lambda: torch.mv(b, vb), b.numel() * 2)
+    del b
+    op = max(("sum_fp32", "mv_fp32"), key=ops.get)
+    return {"ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "buffer_bytes": rows * cols * 4,
+            "threads": threads, "repeats": repeats}
+
+
+# -- (c) active bytes per token ------------------------------------------------------------------------------------
+
+def category_of(name: str) -> str:
+    """The breakdown category of a parameter name (pipeline/model.py's names)."""
+    if ".deepspeed_experts." in name:
+        return "experts"
+    if "gate.wg" in name:
+        return "gate_routing"
+    if ".mlp.moe." in name:  # the residual MLP and its mixing coefficient
+        return "residual_mlp"
+    if ".attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "dense_mlp"
+    if name.startswith("lm_head") or name == "wte.weight":
+        return "lm_head"  # tied: the embedding is the head, read whole every step
+    return "other"  # norms, the positional embedding's row
+
+
+def active_bytes(cfg, dtype) -> dict:
+    """Bytes of the parameters one decode step of one token reads, by category: counted on the model of `cfg`
+    built on the meta device (whatever module layout the engine serves it with), in `dtype` with the gates fp32."""
+    from pipeline.build import cast_keeping_gates, meta_model
+    from pipeline.model import split_expert_key
+
+    model = cast_keeping_gates(meta_model(cfg), dtype)
+    tied = model.lm_head.weight is model.wte.weight
+    out = dict.fromkeys(CATEGORIES, 0)
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        size = p.numel() * p.element_size()
+        key = split_expert_key(name)
+        if key is not None:  # top_k experts a token: one expert's share of each of its parameters
+            size = size * cfg.top_k if key.expert == 0 else 0
+        elif name == "wpe.weight" or (name == "wte.weight" and not tied):
+            out["other"] += p.shape[1] * p.element_size()  # one row
+            continue
+        out[category_of(name)] += size
+    out["total"] = sum(out.values())
+    return out
+
+
+def kv_bytes_per_token(cfg, dtype, context: float) -> float:
+    """KV-cache bytes a decode step reads at `context` cached tokens (keys and values of every layer)."""
+    import torch
+
+    return cfg.layers * 2 * context * cfg.hidden * torch.empty((), dtype=dtype).element_size()
+
+
+# -- (b) decode ----------------------------------------------------------------------------------------------------
+
+def load_engine(pkg: Path, threads: int):
+    """The serving engine for `pkg` on this process alone (1 rank, one slot), `threads` threads, end token off."""
+    import torch
+
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine
+
+    engine = Engine.from_config(ServeConfig(package=pkg, max_batch=1))
+    torch.set_num_threads(threads)  # after dist.init, which sizes the pool for the local ranks
+    engine.eos = None  # a benchmark: every run decodes exactly --new-tokens tokens
+    return engine
+
+
+def model_dtype(engine):
+    """The dtype the engine serves in (the embedding's: the gates are fp32 whatever it is)."""
+    return engine.model.wte.weight.dtype
+
+
+def decode_run(engine, prompt: list[int], new_tokens: int) -> dict:
+    """One greedy request; decode tokens/s from its first token to its last (prefill excluded)."""
+    from export.serve.engine import SamplingParams, generate
+
+    (req,) = generate(engine, [prompt], SamplingParams(max_tokens=new_tokens, temperature=0.0))
+    if req.finish_reason != "length":
+        raise RuntimeError(f"the decode request ended with {req.finish_reason!r}: {req.text}")
+    n = len(req.generated) - 1  # tokens after the first: each one decode step
+    seconds = req.done_at - req.first_token_at
+    return {"decode_tokens": n, "seconds": seconds, "tok_s": n / seconds, "tokens": req.generated}
+
+
+def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
+    """Seconds per decode token by category, from one more run timed by forward hooks. The MoE layer's time less
+    its residual MLP and its experts is `gate_routing` (gate, routing, dispatch); the experts are timed as modules
+    (the reference MoE) or, with the engine's expert placement, around its `_run_experts` (else they stay in
+    gate_routing: `experts_timed` False). `other`: the rest of the step (embeddings, norms, residual adds, sampling,
+    the engine's Python)."""
+    import torch
+
+    from export.serve.engine import SamplingParams
+
+    model, spent, undo = engine.model, dict.fromkeys(CATEGORIES, 0.0), []
+
+    def timed(category, fn, sign=1.0):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[category] += sign * (time.perf_counter() - t0)
+        return wrapper
+
+    def watch(module, category, sign=1.0):
+        start = [0.0]
+
+        def pre(_m, _a):
+            start[0] = time.perf_counter()
+
+        def post(_m, _a, _o):
+            spent[category] += sign * (time.perf_counter() - start[0])
+        undo.extend([module.register_forward_pre_hook(pre).remove, module.register_forward_hook(post).remove])
+
+    experts_timed = False
+    for block in model.blocks:
+        watch(block.attn, "attention")
+        if not block.is_moe:
+            watch(block.mlp, "dense_mlp")
+            continue
+        watch(block.mlp, "gate_routing")  # the whole MoE layer; its parts are taken out again
+        for name, sub in block.mlp.named_modules():
+            if name in ("moe.mlp", "moe.coefficient"):
+                watch(sub, "residual_mlp")
+                watch(sub, "gate_routing", -1.0)
+            elif ".deepspeed_experts." in f"{name}." and name.split(".")[-1].isdigit():
+                watch(sub, "experts")
+                watch(sub, "gate_routing", -1.0)
+                experts_timed = True
+    placement = getattr(model, "placement", None)
+    if not experts_timed and hasattr(placement, "_run_experts"):
+        run_experts = placement._run_experts
+        placement._run_experts = timed("gate_routing", timed("experts", run_experts), -1.0)
+        undo.append(lambda: delattr(placement, "_run_experts"))
+        experts_timed = True
+    watch(model.lm_head, "lm_head")
+    steps = []
+    try:
+        req = engine.submit(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0))
+        engine.step()  # the prefill and the first token: not counted
+        spent.update(dict.fromkeys(CATEGORIES, 0.0))
+        while not req.finished:
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+    finally:
+        for fn in undo:
+            fn()
+    n = len(steps)
+    per_token = {c: spent[c] / n for c in CATEGORIES}
+    per_token["other"] = statistics.mean(steps) - sum(v for c, v in per_token.items() if c != "other")
+    # torch.profiler's view of a few decode steps: the operators that take the time
+    from torch.profiler import ProfilerActivity, profile
+
+    req = engine.submit(prompt, SamplingParams(max_tokens=min(new_tokens, 17), temperature=0.0))
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        while not req.finished:
+            engine.step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    ops = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    return {"decode_steps": n, "seconds_per_token": per_token, "step_seconds_mean": statistics.mean(steps),
+            "experts_timed": experts_timed, "torch_threads": torch.get_num_threads(),
+            "top_ops": [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in ops]}
+
+
+# -- (d) the fix, tried: prepacked weights -------------------------------------------------------------------------
+
+class PackedLinear:
+    """An nn.Linear's forward on a weight prepacked for its GEMM library, as torch.compile's CPU weight freezing
+    does (torch/_inductor/fx_passes/mkldnn_fusion.py): oneDNN (`mkldnn._linear_pointwise`) for bf16, MKL
+    (`mkl._mkl_linear`) for fp32. The same outputs as F.linear (tests/test_bench_scripts.py)."""
+
+    def __init__(self, linear):
+        import torch
+
+        w = linear.weight.detach()
+        self.weight, self.bias, self.bf16 = w, linear.bias, w.dtype == torch.bfloat16
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(w, 1) if self.bf16
+                       else torch.ops.mkl._mkl_reorder_linear_weight(w, 1))  # packed for batch 1
+
+    def __call__(self, x):
+        import torch
+
+        if self.bf16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkl._mkl_linear(x.reshape(-1, x.shape[-1]), self.packed, self.weight, self.bias, 1)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def pack_linears(model) -> int:
+    """Every nn.Linear of `model` but the fp32 gates runs on prepacked weights (its `forward` replaced on the
+    instance: module tree, names and hooks unchanged). Returns the weight bytes packed."""
+    import torch.nn as nn
+
+    packed = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not name.endswith("gate.wg"):
+            module.forward = PackedLinear(module)
+            packed += module.weight.numel() * module.weight.element_size()
+    return packed
+
+
+def packing_available() -> bool:
+    import torch
+
+    return torch.backends.mkldnn.is_available() and torch.backends.mkl.is_available() and \
+        hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+# -- one dtype -----------------------------------------------------------------------------------------------------
+
+def timed_runs(engine, prompt: list[int], new_tokens: int, repeats: int, label: str) -> dict:
+    """`repeats` decode runs after a warm-up: best and median tokens/s, and the (greedy) tokens."""
+    from tqdm import tqdm
+
+    decode_run(engine, prompt, 8)
+    runs = [decode_run(engine, prompt, new_tokens) for _ in tqdm(range(repeats), desc=label, leave=False)]
+    if len({tuple(r["tokens"]) for r in runs}) != 1:
+        raise RuntimeError("greedy decoding gave different tokens run to run")
+    return {"tok_s_best": max(r["tok_s"] for r in runs), "tok_s_median": statistics.median(r["tok_s"] for r in runs),
+            "runs": [{k: r[k] for k in ("decode_tokens", "seconds", "tok_s")} for r in runs],
+            "tokens": runs[0]["tokens"]}
+
+
+def measure(pkg: Path, threads: int, new_tokens: int, repeats: int, buffer_gib: float, breakdown_tokens: int,
+            packed: bool = True) -> dict:
+    """(a)-(c), the breakdown, and with `packed` (d): the same engine with its linears on prepacked weights. The
+    bandwidth is measured between the decode runs, the engine's memory held as during them."""
+    engine = load_engine(pkg, threads)
+    prompt = engine.encode(PROMPT)
+    dtype = model_dtype(engine)
+    act = active_bytes(engine.model.cfg, dtype)
+    variants = {"engine": timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}")}
+    bw = read_bandwidth(threads, buffer_gib, repeats + 2)
+    variants["engine"]["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
+    if packed and packing_available():
+        packed_bytes = pack_linears(engine.model)
+        v = timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}, prepacked")
+        v["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
+        v["packed_share_of_active_bytes"] = min(1.0, packed_bytes / act["total"])
+        v["same_tokens"] = sum(a == b for a, b in zip(v["tokens"], variants["engine"]["tokens"]))
+        variants["prepacked"] = v
+    bound = bw["bytes_per_s"] / act["total"]
+    for v in variants.values():
+        v["ratio"] = v["tok_s_best"] / bound
+        v["ratio_to_gemv_bound"] = v["tok_s_best"] / (bw["ops_bytes_per_s"]["mv_fp32"] / act["total"])
+        spt = v["breakdown"]["seconds_per_token"]
+        v["breakdown"]["achieved_bytes_per_s"] = {c: act[c] / spt[c] for c in CATEGORIES if act[c] and spt[c] > 0}
+    kv = kv_bytes_per_token(engine.model.cfg, dtype, len(prompt) + new_tokens / 2)
+    del engine
+    return {"package": str(pkg), "dtype": str(dtype).replace("torch.", ""), "threads": threads,
+            "new_tokens": new_tokens, "prompt_tokens": len(prompt), "bandwidth": bw, "active_bytes_per_token": act,
+            "kv_bytes_per_token_mean": kv, "bound_tok_s": bound, "target": TARGET, "variants": variants}
+
+
+def columns(results: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(label, the dtype's result, one variant) for each table column: the engine, then the prepacked what-if."""
+    return [(r["spec"]["dtype"] + ("" if name == "engine" else " prepacked"), r, v)
+            for r in results for name, v in r["variants"].items()]
+
+
+def table(results: list[dict]) -> str:
+    cols = columns(results)
+    rows = [("active MB / token", lambda r, v: f"{r['active_bytes_per_token']['total'] / 1e6:.1f}"),
+            ("  of it lm_head, experts MB", lambda r, v: f"{r['active_bytes_per_token']['lm_head'] / 1e6:.0f}, "
+                                                         f"{r['active_bytes_per_token']['experts'] / 1e6:.0f}"),
+            ("KV cache MB / token (mean)", lambda r, v: f"{r['kv_bytes_per_token_mean'] / 1e6:.1f}"),
+            ("read GB/s sum, mv fp32", lambda r, v: "{sum_fp32:.1f}, {mv_fp32:.1f}".format(
+                **{k: x / 1e9 for k, x in r["bandwidth"]["ops_bytes_per_s"].items()})),
+            ("bf16 mv GB/s (diagnostic)", lambda r, v: f"{r['bandwidth']['ops_bytes_per_s']['mv_bf16'] / 1e9:.1f}"),
+            ("bound tok/s (faster op)", lambda r, v: f"{r['bound_tok_s']:.1f} ({r['bandwidth']['op']})"),
+            ("decode tok/s best (median)", lambda r, v: f"{v['tok_s_best']:.1f} ({v['tok_s_median']:.1f})"),
+            ("ratio (target >= 60%)", lambda r, v: f"{v['ratio']:.1%}"),
+            ("  ratio to the mv bound", lambda r, v: f"{v['ratio_to_gemv_bound']:.1%}"),
+            ("greedy tokens as the engine's",
+             lambda r, v: f"{v.get('same_tokens', len(v['tokens']))}/{len(v['tokens'])}")]
+    w = 24
+    lines = [f"{'':30s}" + "".join(f"{c[0]:>{w}s}" for c in cols)]
+    lines += [f"{name:30s}" + "".join(f"{fn(r, v):>{w}s}" for _, r, v in cols) for name, fn in rows]
+    lines.append("where a decode step's time goes: ms per token (GB/s reached on the bytes it reads)")
+    for c in CATEGORIES:
+        cells = []
+        for _, r, v in cols:
+            ms = v["breakdown"]["seconds_per_token"][c] * 1e3
+            gbs = v["breakdown"]["achieved_bytes_per_s"].get(c)
+            big = r["active_bytes_per_token"][c] > 0.01 * r["active_bytes_per_token"]["total"]
+            cells.append(f"{ms:.2f} ms" + (f" ({gbs / 1e9:.1f} GB/s)" if gbs and big else ""))
+        lines.append(f"  {c:28s}" + "".join(f"{x:>{w}s}" for x in cells))
+    for label, r, v in cols:
+        lines.append(f"top operators ({label}): " + ", ".join(f"{o['op']} {o['share']:.0%}"
+                                                         for o in v["breakdown"]["top_ops"][:5]))
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = columns(results)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), dpi=80)
+    ax = axes[0]
+    x = range(len(cols))
+    ax.bar([i - 0.2 for i in x], [v["tok_s_best"] for _, _, v in cols], 0.4, label="decode (best run)")
+    ax.bar([i + 0.2 for i in x], [r["bound_tok_s"] for _, r, _ in cols], 0.4, label="bandwidth bound")
+    for i, (_, r, v) in enumerate(cols):
+        ax.hlines(TARGET * r["bound_tok_s"], i - 0.4, i + 0.4, colors="k", linestyles="--", lw=1)
+        ax.text(i - 0.2, v["tok_s_best"], f"{v['ratio']:.0%}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [c[0] for c in cols], fontsize=8)
+    ax.set_ylabel("tokens/s (batch 1)")
+    ax.set_title("batch-1 decode vs read-bandwidth bound (dashed: the 60% target)", fontsize=9)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    w = 0.8 / len(cols)
+    for j, (label, _, v) in enumerate(cols):
+        spt = v["breakdown"]["seconds_per_token"]
+        ax.bar([i + j * w for i in range(len(CATEGORIES))], [spt[c] * 1e3 for c in CATEGORIES], w, label=label)
+    ax.set_xticks([i + w * (len(cols) - 1) / 2 for i in range(len(CATEGORIES))], CATEGORIES, fontsize=7, rotation=20)
+    ax.set_ylabel("ms per decode token")
+    ax.set_title("where a decode step's time goes", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(dtypes: list[str], work: Path, out: Path, layers: int = 4, overrides: list[str] = (), threads: int = 2,
+        new_tokens: int = 384, repeats: int = 3, buffer_gib: float = 1.0, breakdown_tokens: int = 64,
+        packed: bool = True) -> dict:
+    """Build (or reuse) each dtype's package under `work`, measure it, write the JSON and the plot to `out`."""
+    results = []
+    for dtype in dtypes:
+        pkg = work / f"pkg-{layers}layers-{dtype}"
+        spec = {"layers": layers, "overrides": list(overrides), "dtype": dtype}
+        spec_file = work / f"{pkg.name}.spec.json"
+        built = (pkg / "manifest.json").is_file() and spec_file.is_file()
+        if not built or json.loads(spec_file.read_text()) != spec:
+            print(f"[decode-bandwidth] building {pkg} ...", flush=True)
+            work.mkdir(parents=True, exist_ok=True)
+            random_package(pkg, layers, list(overrides), dtype)
+            spec_file.write_text(json.dumps(spec))
+        results.append({**measure(pkg, threads, new_tokens, repeats, buffer_gib, breakdown_tokens, packed),
+                        "spec": spec})
+    res = {"results": results, "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(),
+                                           "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_bandwidth.json").write_text(json.dumps(res, indent=1) + "\n")
+    plot(results, out / "decode_bandwidth.png")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both")
+    p.add_argument("--new-tokens", type=int, default=384, help="tokens per decode run (several hundred)")
+    p.add_argument("--repeats", type=int, default=3, help="decode runs per dtype (best and median reported)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of decode and bandwidth")
+    p.add_argument("--buffer-gib", type=float, default=1.0, help="the bandwidth buffer, GiB")
+    p.add_argument("--breakdown-tokens", type=int, default=64, help="decode tokens of the per-module breakdown run")
+    p.add_argument("--no-prepacked", action="store_true", help="skip (d), the prepacked-weights what-if")
+    p.add_argument("--layers", type=int, default=4, help="recipes/350m.yaml cut to this many layers")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="recipe overrides after the cut (random_package), e.g. model.hidden=256")
+    p.add_argument("--work", type=Path, default=Path("/tmp/moe-decode-bandwidth"), help="the packages (reused)")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_bandwidth")
+    args = p.parse_args(argv)
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        print("[decode-bandwidth] note: OMP_WAIT_POLICY=PASSIVE is recommended on a shared machine", flush=True)
+    dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
+    res = run(dtypes, args.work, args.out, args.layers, args.overrides, args.threads, args.new_tokens, args.repeats,
+              args.buffer_gib, args.breakdown_tokens, not args.no_prepacked)
+    r0 = res["results"][0]
+    a = r0["spec"]
+    print(f"\n== batch-1 decode vs read-bandwidth bound: recipes/350m.yaml cut to {a['layers']} layers, random "
+          f"weights {' '.join(a['overrides'])}, {r0['threads']} threads, {r0['new_tokens']} tokens a run ==")
+    print(table(res["results"]))
+    print(f"wrote {args.out / 'decode_bandwidth.json'} and decode_bandwidth.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""benchmarks/decode_bandwidth.py and benchmarks/ep_scale_model.py on tiny configurations: their real code paths
+(a random package served by the engine, the model's modules timed), seconds each."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import decode_bandwidth  # noqa: E402
+import ep_scale_model  # noqa: E402
+
+TINY = ["model.hidden=64", "model.heads=4", "model.experts=[2, 4]", "data.seq_len=128"]
+
+
+@pytest.fixture(scope="module")
+def decode_result(tmp_path_factory):
+    work, out = tmp_path_factory.mktemp("work"), tmp_path_factory.mktemp("out")
+    threads = torch.get_num_threads()
+    try:
+        res = decode_bandwidth.run(["fp32"], work, out, layers=4, overrides=TINY, threads=1, new_tokens=12, repeats=2,
+                                   buffer_gib=1 / 64, breakdown_tokens=6)
+    finally:
+        torch.set_num_threads(threads)  # the later tests' thread pool as it was
+    return res, out
+
+
+def test_decode_bandwidth_measures_the_engine_against_the_bound(decode_result):
+    res, out = decode_result
+    (r,) = res["results"]
+    assert json.loads((out / "decode_bandwidth.json").read_text())["results"][0]["dtype"] == "float32"
+    assert (out / "decode_bandwidth.png").stat().st_size > 0
+    engine = r["variants"]["engine"]
+    assert [run["decode_tokens"] for run in engine["runs"]] == [11, 11]  # first token to last: prefill excluded
+    assert engine["tok_s_best"] >= engine["tok_s_median"] > 0
+    assert r["bound_tok_s"] == pytest.approx(r["bandwidth"]["bytes_per_s"] / r["active_bytes_per_token"]["total"])
+    assert engine["ratio"] == pytest.approx(engine["tok_s_best"] / r["bound_tok_s"])
+    assert set(engine["breakdown"]["seconds_per_token"]) == set(decode_bandwidth.CATEGORIES)
+    assert r["bandwidth"]["op"] in ("sum_fp32", "mv_fp32")
+    if "prepacked" in r["variants"]:  # the what-if keeps the greedy tokens (the packed GEMMs are exact in fp32)
+        assert r["variants"]["prepacked"]["same_tokens"] == len(engine["tokens"])
+    assert "ratio (target >= 60%)" in decode_bandwidth.table(res["results"])
+
+
+def test_active_bytes_count_top_k_experts_the_whole_tied_head_and_fp32_gates():
+    from pipeline.build import teacher_config
+    from pipeline.recipe import load_recipe
+
+    cfg = teacher_config(load_recipe(ROOT / "recipes" / "tiny.yaml"))
+    fp32, bf16 = (decode_bandwidth.active_bytes(cfg, d) for d in (torch.float32, torch.bfloat16))
+    H, V = cfg.hidden, cfg.vocab_size
+    expert = (8 * H * H + 5 * H) * cfg.top_k * len(cfg.experts)
+    assert fp32["experts"] == 4 * expert and bf16["experts"] == 2 * expert
+    assert fp32["lm_head"] == 4 * V * H  # tied: the embedding, read whole as the head
+    assert fp32["gate_routing"] == bf16["gate_routing"] == 4 * H * sum(cfg.experts)  # gates stay fp32
+    assert fp32["total"] == sum(v for k, v in fp32.items() if k != "total")
+
+
+def test_packed_linear_equals_f_linear():
+    if not decode_bandwidth.packing_available():
+        pytest.skip("no MKL/oneDNN in this torch build")
+    lin = torch.nn.Linear(48, 80)
+    x = torch.randn(2, 3, 48)
+    ref = lin(x)
+    assert torch.equal(decode_bandwidth.PackedLinear(lin)(x), ref)
+    lin_bf16 = lin.to(torch.bfloat16)
+    ref = lin_bf16(x.bfloat16())
+    torch.testing.assert_close(decode_bandwidth.PackedLinear(lin_bf16)(x.bfloat16()), ref)
+
+
+@pytest.fixture(scope="module")
+def projection(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep")
+    res = ep_scale_model.run(ROOT / "recipes" / "1.3b.yaml", out, [8, 16, 64, 128], batch=32, context=64,
+                             measure_hidden=64, buffer_gib=1 / 64)
+    return res, out
+
+
+def test_ep_projection_terms_and_files(projection):
+    res, out = projection
+    saved = json.loads((out / "ep_scale_model.json").read_text())
+    assert {"notice", "student", "cpu_measured", "assumptions", "stated_sources", "projection",
+            "sensitivity"} <= set(saved)
+    assert "NOT A MEASUREMENT" in saved["notice"] and (out / "ep_scale_model.png").stat().st_size > 0
+    s = res["student"]
+    assert s["layers"] == 21 and s["hidden"] == 2048 and s["experts"] == [64] * 8 + [128] * 2
+    rows = {r["ep"]: r for r in res["projection"]}
+    held = [rows[ep]["expert_bytes_held_per_gpu"] for ep in (8, 16, 64, 128)]
+    assert held == sorted(held, reverse=True) and held[0] == pytest.approx(2 * held[1])  # more EP: fewer bytes
+    assert rows[8]["experts_us"] > rows[128]["experts_us"]
+    assert all(r["all_to_all_us"] > 0 for r in rows.values())
+    # 20 all-to-alls a step: within the node at EP 8, across nodes above
+    a = res["assumptions"]
+    assert rows[8]["all_to_all_us"] >= 20 * a["latency_intra_us"]
+    assert rows[16]["all_to_all_us"] >= 20 * a["latency_inter_us"] > rows[8]["all_to_all_us"]
+    assert rows[64]["slice_allreduce_us"] == 0 < rows[128]["slice_allreduce_us"]  # 64 experts on 128 GPUs: sliced
+    for r in rows.values():
+        assert r["tok_s_per_gpu"] == pytest.approx(32 / (r["step_us"] * 1e-6))
+    assert set(res["sensitivity"]["dominant"].values()) <= set(ep_scale_model.ASSUMED)
+    assert "PROJECTION ON PAPER" in ep_scale_model.report(res)
+
+
+def test_ep_projection_all_to_all_grows_with_latency():
+    s = ep_scale_model.shapes(ep_scale_model.student_config(ROOT / "recipes" / "1.3b.yaml"))
+    a = {k: v[0] for k, v in ep_scale_model.STATED.items()} | {"batch": 32, "context": 128, "eff_dense": 1.0,
+                                                               "eff_expert": 1.0}
+    slow = ep_scale_model.project(s, 64, {**a, "latency_inter_us": 2 * a["latency_inter_us"]})
+    fast = ep_scale_model.project(s, 64, a)
+    assert slow["all_to_all_us"] - fast["all_to_all_us"] == pytest.approx(20 * a["latency_inter_us"])
+    assert slow["tok_s_per_gpu"] < fast["tok_s_per_gpu"]
+    assert fast["dense_weights_us"] == pytest.approx(s["dense_bytes"] / (a["hbm_tbps"] * 1e12) * 1e6)
