@@ -10,8 +10,9 @@ read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches),
 `--work`. For each dtype, in one process with `--threads` threads:
 
   (a) read bandwidth: a 1 GiB fp32 buffer (`--buffer-gib`) read by `torch.sum` and by `torch.mv` (a GEMV, the
-      decode's own kind of read), best of `--repeats`+2 each; the bound uses the faster of the two. `torch.mv`
-      on a bf16 matrix is measured too, as a diagnostic of the bf16 GEMV kernel (it is not the bandwidth);
+      decode's own kind of read), sampled before every decode run and after the last, the best sample kept; the
+      bound uses the faster of the two ops. `torch.mv` on a bf16 matrix is measured too, as a diagnostic of the
+      bf16 GEMV kernel (it is not the bandwidth);
   (b) decode: `Engine.from_config(ServeConfig(package, max_batch=1))`, one greedy request of `--new-tokens`
       tokens (the end token ignored, so every run is as long), timed from its first token to its last: decode
       steps only, no prefill. Best and median of `--repeats` runs;
@@ -80,7 +81,15 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
     del b
     op = max(("sum_fp32", "mv_fp32"), key=ops.get)
     return {"ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "buffer_bytes": rows * cols * 4,
-            "threads": threads, "repeats": repeats}
+            "threads": threads, "repeats": repeats, "samples": 1}
+
+
+def best_bandwidth(samples: list[dict]) -> dict:
+    """The best of several `read_bandwidth` samples, op by op (a shared machine's slow moments left out)."""
+    ops = {k: max(s["ops_bytes_per_s"][k] for s in samples) for k in samples[0]["ops_bytes_per_s"]}
+    op = max(("sum_fp32", "mv_fp32"), key=ops.get)
+    return {**samples[0], "ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "samples": len(samples),
+            "repeats": sum(s["repeats"] for s in samples)}
 
 
 # -- (c) active bytes per token ------------------------------------------------------------------------------------
@@ -297,12 +306,16 @@ def packing_available() -> bool:
 
 # -- one dtype -----------------------------------------------------------------------------------------------------
 
-def timed_runs(engine, prompt: list[int], new_tokens: int, repeats: int, label: str) -> dict:
-    """`repeats` decode runs after a warm-up: best and median tokens/s, and the (greedy) tokens."""
+def timed_runs(engine, prompt: list[int], new_tokens: int, repeats: int, label: str, before_each=None) -> dict:
+    """`repeats` decode runs after a warm-up (`before_each()` before each): best and median tokens/s, the tokens."""
     from tqdm import tqdm
 
     decode_run(engine, prompt, 8)
-    runs = [decode_run(engine, prompt, new_tokens) for _ in tqdm(range(repeats), desc=label, leave=False)]
+    runs = []
+    for _ in tqdm(range(repeats), desc=label, leave=False):
+        if before_each is not None:
+            before_each()
+        runs.append(decode_run(engine, prompt, new_tokens))
     if len({tuple(r["tokens"]) for r in runs}) != 1:
         raise RuntimeError("greedy decoding gave different tokens run to run")
     return {"tok_s_best": max(r["tok_s"] for r in runs), "tok_s_median": statistics.median(r["tok_s"] for r in runs),
@@ -313,21 +326,28 @@ def timed_runs(engine, prompt: list[int], new_tokens: int, repeats: int, label: 
 def measure(pkg: Path, threads: int, new_tokens: int, repeats: int, buffer_gib: float, breakdown_tokens: int,
             packed: bool = True) -> dict:
     """(a)-(c), the breakdown, and with `packed` (d): the same engine with its linears on prepacked weights. The
-    bandwidth is measured between the decode runs, the engine's memory held as during them."""
+    bandwidth is sampled before every decode run and after the last (best of 2 each, the engine's memory held),
+    and the best sample is the bound's: decode and bandwidth both best-of over the same stretch of time."""
     engine = load_engine(pkg, threads)
     prompt = engine.encode(PROMPT)
     dtype = model_dtype(engine)
     act = active_bytes(engine.model.cfg, dtype)
-    variants = {"engine": timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}")}
-    bw = read_bandwidth(threads, buffer_gib, repeats + 2)
+    samples = []
+
+    def sample():
+        samples.append(read_bandwidth(threads, buffer_gib, 2))
+
+    variants = {"engine": timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}", sample)}
     variants["engine"]["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
     if packed and packing_available():
         packed_bytes = pack_linears(engine.model)
-        v = timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}, prepacked")
+        v = timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}, prepacked", sample)
         v["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
         v["packed_share_of_active_bytes"] = min(1.0, packed_bytes / act["total"])
         v["same_tokens"] = sum(a == b for a, b in zip(v["tokens"], variants["engine"]["tokens"]))
         variants["prepacked"] = v
+    sample()
+    bw = best_bandwidth(samples)
     bound = bw["bytes_per_s"] / act["total"]
     for v in variants.values():
         v["ratio"] = v["tok_s_best"] / bound
@@ -442,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both")
     p.add_argument("--new-tokens", type=int, default=384, help="tokens per decode run (several hundred)")
-    p.add_argument("--repeats", type=int, default=3, help="decode runs per dtype (best and median reported)")
+    p.add_argument("--repeats", type=int, default=5, help="decode runs per dtype and variant (best and median)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of decode and bandwidth")
     p.add_argument("--buffer-gib", type=float, default=1.0, help="the bandwidth buffer, GiB")
     p.add_argument("--breakdown-tokens", type=int, default=64, help="decode tokens of the per-module breakdown run")

@@ -93,7 +93,7 @@ def measure_cpu(cfg, hidden: int, context: int, repeats: int = 10, buffer_gib: f
 
     import torch
 
-    from decode_bandwidth import read_bandwidth
+    from decode_bandwidth import best_bandwidth, read_bandwidth
     from pipeline.model import MLP, Block, KVCache
 
     head_dim = cfg.hidden // cfg.heads
@@ -113,10 +113,12 @@ def measure_cpu(cfg, hidden: int, context: int, repeats: int = 10, buffer_gib: f
         return min(times)
 
     x = torch.randn(1, 1, hidden)
+    samples = [read_bandwidth(torch.get_num_threads(), buffer_gib, 3)]  # before and after the timings: the best
     t_block, t_expert = best(lambda: block(x, cache, 0)), best(lambda: expert(x))
+    samples.append(read_bandwidth(torch.get_num_threads(), buffer_gib, 3))
     block_bytes = sum(p.numel() * 4 for p in block.parameters()) + 2 * context * hidden * 4
     expert_bytes = sum(p.numel() * 4 for p in expert.parameters())
-    bw = read_bandwidth(torch.get_num_threads(), buffer_gib, 5)["ops_bytes_per_s"]["sum_fp32"]
+    bw = best_bandwidth(samples)["ops_bytes_per_s"]["sum_fp32"]
     return {"hidden": hidden, "context": context, "threads": torch.get_num_threads(), "read_bytes_per_s": bw,
             "block_seconds": t_block, "expert_seconds": t_expert, "block_bytes": block_bytes,
             "expert_bytes": expert_bytes, "eff_dense": min(1.0, block_bytes / t_block / bw),
@@ -191,8 +193,8 @@ def plot(res: dict, path: Path) -> None:
         vals = [r[f"{t}_us"] for r in rows]
         axes[0].bar([str(r["ep"]) for r in rows], vals, bottom=bottom, label=t)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    axes[0].set(xlabel="expert-parallel degree (GPUs)", ylabel="us per decode step")
-    axes[0].legend(fontsize=8)
+    axes[0].set(xlabel="expert-parallel degree (GPUs)", ylabel="us per decode step", ylim=(0, 1.3 * max(bottom)))
+    axes[0].legend(fontsize=7, ncol=3, loc="upper right")
     axes[1].plot([r["ep"] for r in rows], [r["tok_s_per_gpu"] for r in rows], "o-")
     axes[1].set(xscale="log", xlabel="expert-parallel degree (GPUs)", ylabel="tokens/s per GPU")
     axes[1].set_xticks([r["ep"] for r in rows], [str(r["ep"]) for r in rows])
