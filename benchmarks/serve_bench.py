@@ -12,7 +12,8 @@ One run, side by side (each throughput the median of --repeats runs; same packag
   (d) batch-1 decode against the memory-bandwidth bound: active parameter bytes read per token ÷ a
       measured copy bandwidth (the fastest a token could come if weights were read once per token);
   (e) latency percentiles (p50, p99) of 32 concurrent clients x 10 requests each (--latency-requests), and the failures;
-  (f) with --layouts: 16 concurrent requests on multi-rank layouts (ep2, tp2, expert-slicing-4).
+  (f) with --layouts: multi-rank layouts (ep2: data parallel + expert parallel; tp2; expert-slicing-4) against
+      1 rank at 16 and 32 concurrent requests, runs interleaved (target for ep2: at least 1.0x at 32).
 Targets: (b) at least 1.5x HF, (a) not slower than HF. Results: a table on stdout and
 `serve_bench.json` under `--out`. The server runs as a separate process (`moe-pipeline serve`).
 """
@@ -118,6 +119,39 @@ def copy_bandwidth(device: str = "cpu") -> float:
     return 2 * a.numel() * 10 / (time.perf_counter() - t0)
 
 
+LAYOUT_CONCURRENCY = (16, 32)
+
+
+def layout_runs(args, server_env, n: int) -> dict:
+    """(f): each multi-rank layout against 1 rank at 16 and 32 concurrent requests, both servers up and their runs
+    interleaved (1 rank, layout, 1 rank, ...): the machine's drift falls on both alike. Medians of --repeats."""
+    out = {}
+    one, one_url = start_server(args.package, threads=args.threads, env=server_env)
+    try:
+        for name in args.layouts:
+            proc, url = start_server(args.package, LAYOUTS[name], threads=args.threads, env=server_env)
+            try:
+                for u in (one_url, url):
+                    server_run(u, PROMPTS[:2], 4, 2)  # warm-up
+                row = {"args": LAYOUTS[name], "one_rank": {}, "layout": {}}
+                for c in LAYOUT_CONCURRENCY:
+                    prompts = (PROMPTS * (c // len(PROMPTS) + 1))[:c]
+                    runs = {"one_rank": [], "layout": []}
+                    for _ in range(args.repeats):
+                        runs["one_rank"].append(server_run(one_url, prompts, n, c))
+                        runs["layout"].append(server_run(url, prompts, n, c))
+                    for key, rs in runs.items():
+                        m = median_run(rs)
+                        row[key][str(c)] = {"tok_s": m[1] / m[0], "failures": sum(r[3] for r in rs),
+                                            "runs_tok_s": [r[1] / r[0] for r in rs]}
+                out[name] = row
+            finally:
+                stop_server(proc)
+    finally:
+        stop_server(one)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--package", type=Path, default=ROOT / "runs" / "tiny" / "package")
@@ -125,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layouts", nargs="*", default=[], choices=sorted(LAYOUTS),
-                   help="(f) also serve 16 concurrent requests with these multi-rank layouts (the ranks share "
-                        "--threads cores: on a small CPU this measures the layouts' overhead, not a speed-up)")
+                   help="(f) also serve 16 and 32 concurrent requests with these multi-rank layouts, interleaved with "
+                        "1 rank (the ranks share --threads cores)")
+    p.add_argument("--layouts-only", action="store_true", help="run (f) alone (with --layouts)")
     p.add_argument("--repeats", type=int, default=5, help="runs of (a), (b), (c) each; the median is reported")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--latency-requests", type=int, default=320, help="(e): requests the 32 clients send in all")
@@ -148,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda":
         res["device_name"] = torch.cuda.get_device_name()
 
+    if args.layouts_only:
+        res["layouts"] = layout_runs(args, server_env, n)
+        print_layouts(res)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "serve_bench_layouts.json").write_text(json.dumps(res, indent=1) + "\n")
+        print(f"wrote {args.out / 'serve_bench_layouts.json'}")
+        return 0
     hf = load_hf(args.package, device)
     proc, url = start_server(args.package, threads=args.threads, env=server_env)
     try:
@@ -178,14 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_server(proc)
         res["teacher_sixteen_tok_s"] = t16[1] / t16[0]
-    for name in args.layouts:
-        proc, url = start_server(args.package, LAYOUTS[name], threads=args.threads, env=server_env)
-        try:
-            server_run(url, PROMPTS[:2], 4, 2)
-            r = median_run([server_run(url, PROMPTS[:16], n, 16) for _ in range(args.repeats)])
-        finally:
-            stop_server(proc)
-        res.setdefault("layouts", {})[name] = {"args": LAYOUTS[name], "tok_s": r[1] / r[0], "failures": r[3]}
+    if args.layouts:
+        res["layouts"] = layout_runs(args, server_env, n)
     manifest = read_manifest(args.package)
     elt = 4 if manifest["dtype"] == "float32" else 2
     active_bytes = manifest["params"]["active_per_token"] * elt
@@ -211,13 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(e) 32 clients, {L['requests']} requests (16 tokens): p50 {L['p50_s'] * 1e3:.0f} ms, "
           f"p99 {L['p99_s'] * 1e3:.0f} ms, "
           f"{L['tok_s']:.0f} tok/s, failures {L['failures']}")
-    for name, r in res.get("layouts", {}).items():
-        print(f"(f) {name:17s} ({' '.join(r['args'])}): 16 concurrent {r['tok_s']:8.1f} tok/s = "
-              f"{r['tok_s'] / b['server_tok_s']:.2f}x 1 rank, failures {r['failures']}")
+    print_layouts(res)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_bench.json").write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out / 'serve_bench.json'}")
     return 0
+
+
+def print_layouts(res: dict) -> None:
+    for name, r in res.get("layouts", {}).items():
+        for c in LAYOUT_CONCURRENCY:
+            one, multi = r["one_rank"][str(c)], r["layout"][str(c)]
+            print(f"(f) {name:17s} ({' '.join(r['args'])}) at {c:2d} concurrent: {multi['tok_s']:7.1f} tok/s vs 1 rank "
+                  f"{one['tok_s']:7.1f} tok/s = {multi['tok_s'] / one['tok_s']:.2f}x (interleaved), failures "
+                  f"{multi['failures']} / {one['failures']}")
 
 
 if __name__ == "__main__":

@@ -142,7 +142,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY', KEY read from this file's first line (or from "
                         "$MOE_PIPELINE_API_KEY); never put a key on a command line, where `ps` shows it")
     p.add_argument("--max-batch", type=_positive_int, default=quiet,
-                   help=f"sequences decoding together (default {d['max_batch']})")
+                   help=f"sequences each rank decodes together (default {d['max_batch']})")
+    p.add_argument("--max-batched-tokens", type=_positive_int, default=quiet,
+                   help=f"tokens each rank runs in one step, decode tokens first, then prompt chunks: a longer "
+                        f"prompt is prefilled in chunks over several steps (default {d['max_batched_tokens']}; "
+                        f"at least --max-batch)")
+    p.add_argument("--max-prefill-seqs", type=_positive_int, default=quiet,
+                   help="prompts prefilled together in one forward on a rank (default: every prompt chunk the step's "
+                        "token budget takes, in one padded batch; 1: each prompt its own forward)")
     p.add_argument("--max-waiting", type=_positive_int, default=quiet,
                    help="sequences waiting for a slot; beyond it new requests get 429 with Retry-After "
                         "(default 4 x --max-batch)")
@@ -152,10 +159,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="ranks on this machine, through the DeepSpeed launcher (default: the largest of --ep-size "
                         "and --tp-size, else 1)")
     p.add_argument("--ep-size", type=_positive_int, default=quiet,
-                   help="expert-parallel degree (default: all ranks, at most a layer's experts); below --nproc the "
-                        "ranks that hold the same experts slice each expert (expert slicing)")
+                   help="expert-parallel degree (default: all ranks, at most a layer's experts). Equal to --nproc "
+                        "(and every layer's experts divisible by it): data parallel + expert parallel, each rank "
+                        "serves its own sequences and tokens cross ranks only in each MoE layer's all-to-all. "
+                        "Below --nproc the ranks that hold the same experts slice each expert (expert slicing), "
+                        "and every rank then runs the same sequences (one data-parallel group)")
     p.add_argument("--tp-size", type=_positive_int, default=quiet,
-                   help="tensor-slice attention and the dense MLPs over all ranks (DeepSpeed AutoTP): 1 or --nproc")
+                   help="tensor-slice attention and the dense MLPs over all ranks (DeepSpeed AutoTP): 1 or --nproc; "
+                        "every rank then runs the same sequences (one data-parallel group, no DP x TP)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=quiet, help="default: the package's")
     p.add_argument("--placement", choices=["none", "reactive", "predictive"], default=quiet,
                    help="place experts by a replica table (export/serve/placement.py): none, reactive (from observed "

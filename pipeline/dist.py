@@ -228,6 +228,44 @@ def broadcast_json(obj=None, on: torch.device | None = None):
     return json.loads(bytes(data.cpu().numpy()).decode())
 
 
+def gather_json(obj, on: torch.device | None = None) -> list:
+    """Every rank's JSON-serialisable `obj`, in rank order, on every rank: the sizes, then the UTF-8 bytes padded
+    to the longest (two all-gathers; no pickle). For the serving ranks' per-step results."""
+    import json
+
+    import torch.distributed as td
+
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return [obj]
+    dev = on or device()
+    size, data = json_tensors(obj, dev)
+    sizes = [torch.zeros_like(size) for _ in range(td.get_world_size())]
+    td.all_gather(sizes, size)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[:data.numel()] = data
+    rows = [torch.empty_like(padded) for _ in sizes]
+    td.all_gather(rows, padded)
+    return [json.loads(bytes(r[:int(n)].cpu().numpy()).decode()) for r, n in zip(rows, sizes)]
+
+
+def all_to_all_(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group=None) -> torch.Tensor:
+    """DeepSpeed's `all_to_all_single` with variable splits: rows `inp[sum(in_splits[:r]):][:in_splits[r]]` go to
+    rank r, and `out` receives rank r's rows at `sum(out_splits[:r])`. Both tensors on the group's device
+    (checked). Alone: `out` is `inp`'s copy. The serving runtime's expert exchange (export/serve/placement.py)."""
+    import torch.distributed as td
+
+    _check_device(inp, device(), "all_to_all_")
+    _check_device(out, device(), "all_to_all_")
+    if not td.is_initialized() or td.get_world_size(group) == 1:
+        return out.copy_(inp)
+    import deepspeed.comm as dc
+
+    dc.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    return out
+
+
 def world_size() -> int:
     """Ranks in the process group (1 before `init` or alone)."""
     import torch.distributed as td

@@ -95,6 +95,8 @@ class Cache(Protocol):
         continues at `length`);
       * `attention_mask(T)`: [B, 1, T, keys] bool when rows have their own lengths, else None
         (causal masking after `length` cached tokens is exact);
+      * `token_mask(T)`: [B, T] bool, the real tokens of a padded batch (rows of different new-token
+        counts, as batched prefill makes), else None: padding is never routed to an expert;
       * `advance(T)`: called once after the last layer: the T new tokens are now cached.
 
     Implemented by `KVCache` (below: one length for the whole batch), by the serving runtime's
@@ -110,6 +112,9 @@ class Cache(Protocol):
         return None
 
     def attention_mask(self, T: int) -> torch.Tensor | None:
+        return None
+
+    def token_mask(self, T: int) -> torch.Tensor | None:
         return None
 
     def advance(self, T: int) -> None:
@@ -152,7 +157,9 @@ class Attention(nn.Module):
         B, T, C = x.shape
         H = self.num_heads
         # [B, T, C] -> [B, H, T, C/H]
-        q, k, v = (proj(x).view(B, T, H, -1).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        # (head width spelled out, not -1: a rank with no rows this step runs B = 0)
+        q, k, v = (proj(x).view(B, T, H, proj.weight.shape[0] // H).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         past, mask = 0, None
         if cache is not None:
             past = cache.length
@@ -167,7 +174,7 @@ class Attention(nn.Module):
             # new query i (absolute position past+i) sees keys 0..past+i
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # [B, H, T, C/H] -> [B, T, C] (C/tp under tensor slicing)
+        y = y.transpose(1, 2).reshape(B, T, H * y.shape[-1])  # [B, H, T, C/H] -> [B, T, C] (C/tp under tensor slicing)
         return self.out_proj(y)
 
 
@@ -328,7 +335,13 @@ class MoE(nn.Module):
             gate.use_rts = mode
         return self
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, C]; `valid` [B, T] bool: only those tokens are routed (the rest is padding, output 0)."""
+        if valid is not None:
+            out = torch.zeros_like(x)
+            y, aux, counts = self.forward(x[valid][None])  # [1, real tokens, C]
+            out[valid] = y[0]
+            return out, aux, counts
         if self.impl == "deepspeed":
             return self.moe(x)
         B, T, C = x.shape
@@ -355,7 +368,7 @@ class Block(nn.Module):
         x = x + self.resid_dropout(self.attn(self.ln_1(x), cache, layer))
         h = self.ln_2(x)
         if self.is_moe:
-            h, aux, counts = self.mlp(h)
+            h, aux, counts = self.mlp(h, cache.token_mask(h.shape[1]) if cache is not None else None)
         else:
             h, aux, counts = self.mlp(h), None, None
         return x + h, aux, counts

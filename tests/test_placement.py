@@ -173,4 +173,4 @@ def test_a_package_file_changed_under_offloaded_experts_fails_requests_not_the_s
         eng.step()
     assert {r.finish_reason for r in reqs} == {"error"}
     assert all("changed since it was verified" in r.text for r in reqs)
-    assert eng.stats["failed"] == 3 and not eng.running and sorted(eng.cache.free) == list(range(eng.max_batch))
+    assert eng.stats["failed"] == 3 and not eng.running and sorted(eng.free[0]) == list(range(eng.max_batch))

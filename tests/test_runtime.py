@@ -51,7 +51,7 @@ def test_staggered_arrivals_share_steps_and_match_each_request_alone(engine):
     for prompt, seq in zip(prompts + [prompts[0]], seqs):
         assert seq.generated == alone(engine, prompt, seq.params.max_tokens)
     assert max(sizes) == 3 and len(sizes) == engine.stats["decode_steps"]  # decode steps really were shared
-    assert sorted(engine.cache.free) == [0, 1, 2] and not engine.running
+    assert sorted(engine.free[0]) == [0, 1, 2] and not engine.running
 
 
 def test_seeded_sampling_is_reproducible_and_top_p_limits_the_choice(engine):
@@ -99,7 +99,7 @@ def test_a_tiny_temperature_is_greedy_and_an_error_fails_its_request_alone(engin
         engine.step()
     assert bad.finish_reason == "error" and "event loop is closed" in bad.text
     assert good.finish_reason == "length" and good.generated == alone(engine, good.prompt, 6)
-    assert not engine.running and sorted(engine.cache.free) == [0, 1, 2]  # the failed one's slot came back
+    assert not engine.running and sorted(engine.free[0]) == [0, 1, 2]  # the failed one's slot came back
 
 
 def test_echo_logprobs_are_scored_in_row_chunks_with_the_same_values(engine):
@@ -107,11 +107,11 @@ def test_echo_logprobs_are_scored_in_row_chunks_with_the_same_values(engine):
 
     prompt = engine.encode("In the beginning God created the heaven and the earth. And the earth was without form")
     whole = generate(engine, [prompt], SamplingParams(max_tokens=1, temperature=0, echo=True, logprobs=2))[0]
-    engine.SCORE_ROWS = 4  # an instance attribute: 5+ chunks for this prompt
+    engine.worker.SCORE_ROWS = 4  # an instance attribute: 5+ chunks for this prompt
     try:
         chunked = generate(engine, [prompt], SamplingParams(max_tokens=1, temperature=0, echo=True, logprobs=2))[0]
     finally:
-        del engine.SCORE_ROWS
+        del engine.worker.SCORE_ROWS
     assert len(whole.prompt_logprobs) == len(prompt) and whole.prompt_logprobs[0] is None
     assert chunked.prompt_logprobs == pytest.approx(whole.prompt_logprobs, abs=1e-5)
     assert [sorted(t) if t else t for t in chunked.prompt_top] == [sorted(t) if t else t for t in whole.prompt_top]
@@ -136,7 +136,7 @@ def test_aborted_requests_never_run_or_free_their_slot(engine):
     while engine.pending():
         engine.step()
     assert [r.finish_reason for r in running[1:]] == ["length", "length"]
-    assert sorted(engine.cache.free) == [0, 1, 2]
+    assert sorted(engine.free[0]) == [0, 1, 2]
     # nothing the engine keeps grows with its lifetime (a list of every decode step's batch size did)
     assert all(isinstance(v, int) for v in engine.stats.values()) and engine.stats["decode_steps"] > 30
 
@@ -158,7 +158,7 @@ def test_streamed_text_never_shows_what_a_later_token_changes():
         for t in ids:
             if req.finished:
                 break
-            req.append(t, None, None, tok.decode)
+            req.append(t, None, None, None, tok.decode)
             shown.append(req.stable_text())
         assert all(req.text.startswith(s) for s in shown), (stop, shown)
         assert all("\ufffd" not in s for s in shown[:-1])
@@ -176,8 +176,49 @@ def test_a_prompt_that_cannot_be_scored_fails_alone_after_its_forward(engine):
     while engine.pending():
         engine.step()
     assert bad.finish_reason == "error" and "ScoringError" not in bad.text and bad.text
-    assert good.generated == alone(engine, p, 4) and sorted(engine.cache.free) == [0, 1, 2]
+    assert good.generated == alone(engine, p, 4) and sorted(engine.free[0]) == [0, 1, 2]
     engine.fail_all("stopping")
     with pytest.raises(RuntimeError, match="the engine stopped"):
         engine.submit(p, SamplingParams(max_tokens=1))  # nobody would ever finish it
     engine.closed = None  # the module's engine serves the other tests
+
+
+# -- issue 15: batched and chunked prefill --------------------------------------------------------------
+
+def test_a_burst_is_prefilled_in_one_padded_forward_with_each_prompts_own_tokens(engine):
+    """Prompts of different lengths arriving together share one prefill forward (padded, per-row positions, the
+    padding never routed to an expert) and get the tokens each gets alone."""
+    from export.serve.engine import SamplingParams
+
+    prompts = [engine.encode(t) for t in ("And God said", "To be, or not to be, that is the question:", "Let")]
+    before = engine.stats["prefill_forwards"]
+    seqs = [engine.submit(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
+    while not all(s.finished for s in seqs):
+        engine.step()
+    assert engine.stats["prefill_forwards"] - before == 1
+    for p, s in zip(prompts, seqs):
+        assert s.generated == alone(engine, p, 6)
+
+
+def test_a_prompt_longer_than_the_step_budget_is_chunked_and_decoding_goes_on(engine):
+    from export.serve.engine import SamplingParams
+
+    long = engine.encode("In the beginning God created the heaven and the earth. And the earth was without form")
+    short = engine.encode("And God said")
+    engine.max_batched_tokens = 5
+    try:
+        before = engine.stats["prefill_forwards"]
+        first = engine.submit(short, SamplingParams(max_tokens=12, temperature=0))
+        engine.step()
+        second = engine.submit(long, SamplingParams(max_tokens=5, temperature=0))
+        made = []
+        while not (first.finished and second.finished):
+            engine.step()
+            made.append(len(first.generated))
+    finally:
+        engine.max_batched_tokens = 2048
+    # the long prompt took several steps, and the short request decoded a token in every one of them
+    assert engine.stats["prefill_forwards"] - before >= len(long) // 5
+    assert made[:len(long) // 5] == list(range(2, 2 + len(long) // 5))
+    assert second.generated == alone(engine, long, 5) and first.generated == alone(engine, short, 12)
+    assert sorted(engine.free[0]) == [0, 1, 2]

@@ -53,10 +53,13 @@ def test_rank_messages_survive_the_json_trip():
     from export.serve import ranks
 
     table = [[[0], [1, 0]], [[0], [0], [1], [1]]]
-    for msg in (ranks.Forward([3, 1], [[5], [7]], [], table, [[1], [2, 3]], True), ranks.Forward([0], [[1, 2]], [0]),
-                ranks.Ping(), ranks.Stop()):
+    step = ranks.Step([[1, 3, {"temperature": 0.0, "top_p": 1.0, "logprobs": None, "seed": None}]],
+                      [{"kind": "prefill", "table": table, "expect": [[1], [2, 3]], "rows": [[1, 3, [5, 7], True, -1, []]]},
+                       {"kind": "decode", "table": None, "expect": None, "rows": [[0, 0, [9], True, -1, []]]}])
+    for msg in (step, ranks.Step([], []), ranks.Ping(), ranks.Stop()):
         assert ranks.decode(json.loads(json.dumps(ranks.encode(msg)))) == msg
     ranks.send(ranks.Ping())  # one rank: nobody to tell, and no error
+    assert ranks.gather_results([{"row": 0, "token": 5}]) == [[{"row": 0, "token": 5}]]  # one rank: its own
     status = ranks.gather_status(0, 7)  # one rank: its own row
     assert [(s.rank, s.forwards) for s in status] == [(0, 7)] and status[0].rss_mib > 0
     assert set(status[0].to_dict()) == {"rank", "pid", "forwards", "rss_mib"}  # no placement: no placement fields

@@ -37,7 +37,9 @@ class ServeConfig(BaseModel):
     # the file `api_key_file` names; never a command-line flag (it would show in `ps` on every rank)
     api_key: str | None = Field(None, repr=False)
     api_key_file: Path | None = None
-    max_batch: int = Field(32, ge=1)  # sequences decoding together
+    max_batch: int = Field(32, ge=1)  # sequences each rank decodes together
+    max_batched_tokens: int = Field(2048, ge=1)  # tokens each rank runs in a step (decode first, then prompt chunks)
+    max_prefill_seqs: int | None = Field(None, ge=1)  # prompts per prefill forward on a rank; None: all the step takes
     max_waiting: int | None = Field(None, ge=1)  # sequences waiting for a slot before new ones get 429; None: 4 x max_batch
     max_prompts: int = Field(256, ge=1)  # prompts in one request (lm-eval's batched local-completions sends many)
     max_body_bytes: int = Field(1 << 20, ge=1)  # larger request bodies get 413
@@ -59,6 +61,9 @@ class ServeConfig(BaseModel):
             object.__setattr__(self, "max_waiting", 4 * self.max_batch)
         if self.api_key is None:
             object.__setattr__(self, "api_key", self._read_key())
+        if self.max_batched_tokens < self.max_batch:
+            raise ValueError(f"--max-batched-tokens {self.max_batched_tokens}: below --max-batch {self.max_batch} a "
+                             f"step could have no room to start a sequence; give at least {self.max_batch}")
         if self.placement is None and self.resident_experts != 1.0:
             raise ValueError("--resident-experts needs --placement (none, reactive or predictive)")
         if self.placement is not None:

@@ -373,6 +373,7 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
                 "running": len(engine.running), "waiting": len(engine.waiting),
                 "error": None if worker.error is None else repr(worker.error),
                 "layout": engine.model.layout.describe() if getattr(engine.model, "layout", None) else None,
+                "data_parallel": engine.dp,
                 # every rank's answer to the engine's last ping (once a second, busy or idle)
                 "rank_status": list(engine.rank_status),
                 "rank_status_age_s": None if heard is None else round(time.time() - heard, 2)}

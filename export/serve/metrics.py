@@ -1,5 +1,6 @@
 """The server's Prometheus metrics (`GET /metrics`): requests, tokens, latency, batch sizes, expert load
-per expert and per rank, and with expert placement its balance, replicas, prefetch hits and predictor recall.
+per expert and per rank (measured in the all-to-all on the data-parallel path), its balance per layer
+and per step, and with expert placement its replicas, prefetch hits and predictor recall.
 
     curl -s 127.0.0.1:8000/metrics | grep moe_
 
@@ -38,6 +39,9 @@ class ServeMetrics:
         self.place_balance = Gauge("moe_placement_balancedness", "with --placement: token-weighted mean over "
                                    "forwards of mean/max tokens per rank as placed (replicas included), by MoE layer",
                                    ["layer"], registry=reg)
+        self.step_balance = Gauge("moe_step_balancedness", "data-parallel serving: per forward, summed mean over "
+                                  "summed max across MoE layers of the tokens each rank's experts received in the "
+                                  "all-to-all (vLLM's balancedness), token-weighted mean since start", registry=reg)
         self.replicas = Gauge("moe_placement_replicas", "with --placement: replicas in the table in force, by MoE "
                               "layer", ["layer"], registry=reg)
         self.hit_rate = Gauge("moe_expert_prefetch_hit_rate", "with --placement: experts needed that were resident "
@@ -93,6 +97,9 @@ class ServeMetrics:
         return generate_latest(self.registry).decode()
 
     def _placement(self, engine) -> None:
+        measured = engine.worker.placement  # the data-parallel path's exchange (with or without --placement)
+        if measured is not None and measured.stats.forwards:
+            self.step_balance.set(measured.step_balancedness())
         pl = engine.placement
         if pl is not None and pl.stats.forwards:
             from export.serve.placement import count_replicas

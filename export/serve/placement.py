@@ -4,16 +4,21 @@
     moe-pipeline serve runs/tiny/package --ep-size 2 --placement predictive --replica-budget 0.5
     moe-pipeline serve runs/tiny/package --placement predictive --resident-experts 0.5
 
-With `--placement` the MoE layers run `PlacedMoE` instead of DeepSpeed's dispatch. Every rank runs
-the same batch (the runtime's rank 0 broadcasts it), so expert parallelism needs no all-to-all:
-each rank computes the (token, expert) pairs assigned to it and an all-reduce sums the partial
-outputs (each token's expert output is computed by exactly one rank, so the sum is exact).
+On the data-parallel serving path (export/serve/engine.py: no tensor or expert slicing) the MoE
+layers run `PlacedMoE`. Each rank routes its own tokens, and the ranks exchange them in an
+all-to-all with variable splits (`pipeline.dist.all_to_all_`, DeepSpeed's comm; no capacity
+padding): first one all-gather of every rank's tokens per expert, from which every rank computes
+the same send and receive sizes, then the tokens go to the ranks holding their experts, each
+expert runs once over the tokens of every rank, and the outputs travel back the same way. A rank
+with no tokens still joins both exchanges. Without `--placement` the table is the native one.
 
 Physical experts. Logical expert e of a layer lives natively on rank e // (experts / ep), as in
 DeepSpeed's layout; a *replica table* may add copies on other ranks. The router's choice of a
-logical expert is sent to one of its holders: each expert's tokens are split between its holders
-so that the tokens per rank even out (water-filling, deterministic, identical on every rank).
-Outputs do not depend on the table (tests: same logits, same greedy tokens).
+logical expert is sent to one of its holders: each expert's tokens (of all ranks, in rank order)
+are split between its holders so that the tokens per rank even out (water-filling over the
+gathered counts, deterministic, identical on every rank), so a replica takes real work off the
+busiest rank. The tokens each rank's experts receive are its measured load (`last_loads`: the
+balancedness in /metrics). Outputs do not depend on the table (tests: same logits, same greedy tokens).
 
 Policies (decided on rank 0, sent with each forward when they change):
   * `none`: native placement only;
@@ -128,6 +133,31 @@ def rank_loads(demand: list[float], holders: list[list[int]], ep: int) -> list[f
 def balancedness(loads: list[float]) -> float:
     """mean / max of the per-rank loads (1: perfectly even; 1/ep: all on one rank)."""
     return (sum(loads) / len(loads) / max(loads)) if loads and max(loads) > 0 else 1.0
+
+
+def route_pairs(counts: list[list[int]], holders: list[list[int]], ep: int) -> list[list[list[int]]]:
+    """send[src][dst][e]: how many of rank src's tokens routed to expert e go to rank dst. `counts[src][e]`: each
+    rank's tokens per expert. An expert's tokens of all ranks, in rank order, are cut between its holders in
+    holder order by the water-filled split of the total (`split_load`, whole tokens), so every rank computes
+    the same sends from the same gathered counts."""
+    world, E = len(counts), len(holders)
+    send = [[[0] * E for _ in range(ep)] for _ in range(world)]
+    demand = [float(sum(row[e] for row in counts)) for e in range(E)]
+    single = all(len(h) == 1 for h in holders)
+    parts = [[(holders[e][0], demand[e])] for e in range(E)] if single else split_load(demand, holders, ep, integer=True)
+    for e in range(E):
+        src, left = 0, counts[0][e] if world else 0
+        for dst, amount in parts[e]:
+            amount = int(amount)
+            while amount:
+                while left == 0:
+                    src += 1
+                    left = counts[src][e]
+                k = min(amount, left)
+                send[src][dst][e] += k
+                amount -= k
+                left -= k
+    return send
 
 
 def plan_replicas(cfg: ModelConfig, ep: int, demand: list[list[float]], slots: int) -> list[list[list[int]]]:
@@ -248,6 +278,10 @@ class PlacementStats:
     misses: int = 0  # experts needed and loaded on demand
     prefetched: int = 0
     table_changes: int = 0
+    # per forward: summed mean over summed max of the per-rank loads across layers (vLLM's balancedness),
+    # token-weighted as above
+    step_sum: float = 0.0
+    step_weight: float = 0.0
 
 
 class Placement:
@@ -271,6 +305,7 @@ class Placement:
         self.lock = threading.Lock()
         self._prefetch: threading.Thread | None = None
         self._expect: list[set[int]] = [set() for _ in cfg.experts]
+        self._loads: list[list[int]] = [[0] * world for _ in cfg.experts]  # the last forward's, per layer
 
     # -- the table ------------------------------------------------------------------------------------------
     def apply(self, table: list[list[list[int]]] | None, expect: list[list[int]] | None = None) -> None:
@@ -348,6 +383,86 @@ class Placement:
                 self._admit(key, tensors)
         return tensors
 
+    # -- the expert exchange ------------------------------------------------------------------------------------
+    def exchange(self, layer: int, xs: torch.Tensor, per_expert: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert outputs of this rank's (token, choice) pairs `xs` [pairs, C], grouped by expert (`per_expert`
+        each), computed wherever the table sends them; and the tokens per expert over all ranks [E]. Collective
+        on several ranks: an all-gather of the counts, then an all-to-all there and back."""
+        E, world, me = len(per_expert), self.ep, self.rank
+        if world == 1:
+            counts = [per_expert]
+        else:
+            from pipeline import dist
+
+            counts = [[int(c) for c in row] for row in dist.gather_numbers(per_expert)]  # [rank][expert]
+        send = route_pairs(counts, self.table[layer], world)  # [src][dst][expert] pairs
+        loads = [sum(sum(send[s][h]) for s in range(world)) for h in range(world)]
+        self._loads[layer] = loads
+        self.observe(layer, loads)
+        total = torch.tensor([sum(row[e] for row in counts) for e in range(E)], dtype=torch.long)
+        if world == 1:
+            return self._run_experts(layer, xs, [list(per_expert)]), total
+        from pipeline import dist
+
+        # my pairs are grouped by expert; within an expert they go to its holders in order: the send order is
+        # (destination, expert), the order the receiver expects
+        starts = [0] * E
+        for e in range(1, E):
+            starts[e] = starts[e - 1] + per_expert[e - 1]
+        taken = [0] * E
+        pieces = [[] for _ in range(world)]
+        for h in range(world):
+            for e in range(E):
+                k = send[me][h][e]
+                if k:
+                    pieces[h].append((starts[e] + taken[e], k))
+                    taken[e] += k
+        order = torch.tensor([i for h in range(world) for a, k in pieces[h] for i in range(a, a + k)],
+                             dtype=torch.long, device=xs.device)
+        in_splits = [sum(send[me][h]) for h in range(world)]
+        out_splits = [sum(send[s][me]) for s in range(world)]
+        got = xs.new_empty(sum(out_splits), xs.shape[1])
+        dist.all_to_all_(got, xs[order].contiguous(), out_splits, in_splits)
+        done = self._run_experts(layer, got, [[send[s][me][e] for e in range(E)] for s in range(world)])
+        back = xs.new_empty(len(order), xs.shape[1])
+        dist.all_to_all_(back, done, in_splits, out_splits)
+        y = torch.empty_like(xs)
+        y[order] = back
+        return y, total
+
+    def _run_experts(self, layer: int, got: torch.Tensor, sizes: list[list[int]]) -> torch.Tensor:
+        """Each expert once over the tokens it received: `got` holds, for each source rank in order, `sizes[src][e]`
+        tokens of each expert e in order; outputs in the same order."""
+        E = len(sizes[0])
+        offsets, pos = [], 0
+        for row in sizes:
+            offsets.append([])
+            for n in row:
+                offsets[-1].append(pos)
+                pos += n
+        out = torch.empty_like(got)
+        for e in range(E):
+            parts = [(offsets[s][e], sizes[s][e]) for s in range(len(sizes)) if sizes[s][e]]
+            if not parts:
+                continue
+            idx = parts[0] if len(parts) == 1 else None
+            if idx is not None:
+                rows = got[idx[0]:idx[0] + idx[1]]
+            else:
+                where = torch.cat([torch.arange(a, a + n, device=got.device) for a, n in parts])
+                rows = got[where]
+            w1, b1, w2, b2 = self.weights(layer, e)
+            y = F.linear(F.gelu(F.linear(rows, w1, b1)), w2, b2)
+            if idx is not None:
+                out[idx[0]:idx[0] + idx[1]] = y
+            else:
+                out[where] = y
+        return out
+
+    def last_loads(self) -> list[list[int]]:
+        """The tokens each rank's experts received in each MoE layer of the last forward."""
+        return [list(loads) for loads in self._loads]
+
     # -- accounting -----------------------------------------------------------------------------------------
     def observe(self, layer: int, loads: list[float]) -> None:
         """This forward's tokens per rank in `layer`, as placed."""
@@ -356,6 +471,17 @@ class Placement:
         st.balancedness_weight[layer] += sum(loads)
         if layer == len(self.cfg.experts) - 1:
             st.forwards += 1
+            total = sum(sum(lo) for lo in self._loads)
+            peak = sum(max(lo) for lo in self._loads)
+            if peak:
+                st.step_sum += total / self.ep / peak * total
+                st.step_weight += total
+
+    def step_balancedness(self) -> float:
+        """vLLM's balancedness of the forwards so far: per forward, the summed mean over the summed max across MoE
+        layers of the tokens each rank's experts received; a token-weighted mean (1: even)."""
+        st = self.stats
+        return st.step_sum / st.step_weight if st.step_weight else 1.0
 
     def balancedness(self) -> list[float]:
         """Per layer: the token-weighted mean over forwards of mean/max tokens per rank (1: even)."""
@@ -393,38 +519,29 @@ class PlacedMoE(nn.Module):
     def num_local_experts(self) -> int:
         return self.num_experts // self.ep_size
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, C] of this rank's rows (B may be 0); `valid` [B, T]: the real tokens (the rest is padding, never
+        routed). Collective on several ranks. Returns (output, 0, tokens per expert over all ranks)."""
         cfg, E, pl = self.cfg, self.num_experts, self.placement
         B, T, C = x.shape
         xs = x.reshape(B * T, C)
+        real = valid.reshape(-1).nonzero().squeeze(1) if valid is not None else None
+        if real is not None:
+            xs = xs[real]
         # no dropping at inference, as the reference MoE
         r = route(router_logits(xs, self.moe.deepspeed_moe.gate.wg.weight), cfg.top_k, cfg.top_k > 1)
         token, choice, per_expert = group_by_expert(r, E)
-        pieces = split_load([float(c) for c in per_expert], pl.table[self.index], pl.ep, integer=True)
+        y, counts = pl.exchange(self.index, xs[token], per_expert)  # [pairs, C]: each (token, choice)'s expert output
         out = torch.zeros_like(xs)
-        loads = [0.0] * pl.ep
-        start = 0
-        for e, n in enumerate(per_expert):
-            offset = start
-            for rank, amount in pieces[e]:  # this expert's tokens, split between its holders
-                k = int(amount)
-                loads[rank] += k
-                if rank == pl.rank and k:
-                    t, c = token[offset:offset + k], choice[offset:offset + k]
-                    w1, b1, w2, b2 = pl.weights(self.index, e)
-                    y = F.linear(F.gelu(F.linear(xs[t], w1, b1)), w2, b2)
-                    out.index_add_(0, t, y * r.weights[t, c, None].to(y.dtype))
-                offset += k
-            start += n
-        if pl.ep > 1:
-            from pipeline import dist
-
-            dist.all_reduce_(out, group=pl.group)
-        pl.observe(self.index, loads)
+        out.index_add_(0, token, y * r.weights[token, choice, None].to(y.dtype))
+        if real is not None:
+            full = x.new_zeros(B * T, C)
+            full[real] = out
+            out = full
         out = out.view(B, T, C)
         if cfg.mlp_type == "residual":
             out = mix_residual(self.moe, x, out)
-        return out, r.aux.new_zeros(()), r.counts
+        return out, r.aux.new_zeros(()), counts
 
 
 def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
@@ -472,7 +589,8 @@ class Policy:
         self.table = native_table(cfg, ep)
 
     def table_for(self, kind: str, seqs) -> tuple[list | None, list | None]:
-        """Before a forward of `kind` ("prefill": one sequence's prompt; "decode": one token of each of `seqs`)."""
+        """Before a forward of `kind` ("prefill": chunks of the prompts of `seqs`; "decode": one token of each of
+        `seqs`), over every rank's rows."""
         return None, None
 
     def submitted(self, seq) -> None:

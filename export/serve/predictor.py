@@ -318,6 +318,7 @@ class PredictivePolicy(Policy):
         self.state: dict[int, object] = {}
         self.decoding: set[int] = set()  # sequences in the last decode step
         self.prefill: dict[int, tuple] = {}  # sequence id -> (table, expected, demand) of its prompt
+        self.started: set[int] = set()  # sequences whose prefill has begun (their prompt's plan was asked for)
         self.decode_plan: tuple | None = None  # (step number, table, expected, demand) for the next decode step
         self.ready = threading.Condition()
         self.step_no = 0
@@ -334,14 +335,20 @@ class PredictivePolicy(Policy):
 
     def finished(self, seq) -> None:
         # through the queue, after the request's own prompt job: the thread owns the per-request state
+        self.started.discard(seq.id)
         self.jobs.put(("finished", seq.id))
 
     def table_for(self, kind: str, seqs):
-        if kind == "prefill":
-            seq = seqs[0]
+        if kind == "prefill":  # the prompts whose first chunk this is: their predicted demand, summed
+            new = [s.id for s in seqs if s.id not in self.started]
+            self.started.update(new)
             with self.ready:
-                self.ready.wait_for(lambda: seq.id in self.prefill, timeout=self.wait_s)
-                plan = self.prefill.pop(seq.id, None)
+                self.ready.wait_for(lambda: all(i in self.prefill for i in new), timeout=self.wait_s if new else 0)
+                plans = [self.prefill.pop(i) for i in new if i in self.prefill]
+            if len(plans) > 1:
+                plan = self._plan([[sum(d) for d in zip(*layer)] for layer in zip(*(p[2] for p in plans))])
+            else:
+                plan = plans[0] if plans else None
         else:
             step = self.step_no
             self.step_no += 1

@@ -1,12 +1,14 @@
 """The serving ranks' conversation: rank 0 tells the others what to run, in typed messages.
 
-Every rank must run the same forwards (DeepSpeed's all-to-all, and the placement's all-reduce,
-join all ranks in every MoE layer). Rank 0 owns the scheduler (export/serve/engine.py); before each
-forward it broadcasts a `Forward` and the other ranks, in `follow`, run exactly that forward. Once a
-second (busy or idle) it sends a `Ping`: every rank answers with its `RankStatus` through one
-all-gather, which also finds a dead rank within the collective's timeout. `Stop` ends `follow`.
+Every rank must run the same forwards (each MoE layer's expert all-to-all joins all ranks, as do
+tensor slicing's all-reduces). Rank 0 owns the scheduler (export/serve/engine.py); each step it
+broadcasts a `Step` (the sequences admitted to each rank, then each forward's rows of every rank)
+and every rank runs its own rows of it (`Engine.follow`); on the data-parallel path the sampled
+tokens come back to rank 0 in one gather (`gather_results`). Once a second (busy or idle) rank 0
+sends a `Ping`: every rank answers with its `RankStatus` through one all-gather, which also finds a
+dead rank within the collective's timeout. `Stop` ends `follow`.
 
-Messages travel as JSON (`pipeline.dist.broadcast_json`: no pickle), tagged with their kind.
+Messages travel as JSON (`pipeline.dist.broadcast_json`, `gather_json`: no pickle), tagged with their kind.
 """
 
 from __future__ import annotations
@@ -16,18 +18,16 @@ from dataclasses import asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
-class Forward:
-    """Run one forward: `tokens` [B][T] appended to the cache `rows`, after resetting the rows in `reset`
-    (a prefill starts its row at length 0); `table`/`expect`: the replica table and experts to prefetch
-    (expert placement; None: unchanged / nothing); `last_only`: project to the vocabulary at the last
-    position only."""
+class Step:
+    """One scheduler step. `admit`: [[rank, row, sampling]] sequences that start in a row of that rank's cache
+    (its length reset to 0; sampling: temperature, top_p, logprobs, seed). `phases`: the step's forwards in
+    order, each {"kind": "prefill"|"decode", "table", "expect" (expert placement: the replica table and the
+    experts to prefetch; None: unchanged / nothing), "rows": [[rank, row, tokens, sample, score start,
+    targets]]}: append `tokens` to `row`; `sample`: sample the row's next token; score start >= 0: the
+    log-probabilities of `targets` (the prompt tokens after these) at every position (echo + logprobs)."""
 
-    rows: list[int]
-    tokens: list[list[int]]
-    reset: list[int]
-    table: list | None = None
-    expect: list | None = None
-    last_only: bool = False
+    admit: list
+    phases: list
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class Stop:
     """Leave `follow`: the server is shutting down."""
 
 
-Message = Forward | Ping | Stop
-_KINDS = {cls.__name__.lower(): cls for cls in (Forward, Ping, Stop)}
+Message = Step | Ping | Stop
+_KINDS = {cls.__name__.lower(): cls for cls in (Step, Ping, Stop)}
 
 
 def encode(message: Message) -> dict:
@@ -69,6 +69,13 @@ def receive() -> Message:
     from pipeline import dist
 
     return decode(dist.broadcast_json(None))
+
+
+def gather_results(mine: list[dict]) -> list[list[dict]]:
+    """Collective: every rank's results of a step (export/serve/engine.py `Worker.execute`), in rank order."""
+    from pipeline import dist
+
+    return dist.gather_json(mine)
 
 
 # -- status ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """`moe-pipeline serve`: start the engine on every rank, the HTTP server on rank 0, shut down cleanly.
 
     moe-pipeline serve runs/tiny/package                       # 1 rank, 127.0.0.1:8000
-    moe-pipeline serve runs/tiny/package --ep-size 2           # 2 ranks, experts split between them
+    moe-pipeline serve runs/tiny/package --ep-size 2           # 2 ranks, each its own sequences, experts split
     moe-pipeline serve runs/tiny/package --nproc 2 --tp-size 2 # dense part tensor-sliced over 2 ranks
     moe-pipeline serve runs/tiny/package --nproc 4 --ep-size 2 # more ranks than experts per group: expert slicing
     moe-pipeline serve runs/tiny/package --port 0 --smoke 'And God said'   # one completion, printed, then exit
@@ -131,10 +131,15 @@ def serve(config: ServeConfig) -> int:
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     http.start()
     layout = engine.model.layout.describe() if getattr(engine.model, "layout", None) else f"{ranks.world} rank(s)"
+    if engine.dp > 1:
+        layout += f", data parallel {engine.dp}: each rank its own sequences"
+    elif ranks.world > 1:
+        layout += ", one data-parallel group: every rank runs the same sequences"
     if engine.policy is not None:
         layout += (f", placement {engine.policy.name} (replica budget {config.replica_budget}: {engine.policy.slots} "
                    f"replica(s) per rank; {config.resident_experts:g} of the experts resident)")
-    print(f"[serve] {name} on http://{host}:{port} ({layout}; up to {config.max_batch} sequences per step)", flush=True)
+    print(f"[serve] {name} on http://{host}:{port} ({layout}; up to {config.max_batch} sequences and "
+          f"{config.max_batched_tokens} tokens per rank per step)", flush=True)
     if config.smoke is not None:
         threading.Thread(target=_smoke, args=(server, f"http://{host}:{port}", config.smoke, config.api_key),
                          name="smoke", daemon=True).start()

@@ -1,0 +1,97 @@
+"""Data-parallel serving (issue 15): each rank its own sequences, tokens crossing ranks only in the expert
+all-to-all, batched and chunked prefill; the same greedy tokens as 1 rank. Real 2-rank runs (DeepSpeed's
+launcher, gloo) of tests/workers/dp_engine.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, child_env, cli
+from pipeline.dist import free_port
+
+pytestmark = pytest.mark.slow
+WORKER = "tests/workers/dp_engine.py"
+
+
+@pytest.fixture(scope="module")
+def package(small_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp") / "pkg"
+    cli("export", str(small_run), "--out", str(out))
+    cli("predictor", "train", str(out), "--train-blocks", "200", "--val-blocks", "40", "--steps", "100")
+    return out
+
+
+def scenarios(pkg, out, placement: str = "-", ranks: int = 1) -> dict:
+    launcher = [sys.executable] if ranks == 1 else \
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+         "--no_local_rank"]
+    proc = subprocess.run([*launcher, WORKER, str(pkg), str(out), placement], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def one_rank(package, tmp_path_factory):
+    return scenarios(package, tmp_path_factory.mktemp("dp1") / "out.json")
+
+
+def greedy_alone(pkg, text: str, n: int) -> list[int]:
+    """The model's greedy tokens by full forwards, no cache, no batching, no chunking: the reference."""
+    from export.inference import load_package
+
+    model, tok = load_package(pkg)
+    seq = tok.encode(text)
+    start = len(seq)
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+            if t == tok.eos_token_id:
+                break
+            seq.append(t)
+    return seq[start:]
+
+
+def tokens(requests: list[dict]) -> list[list[int]]:
+    return [r["tokens"] for r in requests]
+
+
+def test_one_rank_batched_and_chunked_prefill_keep_every_requests_tokens(one_rank, package):
+    from workers.dp_engine import LONG
+
+    burst = one_rank["burst"]
+    assert tokens(burst["batched"]) == tokens(burst["single"])
+    assert burst["batched_prefill_forwards"] == 2  # 6 prompts, 4 rows: 4 in one forward, then 2
+    chunked = one_rank["chunked"]
+    assert chunked["prefill_forwards"] >= chunked["long_prompt_tokens"] // 8
+    assert chunked["requests"][1]["tokens"] == greedy_alone(package, LONG, 10)
+    scored = one_rank["scored"]
+    assert scored["chunked"][0] is None and scored["chunked"][1:] == pytest.approx(scored["whole"][1:], abs=1e-5)
+    assert scored["chunked_top"] == scored["whole_top"] and scored["tokens"][0] == scored["tokens"][1]
+    assert one_rank["free"] == [[0, 1, 2, 3]] and one_rank["stats"]["failed"] == 0
+
+
+@pytest.mark.parametrize("placement", ["-", "reactive", "predictive"])
+def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tmp_path, placement):
+    two = scenarios(package, tmp_path / "out.json", placement, ranks=2)
+    assert two["dp"] == 2
+    for name in ("staggered", "chunked"):
+        assert tokens(two[name]["requests"]) == tokens(one_rank[name]["requests"]), name
+    # the sequences really were split between the ranks, and one rank sat with no rows while the other decoded
+    assert {r["rank"] for r in two["staggered"]["requests"]} == {0, 1}
+    assert two["staggered"]["alone_steps"] >= 1
+    # 6 prompts on 2 x 4 rows: one batched prefill forward; one at a time gives the same tokens
+    assert two["burst"]["batched_prefill_forwards"] == 1
+    assert tokens(two["burst"]["batched"]) == tokens(two["burst"]["single"]) == tokens(one_rank["burst"]["batched"])
+    assert two["scored"]["chunked"][1:] == pytest.approx(one_rank["scored"]["whole"][1:], abs=1e-5)
+    # the load each rank's experts took is measured in the all-to-all: both ranks worked in every MoE layer
+    assert all(min(layer) > 0 for layer in two["rank_expert_tokens"])
+    assert sum(two["rank_expert_tokens"][0]) == sum(one_rank["rank_expert_tokens"][0])
+    assert two["free"] == [[0, 1, 2, 3], [0, 1, 2, 3]] and two["stats"]["failed"] == 0
+    if placement != "-":
+        assert all(0 < b <= 1 for b in two["placement_balancedness"])

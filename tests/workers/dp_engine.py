@@ -1,0 +1,112 @@
+"""Worker for tests/test_dp_serving.py: the serving engine's scenarios at the launcher's world size.
+
+    python tests/workers/dp_engine.py PKG OUT.json [none|reactive|predictive|-]                  # 1 rank
+    deepspeed --num_gpus 2 tests/workers/dp_engine.py PKG OUT.json [none|reactive|predictive|-]  # data parallel + EP 2
+
+Rank 0 schedules (export/serve/engine.py) and writes, per scenario, every request's greedy tokens, the
+rank that held it, and the engine's counters; the other ranks follow its steps. Scenarios:
+  * staggered: requests arriving between steps (one decodes alone first: the other rank has no rows);
+  * burst: 6 prompts at once (one batched prefill forward) and the same prompts one at a time;
+  * chunked: a long prompt under a step budget of 8 tokens (prefilled in chunks) next to a decoding one;
+  * scored: echo + logprobs of a prompt chunked over several steps.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from export.serve.config import ServeConfig
+from export.serve.engine import Engine, SamplingParams
+from pipeline import dist
+
+PROMPTS = ["And God said", "To be, or not to be, that is the question:", "The LORD is my shepherd; I shall not want.",
+           "In the beginning", "Friends, Romans, countrymen, lend me your ears", "Blessed are the meek"]
+LONG = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
+        "darkness was upon the face of the deep.")
+
+
+def run(engine: Engine, seqs) -> None:
+    while not all(s.finished for s in seqs):
+        engine.step()
+
+
+def record(seqs) -> list[dict]:
+    return [{"tokens": s.generated, "rank": s.rank, "reason": s.finish_reason, "text": s.text} for s in seqs]
+
+
+def scenarios(engine: Engine) -> dict:
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0)  # noqa: E731
+    enc = engine.encode
+    out = {}
+    # staggered arrivals; `alone`: steps where some rank held no running sequence while another decoded
+    alone = 0
+    seqs = [engine.submit(enc(PROMPTS[0]), greedy(12))]
+    for _ in range(2):
+        engine.step()
+        alone += len({s.rank for s in engine.running}) < engine.dp
+    seqs.append(engine.submit(enc(PROMPTS[1]), greedy(9)))
+    engine.step()
+    seqs += [engine.submit(enc(PROMPTS[2]), greedy(11)), engine.submit(enc(PROMPTS[3]), greedy(7))]
+    run(engine, seqs)
+    out["staggered"] = {"requests": record(seqs), "alone_steps": alone}
+    # a burst prefilled in one forward, then the same prompts one at a time
+    before = engine.stats["prefill_forwards"]
+    burst = [engine.submit(enc(p), greedy(8)) for p in PROMPTS]
+    run(engine, burst)
+    batched_forwards = engine.stats["prefill_forwards"] - before
+    single = []
+    for p in PROMPTS:
+        single.append(engine.submit(enc(p), greedy(8)))
+        run(engine, single[-1:])
+    out["burst"] = {"batched": record(burst), "single": record(single), "batched_prefill_forwards": batched_forwards}
+    # a prompt longer than the step budget, chunked while another request decodes
+    budget = engine.max_batched_tokens
+    engine.max_batched_tokens = 8
+    before = engine.stats["prefill_forwards"]
+    seqs = [engine.submit(enc(PROMPTS[0]), greedy(20))]
+    engine.step()
+    seqs.append(engine.submit(enc(LONG), greedy(10)))
+    run(engine, seqs)
+    out["chunked"] = {"requests": record(seqs), "prefill_forwards": engine.stats["prefill_forwards"] - before,
+                      "long_prompt_tokens": len(enc(LONG))}
+    # echo + logprobs over the chunks
+    scored = engine.submit(enc(LONG), SamplingParams(max_tokens=2, temperature=0, echo=True, logprobs=2))
+    run(engine, [scored])
+    engine.max_batched_tokens = budget
+    whole = engine.submit(enc(LONG), SamplingParams(max_tokens=2, temperature=0, echo=True, logprobs=2))
+    run(engine, [whole])
+    out["scored"] = {"chunked": scored.prompt_logprobs, "whole": whole.prompt_logprobs,
+                     "chunked_top": [sorted(t) if t else None for t in scored.prompt_top],
+                     "whole_top": [sorted(t) if t else None for t in whole.prompt_top],
+                     "tokens": [scored.generated, whole.generated]}
+    out["stats"] = dict(engine.stats)
+    out["rank_expert_tokens"] = engine.rank_expert_tokens()
+    out["free"] = [sorted(f) for f in engine.free]
+    out["dp"] = engine.dp
+    if engine.placement is not None:
+        out["placement_balancedness"] = engine.placement.balancedness()
+        out["table_changes"] = engine.placement.stats.table_changes
+    return out
+
+
+def main() -> None:
+    pkg, path = Path(sys.argv[1]), Path(sys.argv[2])
+    placement = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+    ranks = dist.init()
+    config = ServeConfig(package=pkg, ep_size=ranks.world if ranks.world > 1 else None, placement=placement,
+                         replica_budget=0.5, max_batch=4, checksums=False)
+    engine = Engine.from_config(config, ranks)
+    if ranks.rank != 0:
+        engine.follow()
+        return
+    try:
+        result = scenarios(engine)
+    finally:
+        engine.stop_followers()
+        if engine.policy is not None:
+            engine.policy.close()
+    path.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
