@@ -10,8 +10,9 @@ expert parallelism, tensor slicing and expert slicing (DeepSpeed-MoE). The one p
     moe-pipeline serve PKG --nproc 2 --tp-size 2      # + the dense part (attention, dense and residual MLPs) sliced
     moe-pipeline serve PKG --nproc 4 --ep-size 2      # more ranks than the expert-parallel degree: expert slicing
 
-Every rank runs the same forwards on the same tokens (the runtime's rank 0 broadcasts them). The
-layouts, as DeepSpeed-MoE's inference system describes them:
+Every rank runs the same forwards on the same tokens (`moe-pipeline eval` on several ranks, and the serving
+runtime's tensor- and expert-sliced layouts; its data-parallel layout, each rank its own sequences, is
+export/serve/placement.py's). The layouts, as DeepSpeed-MoE's inference system describes them:
 
   * expert parallelism: a layer's experts are split over `ep` consecutive ranks; DeepSpeed's MoE
     layer sends every token to the rank of its expert (all-to-all) and back;

@@ -147,6 +147,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens each rank runs in one step, decode tokens first, then prompt chunks: a longer "
                         f"prompt is prefilled in chunks over several steps (default {d['max_batched_tokens']}; "
                         f"at least --max-batch)")
+    p.add_argument("--expert-exchange", choices=["auto", "all-to-all", "all-reduce"], default=quiet,
+                   help="data parallel: how tokens reach their experts' ranks. all-to-all: DeepSpeed comm's "
+                        "variable-split all_to_all_single (each rank receives only its tokens); all-reduce: two "
+                        "low-latency all-reduces of every rank's routed tokens (DeepSpeed's shared-memory kernel, "
+                        "for the ranks of one CPU machine); auto (default): all-reduce there, else all-to-all")
     p.add_argument("--max-prefill-seqs", type=_positive_int, default=quiet,
                    help="prompts prefilled together in one forward on a rank (default: every prompt chunk the step's "
                         "token budget takes, in one padded batch; 1: each prompt its own forward)")

@@ -26,11 +26,11 @@ def package(small_run, tmp_path_factory):
     return out
 
 
-def scenarios(pkg, out, placement: str = "-", ranks: int = 1) -> dict:
+def scenarios(pkg, out, placement: str = "-", ranks: int = 1, exchange: str = "auto") -> dict:
     launcher = [sys.executable] if ranks == 1 else \
         [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
          "--no_local_rank"]
-    proc = subprocess.run([*launcher, WORKER, str(pkg), str(out), placement], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([*launcher, WORKER, str(pkg), str(out), placement, exchange], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -76,10 +76,12 @@ def test_one_rank_batched_and_chunked_prefill_keep_every_requests_tokens(one_ran
     assert one_rank["free"] == [[0, 1, 2, 3]] and one_rank["stats"]["failed"] == 0
 
 
-@pytest.mark.parametrize("placement", ["-", "reactive", "predictive"])
-def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tmp_path, placement):
-    two = scenarios(package, tmp_path / "out.json", placement, ranks=2)
-    assert two["dp"] == 2
+@pytest.mark.parametrize("placement, exchange", [("-", "all-to-all"), ("-", "auto"), ("reactive", "auto"),
+                                                ("predictive", "all-to-all")])
+def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tmp_path, placement, exchange):
+    """Both exchanges (all-to-all; auto: DeepSpeed's shared-memory all-reduce on this CPU machine)."""
+    two = scenarios(package, tmp_path / "out.json", placement, ranks=2, exchange=exchange)
+    assert two["dp"] == 2 and two["exchange"] == ("all-reduce" if exchange == "auto" else exchange)
     for name in ("staggered", "chunked"):
         assert tokens(two[name]["requests"]) == tokens(one_rank[name]["requests"]), name
     # the sequences really were split between the ranks, and one rank sat with no rows while the other decoded

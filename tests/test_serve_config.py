@@ -62,4 +62,5 @@ def test_rank_messages_survive_the_json_trip():
     assert ranks.gather_results([{"row": 0, "token": 5}]) == [[{"row": 0, "token": 5}]]  # one rank: its own
     status = ranks.gather_status(0, 7)  # one rank: its own row
     assert [(s.rank, s.forwards) for s in status] == [(0, 7)] and status[0].rss_mib > 0
-    assert set(status[0].to_dict()) == {"rank", "pid", "forwards", "rss_mib"}  # no placement: no placement fields
+    assert set(status[0].to_dict()) == {"rank", "pid", "forwards", "rss_mib", "forward_s", "expert_s",
+                                        "exchange_s"}  # no placement: no placement fields

@@ -40,6 +40,9 @@ class ServeConfig(BaseModel):
     max_batch: int = Field(32, ge=1)  # sequences each rank decodes together
     max_batched_tokens: int = Field(2048, ge=1)  # tokens each rank runs in a step (decode first, then prompt chunks)
     max_prefill_seqs: int | None = Field(None, ge=1)  # prompts per prefill forward on a rank; None: all the step takes
+    # the data-parallel path's expert exchange: auto (all-reduce through DeepSpeed's shared memory on one CPU machine,
+    # else all-to-all), all-to-all (variable splits, DeepSpeed's comm), all-reduce
+    expert_exchange: Literal["auto", "all-to-all", "all-reduce"] = "auto"
     max_waiting: int | None = Field(None, ge=1)  # sequences waiting for a slot before new ones get 429; None: 4 x max_batch
     max_prompts: int = Field(256, ge=1)  # prompts in one request (lm-eval's batched local-completions sends many)
     max_body_bytes: int = Field(1 << 20, ge=1)  # larger request bodies get 413

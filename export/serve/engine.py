@@ -362,6 +362,7 @@ class Worker:
                                heads=model.blocks[0].attn.num_heads)
         self.rows: dict[int, RowState] = {}
         self.forwards = 0
+        self.forward_s = 0.0  # seconds in forwards since start (model, projection, sampling)
         self.placement = getattr(model, "placement", None)  # the data-parallel path's experts and exchange
         self.counts: list = []  # per forward of the last step: (expert counts, per-rank loads or None)
 
@@ -379,12 +380,14 @@ class Worker:
             items = [it for it in phase["rows"] if it[0] == self.rank]
             if self.placement is not None:
                 self.placement.apply(phase.get("table"), phase.get("expect"))
+            t0 = time.perf_counter()
             try:
                 results += self._phase(items)
             except Exception as err:  # noqa: BLE001
                 if not self.single:
                     raise  # the other ranks may be inside this forward's collectives: the engine cannot go on
                 results += [{"row": it[1], "error": f"{type(err).__name__}: {err}"} for it in items]
+            self.forward_s += time.perf_counter() - t0
         return results
 
     @torch.no_grad()
@@ -520,7 +523,7 @@ class Engine:
             from export.serve.placement import placed_model
 
             model = placed_model(verified.cfg, config.package, ranks, package_dtype(verified.manifest, config.dtype),
-                                 config.resident_experts, files=verified.files)
+                                 config.resident_experts, files=verified.files, transport=config.expert_exchange)
             tok = read_tokenizer(config.package, verified.files)
         engine = cls(model, tok, max_batch=config.max_batch, ranks=ranks, max_batched_tokens=config.max_batched_tokens,
                      data_parallel=dp, placed=config.placement is not None, max_prefill_seqs=config.max_prefill_seqs)
@@ -767,7 +770,8 @@ class Engine:
         self.rank_status_at = time.time()
 
     def _status(self) -> list[rank_msgs.RankStatus]:
-        return rank_msgs.gather_status(self.ranks.rank if self.ranks else 0, self.worker.forwards, self.placement)
+        return rank_msgs.gather_status(self.ranks.rank if self.ranks else 0, self.worker.forwards, self.placement,
+                                       self.worker.forward_s, self.worker.placement)
 
     def stop_followers(self) -> None:
         rank_msgs.send(rank_msgs.Stop())

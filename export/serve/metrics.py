@@ -54,6 +54,8 @@ class ServeMetrics:
                                    "start", registry=reg)
         self.late = Gauge("moe_predictor_late_steps", "with --placement predictive: decode steps whose predicted "
                           "table was not ready in time (the one in force was kept)", registry=reg)
+        self.predictor_cpu = Gauge("moe_predictor_cpu_seconds", "with --placement predictive: CPU seconds of the "
+                                   "predictor's thread since start (it shares rank 0's cores)", registry=reg)
         self.engine_tokens = Gauge("moe_engine_generated_tokens", "tokens the engine generated since start, for "
                                    "every request (aborted and failed ones included)", registry=reg)
         self.engine_failed = Gauge("moe_engine_failed_requests", "requests that failed alone (an error serving "
@@ -113,3 +115,4 @@ class ServeMetrics:
             self.table_changes.set(pl.stats.table_changes)
         if hasattr(engine.policy, "late"):
             self.late.set(engine.policy.late)
+            self.predictor_cpu.set(engine.policy.cpu_s)

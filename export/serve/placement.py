@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,10 @@ from pipeline.model import (GPT, MLP, Gate, ModelConfig, expert_key, group_by_ex
                             split_expert_key)
 
 POLICIES = ("none", "reactive", "predictive")
+# how the expert exchange moves tokens: a variable-split all-to-all (each rank receives only its tokens: the GPU
+# path), or two low-latency all-reduces of every rank's routed tokens (DeepSpeed's shared-memory kernel between
+# the ranks of one CPU machine, ~100x gloo's latency per call here: benchmarks/moe_exchange_bench.py)
+TRANSPORTS = ("all-to-all", "all-reduce")
 EXPERT_PARTS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
 
@@ -282,14 +287,18 @@ class PlacementStats:
     # token-weighted as above
     step_sum: float = 0.0
     step_weight: float = 0.0
+    expert_s: float = 0.0  # seconds this rank computed experts
+    exchange_s: float = 0.0  # seconds in the exchange's collectives (the transfers, and waiting for the other ranks)
 
 
 class Placement:
     """One rank's side: the replica table in force, the resident experts, and what it observed."""
 
     def __init__(self, cfg: ModelConfig, store: ExpertStore, rank: int, world: int, resident_fraction: float = 1.0,
-                 group=None):
-        self.cfg, self.store, self.rank, self.ep, self.group = cfg, store, rank, world, group
+                 transport: str = "all-to-all"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"--expert-exchange {transport!r}: one of {', '.join(TRANSPORTS)}")
+        self.cfg, self.store, self.rank, self.ep, self.transport = cfg, store, rank, world, transport
         self.table = native_table(cfg, world)
         self.native = [{e for e in range(n) if native_rank(e, n, world) == rank} for n in cfg.experts]
         self.resident_fraction = resident_fraction
@@ -394,7 +403,10 @@ class Placement:
         else:
             from pipeline import dist
 
-            counts = [[int(c) for c in row] for row in dist.gather_numbers(per_expert)]  # [rank][expert]
+            t0 = time.perf_counter()
+            gather = dist.gather_rows if self.transport == "all-reduce" else dist.gather_numbers
+            counts = [[int(c) for c in row] for row in gather(per_expert)]  # [rank][expert]
+            self.stats.exchange_s += time.perf_counter() - t0
         send = route_pairs(counts, self.table[layer], world)  # [src][dst][expert] pairs
         loads = [sum(sum(send[s][h]) for s in range(world)) for h in range(world)]
         self._loads[layer] = loads
@@ -421,18 +433,57 @@ class Placement:
                              dtype=torch.long, device=xs.device)
         in_splits = [sum(send[me][h]) for h in range(world)]
         out_splits = [sum(send[s][me]) for s in range(world)]
+        sizes = [[send[s][me][e] for e in range(E)] for s in range(world)]
+        if self.transport == "all-reduce":
+            return self._exchange_by_reduce(layer, xs, order, send, sizes), total
         got = xs.new_empty(sum(out_splits), xs.shape[1])
+        t0 = time.perf_counter()
         dist.all_to_all_(got, xs[order].contiguous(), out_splits, in_splits)
-        done = self._run_experts(layer, got, [[send[s][me][e] for e in range(E)] for s in range(world)])
+        t1 = time.perf_counter()
+        done = self._run_experts(layer, got, sizes)
         back = xs.new_empty(len(order), xs.shape[1])
+        t2 = time.perf_counter()
         dist.all_to_all_(back, done, in_splits, out_splits)
+        self.stats.exchange_s += (t1 - t0) + (time.perf_counter() - t2)
         y = torch.empty_like(xs)
         y[order] = back
         return y, total
 
+    def _exchange_by_reduce(self, layer: int, xs: torch.Tensor, order: torch.Tensor, send, sizes) -> torch.Tensor:
+        """The exchange as two all-reduces of one table of every rank's routed tokens: rank s writes its rows (in
+        (destination, expert) order) at its offset, the others' rows are zeros, the sum is everybody's rows;
+        each rank takes the blocks sent to it, computes, and writes its outputs where those rows were for the
+        way back. Exact (x + 0 = x in every dtype)."""
+        from pipeline import dist
+
+        world, me = self.ep, self.rank
+        sent = [sum(sum(send[s][h]) for h in range(world)) for s in range(world)]  # rows each rank sends
+        start = [sum(sent[:s]) for s in range(world)]
+        mine = [start[s] + sum(sum(send[s][h]) for h in range(me)) for s in range(world)]  # where my blocks lie
+        n_in = [sum(send[s][me]) for s in range(world)]
+        table = xs.new_zeros(sum(sent), xs.shape[1])
+        table[start[me]:start[me] + sent[me]] = xs[order]
+        t0 = time.perf_counter()
+        dist.fast_all_reduce_(table)
+        t1 = time.perf_counter()
+        got = torch.cat([table[mine[s]:mine[s] + n_in[s]] for s in range(world)])
+        done = self._run_experts(layer, got, sizes)
+        back = torch.zeros_like(table)
+        pos = 0
+        for s in range(world):
+            back[mine[s]:mine[s] + n_in[s]] = done[pos:pos + n_in[s]]
+            pos += n_in[s]
+        t2 = time.perf_counter()
+        dist.fast_all_reduce_(back)
+        self.stats.exchange_s += (t1 - t0) + (time.perf_counter() - t2)
+        y = torch.empty_like(xs)
+        y[order] = back[start[me]:start[me] + sent[me]]
+        return y
+
     def _run_experts(self, layer: int, got: torch.Tensor, sizes: list[list[int]]) -> torch.Tensor:
         """Each expert once over the tokens it received: `got` holds, for each source rank in order, `sizes[src][e]`
         tokens of each expert e in order; outputs in the same order."""
+        t0 = time.perf_counter()
         E = len(sizes[0])
         offsets, pos = [], 0
         for row in sizes:
@@ -457,6 +508,7 @@ class Placement:
                 out[idx[0]:idx[0] + idx[1]] = y
             else:
                 out[where] = y
+        self.stats.expert_s += time.perf_counter() - t0
         return out
 
     def last_loads(self) -> list[list[int]]:
@@ -545,7 +597,7 @@ class PlacedMoE(nn.Module):
 
 
 def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
-                 files: dict | None = None) -> GPT:
+                 files: dict | None = None, transport: str = "auto") -> GPT:
     """The model with `PlacedMoE` layers on this rank: every rank holds the dense part and the gates;
     experts come from its `Placement` (its native experts, resident or mapped, plus replicas).
     Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
@@ -560,7 +612,10 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
         if n % ranks.world:
             raise ValueError(f"--placement on {ranks.world} ranks: every MoE layer's experts {list(cfg.experts)} must "
                              f"divide evenly; choose --nproc accordingly")
-    placement = Placement(cfg, ExpertStore(src, cfg, dtype, files), ranks.rank, ranks.world, resident_fraction)
+    if transport == "auto":
+        transport = "all-reduce" if ranks.world > 1 and dist.shared_memory_reduce() else "all-to-all"
+    placement = Placement(cfg, ExpertStore(src, cfg, dtype, files), ranks.rank, ranks.world, resident_fraction,
+                          transport)
     model = meta_model(cfg)
     model.to_empty(device="cpu")
     for i, block in enumerate(b for b in model.blocks if b.is_moe):

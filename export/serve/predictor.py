@@ -325,6 +325,7 @@ class PredictivePolicy(Policy):
         self.recall_sum = [0.0] * len(cfg.experts)
         self.recall_n = 0
         self.late = 0  # decode steps whose table was not ready in time (the previous one was used)
+        self.cpu_s = 0.0  # CPU seconds of the predictor's thread (it shares rank 0's cores)
         self._pending_demand: list | None = None
         self.thread = threading.Thread(target=self._run, name="predictor", daemon=True)
         self.thread.start()
@@ -395,6 +396,7 @@ class PredictivePolicy(Policy):
             job = self.jobs.get()
             if job is None:
                 return
+            t0 = time.thread_time()
             try:
                 if job[0] == "prompt":
                     self._prompt(*job[1:])
@@ -404,6 +406,7 @@ class PredictivePolicy(Policy):
                     self._step(*job[1:])
             except Exception as err:  # noqa: BLE001 - a failed prediction falls back to the current table
                 print(f"[predictor] {type(err).__name__}: {err}", flush=True)
+            self.cpu_s += time.thread_time() - t0
 
     def _forget(self, sid: int) -> None:
         """A finished request's SRU state and its prefill plan if it was never used (it came too late, or the

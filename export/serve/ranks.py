@@ -92,27 +92,36 @@ class RankStatus:
     native_expert_bytes: int | None = None
     replica_bytes: int | None = None
     native_expert_bytes_all_resident: int | None = None
+    # seconds since start: in forwards (model, vocabulary projection, sampling), computing experts, and in the
+    # expert exchange's collectives (transfers and waiting for the other ranks); busy = forward - exchange
+    forward_s: float = 0.0
+    expert_s: float = 0.0
+    exchange_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def gather_status(rank: int, forwards: int, placement=None) -> list[RankStatus]:
+def gather_status(rank: int, forwards: int, placement=None, forward_s: float = 0.0, exchange=None) -> list[RankStatus]:
     """Collective: every rank's status, gathered as numbers (one float64 row per rank, on the accelerator's device:
-    `pipeline.dist.gather_numbers`)."""
+    `pipeline.dist.gather_numbers`). `placement`: with --placement, its side on this rank; `exchange`: the
+    data-parallel path's expert exchange (timings)."""
     from pipeline import dist
 
     pl = placement
     held = pl.resident_bytes() if pl is not None else {"native": 0, "replicas": 0, "native_full": 0}
+    ex = exchange.stats if exchange is not None else None
     rows = dist.gather_numbers([rank, os.getpid(), forwards, rss_mib(), pl.stats.hits if pl else 0,
-                                pl.stats.misses if pl else 0, held["native"], held["replicas"], held["native_full"]])
+                                pl.stats.misses if pl else 0, held["native"], held["replicas"], held["native_full"],
+                                forward_s, ex.expert_s if ex else 0.0, ex.exchange_s if ex else 0.0])
     out = []
     for r in rows:
         extra = {}
         if pl is not None:
             extra = dict(expert_hits=int(r[4]), expert_misses=int(r[5]), native_expert_bytes=int(r[6]),
                          replica_bytes=int(r[7]), native_expert_bytes_all_resident=int(r[8]))
-        out.append(RankStatus(int(r[0]), int(r[1]), int(r[2]), round(float(r[3]), 1), **extra))
+        out.append(RankStatus(int(r[0]), int(r[1]), int(r[2]), round(float(r[3]), 1), **extra,
+                              forward_s=round(r[9], 4), expert_s=round(r[10], 4), exchange_s=round(r[11], 4)))
     return out
 
 

@@ -1,7 +1,9 @@
 """Worker for tests/test_dp_serving.py: the serving engine's scenarios at the launcher's world size.
 
-    python tests/workers/dp_engine.py PKG OUT.json [none|reactive|predictive|-]                  # 1 rank
-    deepspeed --num_gpus 2 tests/workers/dp_engine.py PKG OUT.json [none|reactive|predictive|-]  # data parallel + EP 2
+    python tests/workers/dp_engine.py PKG OUT.json [none|reactive|predictive|-] [EXCHANGE]                  # 1 rank
+    deepspeed --num_gpus 2 tests/workers/dp_engine.py PKG OUT.json [none|reactive|predictive|-] [EXCHANGE]  # DP + EP 2
+
+EXCHANGE: --expert-exchange (auto, all-to-all, all-reduce).
 
 Rank 0 schedules (export/serve/engine.py) and writes, per scenario, every request's greedy tokens, the
 rank that held it, and the engine's counters; the other ranks follow its steps. Scenarios:
@@ -83,6 +85,7 @@ def scenarios(engine: Engine) -> dict:
     out["rank_expert_tokens"] = engine.rank_expert_tokens()
     out["free"] = [sorted(f) for f in engine.free]
     out["dp"] = engine.dp
+    out["exchange"] = engine.worker.placement.transport if engine.worker.placement is not None else None
     if engine.placement is not None:
         out["placement_balancedness"] = engine.placement.balancedness()
         out["table_changes"] = engine.placement.stats.table_changes
@@ -92,9 +95,10 @@ def scenarios(engine: Engine) -> dict:
 def main() -> None:
     pkg, path = Path(sys.argv[1]), Path(sys.argv[2])
     placement = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+    exchange = sys.argv[4] if len(sys.argv) > 4 else "auto"
     ranks = dist.init()
     config = ServeConfig(package=pkg, ep_size=ranks.world if ranks.world > 1 else None, placement=placement,
-                         replica_budget=0.5, max_batch=4, checksums=False)
+                         replica_budget=0.5, max_batch=4, checksums=False, expert_exchange=exchange)
     engine = Engine.from_config(config, ranks)
     if ranks.rank != 0:
         engine.follow()

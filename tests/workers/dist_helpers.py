@@ -1,0 +1,51 @@
+"""Worker for tests/test_dist.py: pipeline/dist.py's collective helpers on the launcher's ranks.
+
+    deepspeed --num_gpus 2 tests/workers/dist_helpers.py OUT.json
+
+Each rank checks what it received and rank 0 writes every check's outcome: broadcast_json (a message
+in one broadcast, and one past BROADCAST_BYTES), gather_json of different sizes, gather_rows, the
+low-latency all-reduce (fp32, bf16; float64 refused), all_to_all_ with uneven and empty splits.
+"""
+
+import json
+import sys
+
+import torch
+
+from pipeline import dist
+
+ranks = dist.init()
+r, w = ranks.rank, ranks.world
+checks = {}
+small = {"step": [1, 2, 3], "text": "é"}
+checks["broadcast_small"] = dist.broadcast_json(small if r == 0 else None) == small
+big = {"rows": list(range(6000))}  # ~30 KB of JSON: two broadcasts
+checks["broadcast_big"] = dist.broadcast_json(big if r == 0 else None) == big
+mine = {"rank": r, "tokens": list(range(r * 500))}
+checks["gather_json"] = dist.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
+checks["gather_rows"] = dist.gather_rows([r, 7, 2 ** 20 + r]) == [[i, 7, 2 ** 20 + i] for i in range(w)]
+for dtype in (torch.float32, torch.bfloat16):
+    t = torch.full((33, 5), float(r + 1), dtype=dtype)
+    checks[f"fast_all_reduce_{dtype}"] = bool((dist.fast_all_reduce_(t) == w * (w + 1) / 2).all())
+try:
+    dist.fast_all_reduce_(torch.zeros(3, dtype=torch.float64))
+    checks["float64_refused"] = False
+except ValueError:
+    checks["float64_refused"] = True
+# rank r sends r + 1 + d rows to rank d (rank 0 sends nothing to itself when d == 0 and r == 0 is 1 row: uneven)
+send = [0 if (r == 0 and d == 1) else r + 1 + d for d in range(w)]
+recv = [0 if (s == 0 and r == 1) else s + 1 + r for s in range(w)]
+x = torch.cat([torch.full((n, 4), float(10 * r + d)) for d, n in enumerate(send)])
+y = torch.empty(sum(recv), 4)
+dist.all_to_all_(y, x, recv, send)
+want = torch.cat([torch.full((n, 4), float(10 * s + r)) for s, n in enumerate(recv)])
+checks["all_to_all_uneven"] = bool(torch.equal(y, want))
+empty = torch.empty(0, 4)
+dist.all_to_all_(torch.empty(0, 4), empty, [0] * w, [0] * w)
+checks["all_to_all_empty"] = True
+checks["shared_memory"] = dist.shared_memory_reduce()
+everyone = dist.gather_json(checks)
+if r == 0:
+    with open(sys.argv[1], "w") as fh:
+        json.dump(everyone, fh)
+dist.barrier()
