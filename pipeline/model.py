@@ -153,13 +153,20 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.dropout = cfg.dropout
 
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three projections; `fused` (set by the CPU serving runtime, export/serve/packed.py): one [3C', C] product
+        instead, whose output is split (a third of the weight reads' calls)."""
+        fused = self.__dict__.get("fused")
+        if fused is not None:
+            return fused(x).chunk(3, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x: torch.Tensor, cache: Cache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         H = self.num_heads
         # [B, T, C] -> [B, H, T, C/H]
         # (head width spelled out, not -1: a rank with no rows this step runs B = 0)
-        q, k, v = (proj(x).view(B, T, H, proj.weight.shape[0] // H).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (y.view(B, T, H, y.shape[-1] // H).transpose(1, 2) for y in self.qkv(x))
         past, mask = 0, None
         if cache is not None:
             past = cache.length

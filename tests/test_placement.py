@@ -174,3 +174,23 @@ def test_a_package_file_changed_under_offloaded_experts_fails_requests_not_the_s
     assert {r.finish_reason for r in reqs} == {"error"}
     assert all("changed since it was verified" in r.text for r in reqs)
     assert eng.stats["failed"] == 3 and not eng.running and sorted(eng.free[0]) == list(range(eng.max_batch))
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_serving_route_is_the_models_route(top_k):
+    """export/serve/placement.py's lean routing (no balancing loss, no capacity) gives what pipeline/model.py's
+    route + group_by_expert give at inference, pair for pair."""
+    import torch
+
+    from export.serve.placement import serving_route
+    from pipeline.model import group_by_expert, route, router_logits
+
+    g = torch.Generator().manual_seed(top_k)
+    xs, wg = torch.randn(37, 16, generator=g), torch.randn(6, 16, generator=g)
+    r = route(router_logits(xs, wg), top_k, top_k > 1)
+    token, choice, per_expert = group_by_expert(r, 6)
+    weights, t2, c2, p2 = serving_route(xs, wg, top_k, 6)
+    assert torch.equal(token, t2) and torch.equal(choice, c2) and per_expert == p2
+    torch.testing.assert_close(weights, r.weights)
+    empty = serving_route(xs[:0], wg, top_k, 6)
+    assert empty[1].numel() == 0 and empty[3] == [0] * 6

@@ -52,8 +52,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.model import (GPT, MLP, Gate, ModelConfig, expert_key, group_by_expert, mix_residual, route, router_logits,
-                            split_expert_key)
+from export.serve.packed import linear, maybe_packed, pack_linears
+from pipeline.model import GPT, MLP, Gate, ModelConfig, expert_key, mix_residual, router_logits, split_expert_key
 
 POLICIES = ("none", "reactive", "predictive")
 # how the expert exchange moves tokens: a variable-split all-to-all (each rank receives only its tokens: the GPU
@@ -220,22 +220,23 @@ def keep_or_replace(current, new, demand: list[list[float]], ep: int, margin: fl
 
 class ExpertStore:
     """Every expert's tensors in the package (or stage directory), memory-mapped: the host tier. `load`
-    copies one expert into resident tensors of `dtype` (on a GPU machine this would be the host-to-device
-    copy). The mapping is private copy-on-write, read only here: the files are never changed.
+    copies one expert into resident tensors of `dtype` on `device` (the accelerator's: on a GPU machine, the
+    host-to-device copy). The mapping is private copy-on-write, read only here: the files are never changed.
 
     The files stay open as long as the store. Touching the mapping of a file truncated since it was mapped
     kills the process (SIGBUS), so before each `load` the open files' size and modification time are
     compared with what verification saw (`files`: export/package.py's `VerifiedPackage.files`; without it,
     what the store saw when it opened them): a changed file fails that load with a FileChangedError."""
 
-    def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype, files: dict | None = None):
+    def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype, files: dict | None = None,
+                 device: torch.device | str = "cpu"):
         import mmap
         import os
 
         from pipeline.artifacts import FileFacts, check_unchanged, open_regular
         from pipeline.weights import SAFETENSORS_DTYPES, read_header, weight_files
 
-        self.src, self.cfg, self.dtype = Path(src), cfg, dtype
+        self.src, self.cfg, self.dtype, self.device = Path(src), cfg, dtype, torch.device(device)
         self.where = weight_files(self.src, files)
         self._files, self._facts, self._maps, self._views = {}, {}, {}, {}
         for f in sorted(set(self.where.values())):
@@ -256,7 +257,9 @@ class ExpertStore:
     def key(self, layer: int, expert: int, part: str) -> str:
         return expert_key(self.cfg.moe_layers[layer], expert, part)
 
-    def load(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+    def load(self, layer: int, expert: int) -> tuple:
+        """(fc1 weight, fc1 bias, fc2 weight, fc2 bias) of one expert, resident, in `dtype`; the weights prepacked for
+        oneDNN where that is faster (export/serve/packed.py)."""
         from pipeline.artifacts import FileChangedError, check_unchanged
 
         keys = [self.key(layer, expert, p) for p in EXPERT_PARTS]
@@ -265,7 +268,8 @@ class ExpertStore:
                 check_unchanged(self._files[f].fileno(), self.src / f, self._facts[f])
             except FileChangedError as err:
                 raise FileChangedError(f"expert {expert} of MoE layer {layer} not loaded: {err}") from None
-        return tuple(self._views[k].to(self.dtype, copy=True) for k in keys)
+        w1, b1, w2, b2 = (self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys)
+        return maybe_packed(w1), b1, maybe_packed(w2), b2
 
     def nbytes(self) -> int:
         """Bytes of one expert in the serving dtype."""
@@ -503,7 +507,7 @@ class Placement:
                 where = torch.cat([torch.arange(a, a + n, device=got.device) for a, n in parts])
                 rows = got[where]
             w1, b1, w2, b2 = self.weights(layer, e)
-            y = F.linear(F.gelu(F.linear(rows, w1, b1)), w2, b2)
+            y = linear(F.gelu(linear(rows, w1, b1)), w2, b2)
             if idx is not None:
                 out[idx[0]:idx[0] + idx[1]] = y
             else:
@@ -580,12 +584,10 @@ class PlacedMoE(nn.Module):
         real = valid.reshape(-1).nonzero().squeeze(1) if valid is not None else None
         if real is not None:
             xs = xs[real]
-        # no dropping at inference, as the reference MoE
-        r = route(router_logits(xs, self.moe.deepspeed_moe.gate.wg.weight), cfg.top_k, cfg.top_k > 1)
-        token, choice, per_expert = group_by_expert(r, E)
+        weights, token, choice, per_expert = serving_route(xs, self.moe.deepspeed_moe.gate.wg.weight, cfg.top_k, E)
         y, counts = pl.exchange(self.index, xs[token], per_expert)  # [pairs, C]: each (token, choice)'s expert output
         out = torch.zeros_like(xs)
-        out.index_add_(0, token, y * r.weights[token, choice, None].to(y.dtype))
+        out.index_add_(0, token, y * weights[token, choice, None].to(y.dtype))
         if real is not None:
             full = x.new_zeros(B * T, C)
             full[real] = out
@@ -593,7 +595,20 @@ class PlacedMoE(nn.Module):
         out = out.view(B, T, C)
         if cfg.mlp_type == "residual":
             out = mix_residual(self.moe, x, out)
-        return out, r.aux.new_zeros(()), counts
+        return out, xs.new_zeros((), dtype=torch.float32), counts
+
+
+def serving_route(xs: torch.Tensor, wg: torch.Tensor, top_k: int, E: int):
+    """`pipeline.model.route` + `group_by_expert` as inference needs them, in fewer operations (no balancing loss, no
+    capacity: nothing is dropped at inference): (mixing weights [S, k], and the (token, choice) pairs grouped by
+    expert, stable, with each expert's count, read to the host in one sync). Tested against route."""
+    probs = router_logits(xs, wg).softmax(dim=-1)  # [S, E] fp32
+    top_p, top_i = probs.topk(top_k, dim=-1)  # [S, k]
+    if top_k > 1:  # DeepSpeed renormalises the kept weights for k >= 2
+        top_p = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
+    flat = top_i.reshape(-1)  # (token, choice) pairs in row-major order, as keep.nonzero() lists them
+    order = flat.argsort(stable=True)
+    return top_p, order // top_k, order % top_k, torch.bincount(flat, minlength=E).tolist()
 
 
 def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
@@ -614,7 +629,8 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
                              f"divide evenly; choose --nproc accordingly")
     if transport == "auto":
         transport = "all-reduce" if ranks.world > 1 and dist.shared_memory_reduce() else "all-to-all"
-    placement = Placement(cfg, ExpertStore(src, cfg, dtype, files), ranks.rank, ranks.world, resident_fraction,
+    placement = Placement(cfg, ExpertStore(src, cfg, dtype, files, device=dist.device()), ranks.rank, ranks.world,
+                          resident_fraction,
                           transport)
     model = meta_model(cfg)
     model.to_empty(device="cpu")
@@ -625,6 +641,7 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     cast_keeping_gates(model, dtype)
     load_weights(model, src, files=files)
     model = model.to(device=dist.device()).eval().requires_grad_(False)
+    pack_linears(model)  # on the CPU: oneDNN's prepacked weights (export/serve/packed.py)
     model.placement = placement
     model.layout = Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world)
     return model
