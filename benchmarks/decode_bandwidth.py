@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, random_package  # noqa: E402
+from common import ROOT, best_seconds, random_package  # noqa: E402
 
 sys.path.insert(1, str(ROOT))  # this checkout's pipeline/, export/
 
@@ -63,13 +63,7 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
     rows = n // cols
 
     def best(fn, nbytes):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return nbytes / min(times)
+        return nbytes / best_seconds(fn, repeats)
 
     a = torch.ones(rows, cols)
     v = torch.ones(cols)

@@ -34,11 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT  # noqa: E402
+from common import ROOT, best_seconds  # noqa: E402
 
 sys.path.insert(1, str(ROOT))
 
@@ -104,13 +103,7 @@ def measure_cpu(cfg, hidden: int, context: int, repeats: int = 10, buffer_gib: f
 
     def best(fn):
         with torch.no_grad():
-            fn()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return min(times)
+            return best_seconds(fn, repeats)
 
     x = torch.randn(1, 1, hidden)
     samples = [read_bandwidth(torch.get_num_threads(), buffer_gib, 3)]  # before and after the timings: the best

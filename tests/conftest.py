@@ -82,3 +82,22 @@ def sets(*items: str) -> list[str]:
     for item in items:
         out += ["--set", item]
     return out
+
+
+def reference_greedy(package: Path, prompt: str, n: int) -> tuple[list[int], list[int], object]:
+    """(prompt ids, the package's greedy tokens by full forwards, no cache, no batching, (model, tokenizer)): the
+    serving tests' reference."""
+    import torch
+
+    from export.inference import load_package
+
+    model, tok = load_package(package)
+    ids = tok.encode(prompt)
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+            if t == tok.eos_token_id:
+                break
+            seq.append(t)
+    return ids, seq[len(ids):], (model, tok)

@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from conftest import ROOT, child_env, cli
+from conftest import ROOT, child_env, cli, reference_greedy
 from pipeline.dist import free_port
 
 pytestmark = pytest.mark.slow
@@ -41,22 +40,6 @@ def one_rank(package, tmp_path_factory):
     return scenarios(package, tmp_path_factory.mktemp("dp1") / "out.json")
 
 
-def greedy_alone(pkg, text: str, n: int) -> list[int]:
-    """The model's greedy tokens by full forwards, no cache, no batching, no chunking: the reference."""
-    from export.inference import load_package
-
-    model, tok = load_package(pkg)
-    seq = tok.encode(text)
-    start = len(seq)
-    with torch.no_grad():
-        for _ in range(n):
-            t = int(model(torch.tensor([seq])).logits[0, -1].argmax())
-            if t == tok.eos_token_id:
-                break
-            seq.append(t)
-    return seq[start:]
-
-
 def tokens(requests: list[dict]) -> list[list[int]]:
     return [r["tokens"] for r in requests]
 
@@ -69,7 +52,7 @@ def test_one_rank_batched_and_chunked_prefill_keep_every_requests_tokens(one_ran
     assert burst["batched_prefill_forwards"] == 2  # 6 prompts, 4 rows: 4 in one forward, then 2
     chunked = one_rank["chunked"]
     assert chunked["prefill_forwards"] >= chunked["long_prompt_tokens"] // 8
-    assert chunked["requests"][1]["tokens"] == greedy_alone(package, LONG, 10)
+    assert chunked["requests"][1]["tokens"] == reference_greedy(package, LONG, 10)[1]
     scored = one_rank["scored"]
     assert scored["chunked"][0] is None and scored["chunked"][1:] == pytest.approx(scored["whole"][1:], abs=1e-5)
     assert scored["chunked_top"] == scored["whole_top"] and scored["tokens"][0] == scored["tokens"][1]

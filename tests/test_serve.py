@@ -14,7 +14,7 @@ import pytest
 import requests
 import torch
 
-from conftest import ROOT, child_env, cli
+from conftest import ROOT, child_env, cli, reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -70,21 +70,6 @@ def server(package):
 
 def complete(url: str, **body) -> requests.Response:
     return requests.post(f"{url}/v1/completions", json=body, timeout=120)
-
-
-def reference_greedy(package: Path, prompt: str, n: int) -> tuple[list[int], list[int], object]:
-    from export.inference import load_package
-
-    model, tok = load_package(package)
-    ids = tok.encode(prompt)
-    seq = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            t = int(model(torch.tensor([seq])).logits[0, -1].argmax())
-            if t == tok.eos_token_id:
-                break
-            seq.append(t)
-    return ids, seq[len(ids):], (model, tok)
 
 
 def test_greedy_completion_equals_the_models_own_tokens(server, package):
