@@ -237,6 +237,7 @@ class ExpertStore:
         from pipeline.weights import SAFETENSORS_DTYPES, read_header, weight_files
 
         self.src, self.cfg, self.dtype, self.device = Path(src), cfg, dtype, torch.device(device)
+        self.pack = True  # Placement turns it off when experts come and go (offloading)
         self.where = weight_files(self.src, files)
         self._files, self._facts, self._maps, self._views = {}, {}, {}, {}
         for f in sorted(set(self.where.values())):
@@ -258,8 +259,9 @@ class ExpertStore:
         return expert_key(self.cfg.moe_layers[layer], expert, part)
 
     def load(self, layer: int, expert: int) -> tuple:
-        """(fc1 weight, fc1 bias, fc2 weight, fc2 bias) of one expert, resident, in `dtype`; the weights prepacked for
-        oneDNN where that is faster (export/serve/packed.py)."""
+        """(fc1 weight, fc1 bias, fc2 weight, fc2 bias) of one expert, resident, in `dtype`; with `pack`, the weights
+        prepacked for oneDNN where that is faster (export/serve/packed.py): worth it for an expert that stays, not
+        for one loaded on demand and soon evicted (offloading)."""
         from pipeline.artifacts import FileChangedError, check_unchanged
 
         keys = [self.key(layer, expert, p) for p in EXPERT_PARTS]
@@ -269,6 +271,8 @@ class ExpertStore:
             except FileChangedError as err:
                 raise FileChangedError(f"expert {expert} of MoE layer {layer} not loaded: {err}") from None
         w1, b1, w2, b2 = (self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys)
+        if not self.pack:
+            return w1, b1, w2, b2
         return maybe_packed(w1), b1, maybe_packed(w2), b2
 
     def nbytes(self) -> int:
@@ -306,6 +310,7 @@ class Placement:
         self.table = native_table(cfg, world)
         self.native = [{e for e in range(n) if native_rank(e, n, world) == rank} for n in cfg.experts]
         self.resident_fraction = resident_fraction
+        store.pack = resident_fraction >= 1.0  # offloaded experts are loaded again and again: not worth packing
         natives = [(i, e) for i, s in enumerate(self.native) for e in sorted(s)]
         # room for native experts in memory: a fraction of them; the least recently used one leaves first
         self.capacity = max(1, round(resident_fraction * len(natives)))
