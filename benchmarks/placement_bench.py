@@ -78,6 +78,7 @@ def run_workloads(urls: dict[str, str], prompts: list[list[int]], new_tokens: in
         metrics = requests.get(f"{url}/metrics", timeout=30).text
         health = requests.get(f"{url}/health", timeout=30).json()
         out[name] = {"seconds": seconds, "tokens": sum(m for m in made if m > 0),
+                     "serve_seconds": sum(r[0] for r in runs[name]),  # every run of this server (the counters' span)
                      "failures": sum(m < 0 for r in runs[name] for m in r[1] if m < 0),
                      "tok_s": sum(m for m in made if m > 0) / seconds, "metrics": parse_metrics(metrics),
                      "ranks": health.get("rank_status", [])}
@@ -145,6 +146,11 @@ def workloads(pkg: Path, n: int, prompt_len: int, seed: int) -> dict[str, list[l
                        "skewed": float(share.sort(descending=True).values[:n].mean() / len(model.cfg.experts))}}
 
 
+def share(seconds, total: float) -> str:
+    """`seconds` as a share of `total` (the predictor's cost next to the serving time), '-' when not measured."""
+    return "-" if not seconds else f"{100 * seconds / total:.0f}%"
+
+
 def rank_times(ranks: list[dict]) -> dict:
     """Per rank, ms per forward since the server started: busy (in forwards, less the time in the expert exchange's
     collectives, which includes waiting for the other rank), computing experts; and the busiest rank's."""
@@ -198,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             res["placement"].setdefault(wl, {})[policy] = {
                 **rank_times(r["ranks"]), "step_balancedness": r["metrics"].get("moe_step_balancedness", {}).get(""),
                 "predictor_cpu_s": r["metrics"].get("moe_predictor_cpu_seconds", {}).get(""),
+                "predictor_wait_s": r["metrics"].get("moe_predictor_wait_seconds", {}).get(""),
+                "table_changes": r["metrics"].get("moe_placement_table_changes", {}).get(""),
+                "serve_seconds": r["serve_seconds"],
                 "balancedness": bal, "mean_balancedness": sum(bal) / len(bal) if bal else None,
                 "tok_s": r["tok_s"], "failures": r["failures"],
                 "replica_memory": max(rp / nb for rp, nb in zip(replicas, native)) if native and min(native) else 0.0,
@@ -232,7 +241,8 @@ def report(res: dict, out: Path) -> None:
             print(f"{wl:9s} {policy:11s} {bal:>22s} {r['mean_balancedness']:6.3f} {r['tok_s']:8.1f} "
                   f"{r['replica_memory']:12.3f} {rec:>14s}")
     print(f"\n{'workload':9s} {'policy':11s} {'busiest ms/fwd':>14s} {'busy ms/fwd per rank':>22s} "
-          f"{'experts ms/fwd':>16s} {'exchange ms/fwd':>16s} {'step bal.':>9s} {'predictor cpu s':>15s}")
+          f"{'experts ms/fwd':>16s} {'exchange ms/fwd':>16s} {'step bal.':>9s} {'predictor cpu s':>15s} "
+          f"{'waited for it':>13s} {'tables':>6s}")
     for wl, rows in res["placement"].items():
         for policy, r in rows.items():
             pc = r.get("predictor_cpu_s")
@@ -240,7 +250,8 @@ def report(res: dict, out: Path) -> None:
                   f"{'/'.join(f'{x:.2f}' for x in r['rank_busy_ms']):>22s} "
                   f"{'/'.join(f'{x:.2f}' for x in r['rank_expert_ms']):>16s} "
                   f"{'/'.join(f'{x:.2f}' for x in r['rank_exchange_ms']):>16s} "
-                  f"{r['step_balancedness'] or 0:9.3f} {'-' if pc is None else f'{pc:.1f}':>15s}")
+                  f"{r['step_balancedness'] or 0:9.3f} {'-' if pc is None else f'{pc:.1f}':>15s} "
+                  f"{share(r.get('predictor_wait_s'), r['serve_seconds']):>13s} {int(r.get('table_changes') or 0):6d}")
     sk = res["placement"]["skewed"]
     pb, rb = sk["predictive"]["mean_balancedness"], sk["reactive"]["mean_balancedness"]
     print(f"target: skewed predictive balancedness {pb:.3f} >= 0.9 and >= reactive {rb:.3f}: "

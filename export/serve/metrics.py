@@ -56,6 +56,9 @@ class ServeMetrics:
                           "table was not ready in time (the one in force was kept)", registry=reg)
         self.predictor_cpu = Gauge("moe_predictor_cpu_seconds", "with --placement predictive: CPU seconds of the "
                                    "predictor's thread since start (it shares rank 0's cores)", registry=reg)
+        self.predictor_wait = Gauge("moe_predictor_wait_seconds", "with --placement predictive: seconds the scheduler "
+                                    "waited for the predictor's table since start (every rank waits with it)",
+                                    registry=reg)
         self.engine_tokens = Gauge("moe_engine_generated_tokens", "tokens the engine generated since start, for "
                                    "every request (aborted and failed ones included)", registry=reg)
         self.engine_failed = Gauge("moe_engine_failed_requests", "requests that failed alone (an error serving "
@@ -116,3 +119,4 @@ class ServeMetrics:
         if hasattr(engine.policy, "late"):
             self.late.set(engine.policy.late)
             self.predictor_cpu.set(engine.policy.cpu_s)
+            self.predictor_wait.set(engine.policy.waited_s)

@@ -326,6 +326,7 @@ class PredictivePolicy(Policy):
         self.recall_n = 0
         self.late = 0  # decode steps whose table was not ready in time (the previous one was used)
         self.cpu_s = 0.0  # CPU seconds of the predictor's thread (it shares rank 0's cores)
+        self.waited_s = 0.0  # seconds rank 0's scheduler waited for a table (every rank waits with it)
         self._pending_demand: list | None = None
         self.thread = threading.Thread(target=self._run, name="predictor", daemon=True)
         self.thread.start()
@@ -343,9 +344,11 @@ class PredictivePolicy(Policy):
         if kind == "prefill":  # the prompts whose first chunk this is: their predicted demand, summed
             new = [s.id for s in seqs if s.id not in self.started]
             self.started.update(new)
+            t0 = time.perf_counter()
             with self.ready:
                 self.ready.wait_for(lambda: all(i in self.prefill for i in new), timeout=self.wait_s if new else 0)
                 plans = [self.prefill.pop(i) for i in new if i in self.prefill]
+            self.waited_s += time.perf_counter() - t0
             if len(plans) > 1:
                 plan = self._plan([[sum(d) for d in zip(*layer)] for layer in zip(*(p[2] for p in plans))])
             else:
@@ -355,11 +358,13 @@ class PredictivePolicy(Policy):
             self.step_no += 1
             # this step's tokens go to the thread now: it prepares the NEXT step's table while this one runs
             self.jobs.put(("step", step, [(s.id, s.generated[-1]) for s in seqs]))
+            t0 = time.perf_counter()
             with self.ready:
                 self.ready.wait_for(lambda: self.decode_plan is not None and self.decode_plan[0] >= step - 1,
                                     timeout=self.wait_s if step else 0)
                 plan = self.decode_plan[1:] if self.decode_plan is not None and self.decode_plan[0] == step - 1 \
                     else None
+            self.waited_s += time.perf_counter() - t0
             if plan is None and step:
                 self.late += 1
         if plan is None:
