@@ -128,7 +128,26 @@ def serve(config: ServeConfig) -> int:
                 return
             time.sleep(1.0)
 
+    def watch_ranks():  # a rank of this machine that died mid-step leaves the others waiting inside a collective
+        import os
+
+        if os.environ.get("LOCAL_SIZE") != str(ranks.world):
+            return  # ranks on other machines: the collectives' timeouts and the launcher find them
+        while True:
+            time.sleep(0.5)
+            for status in list(engine.rank_status):
+                try:
+                    os.kill(int(status["pid"]), 0)
+                except ProcessLookupError:
+                    print(f"[serve] rank {status['rank']} (pid {status['pid']}) is gone: exiting", flush=True)
+                    engine.fail_all(f"rank {status['rank']} died")
+                    os._exit(1)  # the engine may be stuck in a collective with the dead rank: nothing left to drain
+                except (PermissionError, ValueError, KeyError):
+                    pass
+
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    if ranks.world > 1:
+        threading.Thread(target=watch_ranks, name="rank-watch", daemon=True).start()
     http.start()
     layout = engine.model.layout.describe() if getattr(engine.model, "layout", None) else f"{ranks.world} rank(s)"
     if engine.dp > 1:
