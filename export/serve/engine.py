@@ -424,9 +424,10 @@ class Worker:
         if sampled:
             last = h[sampled, [counts[b] - 1 for b in sampled]]  # [n, C]: each row's last real position
             logits = self._project(last)  # [n, V]
+            scored = {r["row"]: r for r in results}
             for j, b in enumerate(sampled):
                 row = items[b][1]
-                res = next((r for r in results if r["row"] == row), None)
+                res = scored.get(row)
                 if res is None:
                     res = {"row": row}
                     results.append(res)
@@ -537,11 +538,6 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    @property
-    def cache(self) -> SlotCache:
-        """This rank's KV cache."""
-        return self.worker.cache
-
     # -- requests (any thread) ---------------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], params: SamplingParams, on_token=None, on_finish=None) -> Request:
@@ -639,17 +635,19 @@ class Engine:
             if not seq.finished and seq.prefilled < len(seq.prompt):
                 chunk(seq)
         admitted = []
+        loads = [0] * self.dp  # tokens each rank runs (prompts and generated so far)
+        for s in self.running:
+            loads[s.rank] += len(s.prompt) + len(s.generated)
         with self.lock:
             while self.waiting:
                 # the rank with a free row and room this step that runs the fewest tokens
-                loads = [sum(len(s.prompt) + len(s.generated) for s in self.running if s.rank == r)
-                         for r in range(self.dp)]
                 open_ranks = [r for r in range(self.dp) if self.free[r] and budget[r] > 0]
                 if not open_ranks:
                     break
                 rank = min(open_ranks, key=lambda r: (loads[r], r))
                 seq = self.waiting.pop(0)
                 seq.rank, seq.slot = rank, self.free[rank].pop(0)
+                loads[rank] += len(seq.prompt)
                 self.running.append(seq)
                 admitted.append(seq)
                 chunk(seq)
