@@ -20,12 +20,16 @@ read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches),
       dense MLPs, each MoE layer's gate + residual MLP + coefficient + top_k experts, the norms, the lm_head (the
       tied embedding: all of it), the embedding rows. The KV cache a step reads is shown beside (not in the bound).
 
-bound = bandwidth / active bytes; ratio = decode tok/s (best run) / bound (also shown against the mv bandwidth).
+bound = bandwidth / active bytes; ratio = decode tok/s (best run) / bound (also shown against the mv bandwidth);
+paired ratio = each run's tok/s over the bound of the two samples taken just before and after it (the median run
+shown): this VM's read bandwidth drifts between ~40 and ~77 GB/s, and the best sample of a stretch can come from
+a fast minute that no decode run shared.
 Then where the time goes: one more run timed by module (forward hooks: attention, dense MLP, gate + routing,
 experts, residual MLP, lm_head, the rest), each with the bytes it reads and the bandwidth it reaches, and
-torch.profiler's top operators. And (d), unless --no-prepacked: the fix tried in this process (no engine file
-changed): every nn.Linear's forward on a weight prepacked for oneDNN (bf16) or MKL (fp32), as torch.compile's CPU
-weight freezing does, measured the same way, with how many greedy tokens still equal the engine's.
+torch.profiler's top operators. And (d), `--backends`: the engine loaded again with its linears on oneDNN for
+every row count (MOE_PIPELINE_CPU_LINEARS=onednn: no few-row GEMV kernel) and on plain F.linear (=0: MKL in this
+torch build), measured the same way in the same run, with how many greedy tokens equal the engine's (the three
+round differently, so a near-tie of random weights can go either way).
 Results: a table on stdout, `decode_bandwidth.json` and `decode_bandwidth.png` under `--out`.
 """
 
@@ -84,6 +88,12 @@ def best_bandwidth(samples: list[dict]) -> dict:
     op = max(("sum_fp32", "mv_fp32"), key=ops.get)
     return {**samples[0], "ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "samples": len(samples),
             "repeats": sum(s["repeats"] for s in samples)}
+
+
+def paired_bandwidth(samples: list[dict]) -> float:
+    """The mean bandwidth (the faster fp32 op) of the samples taken just before and just after one decode run: on a
+    shared machine whose bandwidth drifts (here 40-77 GB/s from one minute to the next), the bound of that run."""
+    return statistics.mean(max(s["ops_bytes_per_s"]["sum_fp32"], s["ops_bytes_per_s"]["mv_fp32"]) for s in samples)
 
 
 # -- (c) active bytes per token ------------------------------------------------------------------------------------
@@ -254,48 +264,11 @@ def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
             "top_ops": [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in ops]}
 
 
-# -- (d) the fix, tried: prepacked weights -------------------------------------------------------------------------
+# -- (d) the same engine on the other linears ---------------------------------------------------------------------
 
-class PackedLinear:
-    """An nn.Linear's forward on a weight prepacked for its GEMM library, as torch.compile's CPU weight freezing
-    does (torch/_inductor/fx_passes/mkldnn_fusion.py): oneDNN (`mkldnn._linear_pointwise`) for bf16, MKL
-    (`mkl._mkl_linear`) for fp32. The same outputs as F.linear (tests/test_bench_scripts.py)."""
-
-    def __init__(self, linear):
-        import torch
-
-        w = linear.weight.detach()
-        self.weight, self.bias, self.bf16 = w, linear.bias, w.dtype == torch.bfloat16
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(w, 1) if self.bf16
-                       else torch.ops.mkl._mkl_reorder_linear_weight(w, 1))  # packed for batch 1
-
-    def __call__(self, x):
-        import torch
-
-        if self.bf16:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        y = torch.ops.mkl._mkl_linear(x.reshape(-1, x.shape[-1]), self.packed, self.weight, self.bias, 1)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-
-def pack_linears(model) -> int:
-    """Every nn.Linear of `model` but the fp32 gates runs on prepacked weights (its `forward` replaced on the
-    instance: module tree, names and hooks unchanged). Returns the weight bytes packed."""
-    import torch.nn as nn
-
-    packed = 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and not name.endswith("gate.wg"):
-            module.forward = PackedLinear(module)
-            packed += module.weight.numel() * module.weight.element_size()
-    return packed
-
-
-def packing_available() -> bool:
-    import torch
-
-    return torch.backends.mkldnn.is_available() and torch.backends.mkl.is_available() and \
-        hasattr(torch.ops.mkl, "_mkl_linear")
+# variant -> MOE_PIPELINE_CPU_LINEARS (export/serve/linears.py): the engine as it serves (the few-row GEMV kernel,
+# oneDNN for more rows), oneDNN for every row count, and every layer left to F.linear (MKL on this torch build)
+BACKENDS = {"engine": "1", "onednn": "onednn", "F.linear": "0"}
 
 
 # -- one dtype -----------------------------------------------------------------------------------------------------
@@ -318,46 +291,59 @@ def timed_runs(engine, prompt: list[int], new_tokens: int, repeats: int, label: 
 
 
 def measure(pkg: Path, threads: int, new_tokens: int, repeats: int, buffer_gib: float, breakdown_tokens: int,
-            packed: bool = True) -> dict:
-    """(a)-(c), the breakdown, and with `packed` (d): the same engine with its linears on prepacked weights. The
-    bandwidth is sampled before every decode run and after the last (best of 2 each, the engine's memory held),
-    and the best sample is the bound's: decode and bandwidth both best-of over the same stretch of time."""
-    engine = load_engine(pkg, threads)
-    prompt = engine.encode(PROMPT)
-    dtype = model_dtype(engine)
-    act = active_bytes(engine.model.cfg, dtype)
-    samples = []
+            backends: tuple[str, ...] = tuple(BACKENDS)) -> dict:
+    """(a)-(c) and the breakdown for each of `backends` (d): the engine loaded again with its linears on each (one
+    engine at a time). The bandwidth is sampled before every decode run and after the last (best of 2 each, the
+    engine's memory held), and the best sample is the bound's: decode and bandwidth both best-of over the same
+    stretch of time."""
+    from export.serve.linears import ENV
+
+    samples, variants = [], {}
 
     def sample():
         samples.append(read_bandwidth(threads, buffer_gib, 2))
 
-    variants = {"engine": timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}", sample)}
-    variants["engine"]["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
-    if packed and packing_available():
-        packed_bytes = pack_linears(engine.model)
-        v = timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}, prepacked", sample)
-        v["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
-        v["packed_share_of_active_bytes"] = min(1.0, packed_bytes / act["total"])
-        v["same_tokens"] = sum(a == b for a, b in zip(v["tokens"], variants["engine"]["tokens"]))
-        variants["prepacked"] = v
+    before = os.environ.get(ENV)
+    try:
+        for name in backends:
+            os.environ[ENV] = BACKENDS[name]
+            engine = load_engine(pkg, threads)
+            prompt = engine.encode(PROMPT)
+            dtype = model_dtype(engine)
+            act = active_bytes(engine.model.cfg, dtype)
+            kv = kv_bytes_per_token(engine.model.cfg, dtype, len(prompt) + new_tokens / 2)
+            v = timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}, {name}", sample)
+            v["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
+            if variants:
+                v["same_tokens"] = sum(a == b for a, b in zip(v["tokens"], next(iter(variants.values()))["tokens"]))
+            variants[name] = v
+            del engine
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
     sample()
     bw = best_bandwidth(samples)
     bound = bw["bytes_per_s"] / act["total"]
+    first = 0  # samples[first + i] was taken just before the variant's run i, samples[first + i + 1] just after
     for v in variants.values():
         v["ratio"] = v["tok_s_best"] / bound
+        v["paired_ratios"] = [run["tok_s"] / (paired_bandwidth(samples[first + i: first + i + 2]) / act["total"])
+                              for i, run in enumerate(v["runs"])]
+        v["ratio_paired_median"] = statistics.median(v["paired_ratios"])
+        first += len(v["runs"])
         v["ratio_to_gemv_bound"] = v["tok_s_best"] / (bw["ops_bytes_per_s"]["mv_fp32"] / act["total"])
         spt = v["breakdown"]["seconds_per_token"]
         v["breakdown"]["achieved_bytes_per_s"] = {c: act[c] / spt[c] for c in CATEGORIES if act[c] and spt[c] > 0}
-    kv = kv_bytes_per_token(engine.model.cfg, dtype, len(prompt) + new_tokens / 2)
-    del engine
     return {"package": str(pkg), "dtype": str(dtype).replace("torch.", ""), "threads": threads,
             "new_tokens": new_tokens, "prompt_tokens": len(prompt), "bandwidth": bw, "active_bytes_per_token": act,
             "kv_bytes_per_token_mean": kv, "bound_tok_s": bound, "target": TARGET, "variants": variants}
 
 
 def columns(results: list[dict]) -> list[tuple[str, dict, dict]]:
-    """(label, the dtype's result, one variant) for each table column: the engine, then the prepacked what-if."""
-    return [(r["spec"]["dtype"] + ("" if name == "engine" else " prepacked"), r, v)
+    """(label, the dtype's result, one variant) for each table column: the engine, then the other linears."""
+    return [(r["spec"]["dtype"] + ("" if name == "engine" else f" {name}"), r, v)
             for r in results for name, v in r["variants"].items()]
 
 
@@ -373,6 +359,7 @@ def table(results: list[dict]) -> str:
             ("bound tok/s (faster op)", lambda r, v: f"{r['bound_tok_s']:.1f} ({r['bandwidth']['op']})"),
             ("decode tok/s best (median)", lambda r, v: f"{v['tok_s_best']:.1f} ({v['tok_s_median']:.1f})"),
             ("ratio (target >= 60%)", lambda r, v: f"{v['ratio']:.1%}"),
+            ("  paired ratio, median run", lambda r, v: f"{v['ratio_paired_median']:.1%}"),
             ("  ratio to the mv bound", lambda r, v: f"{v['ratio_to_gemv_bound']:.1%}"),
             ("greedy tokens as the engine's",
              lambda r, v: f"{v.get('same_tokens', len(v['tokens']))}/{len(v['tokens'])}")]
@@ -429,7 +416,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def run(dtypes: list[str], work: Path, out: Path, layers: int = 4, overrides: list[str] = (), threads: int = 2,
         new_tokens: int = 384, repeats: int = 3, buffer_gib: float = 1.0, breakdown_tokens: int = 64,
-        packed: bool = True) -> dict:
+        backends: tuple[str, ...] = tuple(BACKENDS)) -> dict:
     """Build (or reuse) each dtype's package under `work`, measure it, write the JSON and the plot to `out`."""
     results = []
     for dtype in dtypes:
@@ -442,7 +429,7 @@ def run(dtypes: list[str], work: Path, out: Path, layers: int = 4, overrides: li
             work.mkdir(parents=True, exist_ok=True)
             random_package(pkg, layers, list(overrides), dtype)
             spec_file.write_text(json.dumps(spec))
-        results.append({**measure(pkg, threads, new_tokens, repeats, buffer_gib, breakdown_tokens, packed),
+        results.append({**measure(pkg, threads, new_tokens, repeats, buffer_gib, breakdown_tokens, backends),
                         "spec": spec})
     res = {"results": results, "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(),
                                            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}}
@@ -460,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of decode and bandwidth")
     p.add_argument("--buffer-gib", type=float, default=1.0, help="the bandwidth buffer, GiB")
     p.add_argument("--breakdown-tokens", type=int, default=64, help="decode tokens of the per-module breakdown run")
-    p.add_argument("--no-prepacked", action="store_true", help="skip (d), the prepacked-weights what-if")
+    p.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS),
+                   help="(d): the engine on its own linears (engine), on oneDNN alone, on F.linear (MKL)")
     p.add_argument("--layers", type=int, default=4, help="recipes/350m.yaml cut to this many layers")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="recipe overrides after the cut (random_package), e.g. model.hidden=256")
@@ -471,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         print("[decode-bandwidth] note: OMP_WAIT_POLICY=PASSIVE is recommended on a shared machine", flush=True)
     dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
     res = run(dtypes, args.work, args.out, args.layers, args.overrides, args.threads, args.new_tokens, args.repeats,
-              args.buffer_gib, args.breakdown_tokens, not args.no_prepacked)
+              args.buffer_gib, args.breakdown_tokens, tuple(args.backends))
     r0 = res["results"][0]
     a = r0["spec"]
     print(f"\n== batch-1 decode vs read-bandwidth bound: recipes/350m.yaml cut to {a['layers']} layers, random "

@@ -154,7 +154,7 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three projections; `fused` (set by the CPU serving runtime, export/serve/packed.py): one [3C', C] product
+        """The three projections; `fused` (set by the CPU serving runtime, export/serve/linears.py): one [3C', C] product
         instead, whose output is split (a third of the weight reads' calls)."""
         fused = self.__dict__.get("fused")
         if fused is not None:

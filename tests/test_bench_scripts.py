@@ -42,8 +42,10 @@ def test_decode_bandwidth_measures_the_engine_against_the_bound(decode_result):
     assert engine["ratio"] == pytest.approx(engine["tok_s_best"] / r["bound_tok_s"])
     assert set(engine["breakdown"]["seconds_per_token"]) == set(decode_bandwidth.CATEGORIES)
     assert r["bandwidth"]["op"] in ("sum_fp32", "mv_fp32")
-    if "prepacked" in r["variants"]:  # the what-if keeps the greedy tokens (the packed GEMMs are exact in fp32)
-        assert r["variants"]["prepacked"]["same_tokens"] == len(engine["tokens"])
+    assert list(r["variants"]) == ["engine", "onednn", "F.linear"]  # (d): the engine on each linear backend
+    for name in ("onednn", "F.linear"):
+        assert 0 <= r["variants"][name]["same_tokens"] <= len(engine["tokens"])
+        assert r["variants"][name]["ratio_paired_median"] > 0
     assert "ratio (target >= 60%)" in decode_bandwidth.table(res["results"])
 
 
@@ -59,18 +61,6 @@ def test_active_bytes_count_top_k_experts_the_whole_tied_head_and_fp32_gates():
     assert fp32["lm_head"] == 4 * V * H  # tied: the embedding, read whole as the head
     assert fp32["gate_routing"] == bf16["gate_routing"] == 4 * H * sum(cfg.experts)  # gates stay fp32
     assert fp32["total"] == sum(v for k, v in fp32.items() if k != "total")
-
-
-def test_packed_linear_equals_f_linear():
-    if not decode_bandwidth.packing_available():
-        pytest.skip("no MKL/oneDNN in this torch build")
-    lin = torch.nn.Linear(48, 80)
-    x = torch.randn(2, 3, 48)
-    ref = lin(x)
-    assert torch.equal(decode_bandwidth.PackedLinear(lin)(x), ref)
-    lin_bf16 = lin.to(torch.bfloat16)
-    ref = lin_bf16(x.bfloat16())
-    torch.testing.assert_close(decode_bandwidth.PackedLinear(lin_bf16)(x.bfloat16()), ref)
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from export.serve.packed import linear, maybe_packed, pack_linears
+from export.serve.linears import linear, serving_linears, serving_weight
 from pipeline.model import GPT, MLP, Gate, ModelConfig, expert_key, mix_residual, router_logits, split_expert_key
 
 POLICIES = ("none", "reactive", "predictive")
@@ -237,7 +237,6 @@ class ExpertStore:
         from pipeline.weights import SAFETENSORS_DTYPES, read_header, weight_files
 
         self.src, self.cfg, self.dtype, self.device = Path(src), cfg, dtype, torch.device(device)
-        self.pack = True  # Placement turns it off when experts come and go (offloading)
         self.where = weight_files(self.src, files)
         self._files, self._facts, self._maps, self._views = {}, {}, {}, {}
         for f in sorted(set(self.where.values())):
@@ -259,9 +258,8 @@ class ExpertStore:
         return expert_key(self.cfg.moe_layers[layer], expert, part)
 
     def load(self, layer: int, expert: int) -> tuple:
-        """(fc1 weight, fc1 bias, fc2 weight, fc2 bias) of one expert, resident, in `dtype`; with `pack`, the weights
-        prepacked for oneDNN where that is faster (export/serve/packed.py): worth it for an expert that stays, not
-        for one loaded on demand and soon evicted (offloading)."""
+        """(fc1 weight, fc1 bias, fc2 weight, fc2 bias) of one expert, resident, in `dtype`; on the CPU the weights
+        wrapped for the few-row kernel and oneDNN (export/serve/linears.py: no copy, nothing reordered)."""
         from pipeline.artifacts import FileChangedError, check_unchanged
 
         keys = [self.key(layer, expert, p) for p in EXPERT_PARTS]
@@ -271,9 +269,7 @@ class ExpertStore:
             except FileChangedError as err:
                 raise FileChangedError(f"expert {expert} of MoE layer {layer} not loaded: {err}") from None
         w1, b1, w2, b2 = (self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys)
-        if not self.pack:
-            return w1, b1, w2, b2
-        return maybe_packed(w1), b1, maybe_packed(w2), b2
+        return serving_weight(w1), b1, serving_weight(w2), b2
 
     def nbytes(self) -> int:
         """Bytes of one expert in the serving dtype."""
@@ -310,7 +306,6 @@ class Placement:
         self.table = native_table(cfg, world)
         self.native = [{e for e in range(n) if native_rank(e, n, world) == rank} for n in cfg.experts]
         self.resident_fraction = resident_fraction
-        store.pack = resident_fraction >= 1.0  # offloaded experts are loaded again and again: not worth packing
         natives = [(i, e) for i, s in enumerate(self.native) for e in sorted(s)]
         # room for native experts in memory: a fraction of them; the least recently used one leaves first
         self.capacity = max(1, round(resident_fraction * len(natives)))
@@ -646,7 +641,7 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     cast_keeping_gates(model, dtype)
     load_weights(model, src, files=files)
     model = model.to(device=dist.device()).eval().requires_grad_(False)
-    pack_linears(model)  # on the CPU: oneDNN's prepacked weights (export/serve/packed.py)
+    serving_linears(model)  # on the CPU: the few-row kernel and oneDNN (export/serve/linears.py)
     model.placement = placement
     model.layout = Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world)
     return model

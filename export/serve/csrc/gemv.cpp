@@ -1,0 +1,134 @@
+// A linear layer for a few rows (batch-1 decode), reading the weight once at the memory's speed.
+//
+// y[m, o] = sum_i x[m, i] * w[o, i] (+ bias[o]) for m < 4 rows; w row-major [out, in], fp32 or bf16, x the same
+// dtype. Built at first use by export/serve/linears.py (torch.utils.cpp_extension, the way DeepSpeed builds its
+// CPU ops), with AVX-512 or AVX2 + FMA. Output rows are split between torch's intra-op threads
+// (at::parallel_for), GROUP rows at a time: each step loads a vector of every input row once and of GROUP weight
+// rows, so the weight streams from memory once and x stays in L1. fp32 accumulation (bf16 weights widened by a
+// shift, as oneDNN does), the bias added in fp32, one rounding to the output dtype.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+
+#if defined(__AVX512F__)
+#define VW 16
+#define GROUP 4
+typedef __m512 vf;
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf vload(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VW 8
+#define GROUP 2
+typedef __m256 vf;
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf vload(const c10::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#else
+#error "export/serve/csrc/gemv.cpp needs AVX-512 or AVX2 with FMA"
+#endif
+
+constexpr int64_t MAX_ROWS = 4;
+
+// Output rows [o0, o1) of the M input rows x (fp32, [M, I]) against w ([O, I]) into y (fp32, [M, O]).
+template <typename W, int M>
+static void rows(const W* w, const float* x, float* y, int64_t I, int64_t O, int64_t o0, int64_t o1) {
+  int64_t o = o0;
+  for (; o + GROUP <= o1; o += GROUP) {
+    vf acc[M][GROUP];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < GROUP; ++r) acc[m][r] = vzero();
+    int64_t i = 0;
+    for (; i + VW <= I; i += VW) {
+      vf xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = vload(x + m * I + i);
+      for (int r = 0; r < GROUP; ++r) {
+        vf wv = vload(w + (o + r) * I + i);
+        for (int m = 0; m < M; ++m) acc[m][r] = vfma(wv, xv[m], acc[m][r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < GROUP; ++r) {
+        float s = vsum(acc[m][r]);
+        for (int64_t j = i; j < I; ++j) s += static_cast<float>(w[(o + r) * I + j]) * x[m * I + j];
+        y[m * O + o + r] = s;
+      }
+  }
+  for (; o < o1; ++o) {  // the last rows, fewer than GROUP
+    vf acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = vzero();
+    int64_t i = 0;
+    for (; i + VW <= I; i += VW) {
+      vf wv = vload(w + o * I + i);
+      for (int m = 0; m < M; ++m) acc[m] = vfma(wv, vload(x + m * I + i), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = vsum(acc[m]);
+      for (int64_t j = i; j < I; ++j) s += static_cast<float>(w[o * I + j]) * x[m * I + j];
+      y[m * O + o] = s;
+    }
+  }
+}
+
+template <typename W>
+static void dispatch(int64_t M, const W* w, const float* x, float* y, int64_t I, int64_t O, int64_t o0, int64_t o1) {
+  switch (M) {
+    case 1: return rows<W, 1>(w, x, y, I, O, o0, o1);
+    case 2: return rows<W, 2>(w, x, y, I, O, o0, o1);
+    case 3: return rows<W, 3>(w, x, y, I, O, o0, o1);
+    default: return rows<W, 4>(w, x, y, I, O, o0, o1);
+  }
+}
+
+// x [M, I] (1 <= M <= MAX_ROWS), w [O, I], both contiguous, fp32 or bf16 alike; bias [O] or None.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, in] and w [out, in]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "gemv: 1 to ", MAX_ROWS, " rows, not ", x.size(0));
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "gemv: fp32 or bf16, x and w alike");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.device().is_cpu() && w.device().is_cpu(),
+              "gemv: contiguous CPU tensors");
+  const int64_t M = x.size(0), I = w.size(1), O = w.size(0);
+  const torch::Tensor xf = x.to(at::kFloat);  // bf16 rows widened once (fp32: x itself)
+  torch::Tensor y = torch::empty({M, O}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = (O + GROUP - 1) / GROUP;
+  // at least ~256 KB of weight per thread's share: below that the threads' start costs more than it saves
+  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / (GROUP * I * w.element_size() + 1));
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  const void* wp = w.data_ptr();
+  at::parallel_for(0, groups, grain, [&](int64_t b, int64_t e) {
+    const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
+    if (bf16)
+      dispatch(M, static_cast<const c10::BFloat16*>(wp), xp, yp, I, O, o0, o1);
+    else
+      dispatch(M, static_cast<const float*>(wp), xp, yp, I, O, o0, o1);
+  });
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return y.to(x.scalar_type());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-4 rows of x, fp32 or bf16");
+  m.attr("MAX_ROWS") = MAX_ROWS;
+}

@@ -1,0 +1,152 @@
+"""Linear layers for serving on the CPU: a GEMV kernel of ours for a few rows, oneDNN for more.
+
+    from export.serve.linears import serving_linears
+    serving_linears(model)       # every large enough nn.Linear of a CPU model in eval mode, in place
+
+PyTorch's CPU `F.linear` goes to MKL, which on this machine's AMD EPYC runs at half speed: ~20 GB/s of weight
+read at batch 1, fp32 (a plain read of the same bytes: ~42 GB/s), 2-3x slower than oneDNN at 2-512 rows.
+`torch.ops.mkldnn._linear_pointwise` (oneDNN) on the same plain weight is as fast as on one prepacked into its
+blocked layout, so weights stay as they are: no second copy, nothing to reorder when an expert loads. For 1-4
+rows (batch-1 and small-batch decode) `csrc/gemv.cpp` reads the weight once at the memory's speed: ~42 GB/s
+where oneDNN reaches ~31 and MKL ~21, under a competing process ~28 against ~21. Measured by
+benchmarks/decode_bandwidth.py (batch-1 decode against the read-bandwidth bound).
+
+The kernel is built at first use with torch.utils.cpp_extension (a C++ compiler and ninja, as DeepSpeed's own CPU
+ops need; cached under ~/.cache/torch_extensions, one build per instruction set: AVX-512 or AVX2 + FMA). Without
+it (another CPU, no compiler: one warning), every row count goes to oneDNN. fp32 and bf16 on a CPU with oneDNN
+only; MOE_PIPELINE_CPU_LINEARS=onednn leaves the kernel out, =0 leaves every layer as it is (F.linear).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.linear's call is cheapest)
+ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
+SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+
+_kernel_lock = threading.Lock()
+_kernel: object | None = None
+_kernel_tried = False
+
+
+def available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether weights of `dtype` on `device` are served by this module here (and it is not switched off)."""
+    return (os.environ.get(ENV, "1") != "0" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def kernel():
+    """The few-row kernel (csrc/gemv.cpp), built or loaded once per process; None where it cannot be."""
+    global _kernel, _kernel_tried
+    if os.environ.get(ENV, "1") == "onednn":
+        return None
+    if _kernel_tried:
+        return _kernel
+    with _kernel_lock:
+        if _kernel_tried:
+            return _kernel
+        isa = torch.backends.cpu.get_cpu_capability()
+        if isa not in ISA_FLAGS:
+            warnings.warn(f"CPU capability {isa}: no GEMV kernel for it (AVX-512 or AVX2 + FMA); few-row linears "
+                          "use oneDNN", stacklevel=2)
+        else:
+            try:
+                from torch.utils.cpp_extension import load
+
+                _kernel = load(name=f"moe_pipeline_gemv_{isa.lower()}", sources=[str(SOURCE)],
+                               extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa]], verbose=False)
+            except Exception as err:  # no compiler, no ninja, a read-only cache: serve without it
+                warnings.warn(f"the GEMV kernel {SOURCE.name} was not built ({type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); few-row linears "
+                              f"use oneDNN", stacklevel=2)
+        _kernel_tried = True
+        return _kernel
+
+
+class ServingWeight:
+    """A [out, in] weight (as it was: contiguous, its own dtype) and the linear that fits a call's row count."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.detach().contiguous()
+        self.gemv = kernel()
+        self.shape = self.weight.shape
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if self.gemv is not None and 0 < rows <= self.gemv.MAX_ROWS and x.dtype == self.weight.dtype:
+            y = self.gemv.linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, bias)
+            return y.view(*x.shape[:-1], self.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+
+
+def serving_weight(weight: torch.Tensor) -> torch.Tensor | ServingWeight:
+    """`weight` as a `ServingWeight` where this module serves it, else itself (`linear` takes either)."""
+    if weight.numel() >= SERVE_FROM and available(weight.dtype, weight.device):
+        return ServingWeight(weight)
+    return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | ServingWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return weight.linear(x, bias) if isinstance(weight, ServingWeight) else F.linear(x, weight, bias)
+
+
+class ServingLinear(nn.Module):
+    """An nn.Linear for inference whose weight is a `ServingWeight` (the bias stays a parameter)."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.served = ServingWeight(layer.weight)
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.served.linear(x, self.bias)
+
+    def extra_repr(self) -> str:
+        how = "GEMV kernel for 1-4 rows, oneDNN" if self.served.gemv is not None else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
+
+
+class FusedQKV:
+    """An attention layer's q, k and v projections as one [3C', C] weight (its output split in three)."""
+
+    def __init__(self, attn: nn.Module):
+        layers = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.weight = ServingWeight(torch.cat([l.weight.detach() for l in layers]))
+        biases = [l.bias for l in layers]
+        self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.linear(x, self.bias)
+
+
+def serving_linears(model: nn.Module) -> int:
+    """Replace, in place, every plain nn.Linear of `model` (eval, no grad) whose weight this module serves, and an
+    attention layer's q, k, v by one fused projection; returns how many layers. Left alone: the MoE gates (`wg`:
+    their fp32 weight is read by the router) and layers of other classes (DeepSpeed's sliced ones, say). A tied
+    output layer shares the embedding's weight (no copy)."""
+    count = 0
+    for module in list(model.modules()):
+        projections = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        if all(type(l) is nn.Linear for l in projections) and hasattr(module, "qkv") and \
+                available(projections[0].weight.dtype, projections[0].weight.device) and \
+                projections[0].weight.numel() >= SERVE_FROM:
+            module.__dict__["fused"] = FusedQKV(module)  # not a submodule: the state dict keeps q, k, v
+            for n in ("q_proj", "k_proj", "v_proj"):  # their weights now live in the fused copy only
+                setattr(module, n, nn.Identity())
+            count += 3
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and name != "wg" and child.weight.numel() >= SERVE_FROM and \
+                    available(child.weight.dtype, child.weight.device):
+                setattr(module, name, ServingLinear(child))
+                count += 1
+    return count

@@ -1,0 +1,76 @@
+"""export/serve/linears.py: CPU serving linears (the few-row GEMV kernel, oneDNN) give the model's own outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import model_config
+
+
+def test_the_gemv_kernel_builds_here_and_equals_f_linear():
+    """csrc/gemv.cpp on this machine (AVX-512 or AVX2): every row count 1-4, both dtypes, odd sizes (a tail of
+    input columns past the vector width, output rows past the row group), with and without a bias."""
+    from export.serve.linears import kernel
+
+    gemv = kernel()
+    assert gemv is not None, "the GEMV kernel did not build on this machine (see the warning)"
+    assert gemv.MAX_ROWS == 4
+    torch.manual_seed(0)
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:
+        for out_f, in_f in [(512, 256), (7, 100), (513, 257), (1, 16), (3072, 1024)]:
+            w = torch.randn(out_f, in_f).to(dtype)
+            b = torch.randn(out_f).to(dtype)
+            for rows in (1, 2, 3, 4):
+                x = torch.randn(rows, in_f).to(dtype)
+                for bias in (None, b):
+                    ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+                    got = gemv.linear(x, w, bias)
+                    assert got.dtype == dtype and got.shape == (rows, out_f)
+                    torch.testing.assert_close(got.float(), ref, atol=tol * in_f ** 0.5, rtol=tol)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        gemv.linear(torch.randn(5, 16), torch.randn(8, 16), None)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        gemv.linear(torch.randn(1, 16).double(), torch.randn(8, 16).double(), None)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_serving_linear_is_the_linear(dtype, tol):
+    from export.serve.linears import ServingLinear
+
+    layer = nn.Linear(256, 512).to(dtype).eval()
+    served = ServingLinear(layer)
+    assert served.served.gemv is not None and "GEMV kernel" in repr(served)
+    assert served.served.weight.data_ptr() == layer.weight.data_ptr()  # the weight as it was: no second copy
+    for shape in [(1, 256), (3, 256), (1, 4, 256), (2, 9, 256), (0, 1, 256), (40, 256)]:  # kernel, oneDNN, empty
+        x = torch.randn(*shape).to(dtype)
+        with torch.no_grad():
+            got = served(x)
+            assert got.shape == (*shape[:-1], 512)
+            torch.testing.assert_close(got.float(), layer(x).float(), atol=tol, rtol=tol)
+
+
+def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
+    from export.serve.linears import ENV, ServingLinear, serving_linears
+    from pipeline.model import GPT, init_weights
+
+    cfg = model_config(hidden=128, heads=4)
+    model = GPT(cfg).eval()
+    init_weights(model, 2)
+    ids = torch.randint(0, cfg.vocab_size, (3, 11))
+    with torch.no_grad():
+        ref = model(ids).logits
+        ref_one = model(ids[:1, :1]).logits  # one row: the kernel's path once served
+    monkeypatch.setenv(ENV, "0")
+    assert serving_linears(model) == 0  # switched off: nothing changes
+    monkeypatch.delenv(ENV)
+    assert serving_linears(model) > 0
+    assert all(b.attn.__dict__.get("fused") is not None for b in model.blocks)  # q, k, v as one projection
+    assert all(type(m.moe.deepspeed_moe.gate.wg) is nn.Linear for m in model.moe_layers())  # the router reads it
+    assert isinstance(model.lm_head, ServingLinear)
+    assert model.lm_head.served.weight.data_ptr() == model.wte.weight.data_ptr()  # tied: one copy
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(ids[:1, :1]).logits, ref_one, atol=1e-4, rtol=1e-4)
