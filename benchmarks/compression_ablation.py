@@ -11,8 +11,8 @@ student budget `--budget B` = the recipe's `student.train.steps`, `--candidates 
 
   A. The paper's protocol (benchmarks/kd_ablation.py's `run_variant`, imported, into OUT/paper/; or reusing, read
      only, the finished runs of an earlier `kd_ablation.py --out` of this teacher, `--paper-out`): students from
-     random weights trained B steps without KD (`no_kd_scratch`), with KD all the way (`kd_all_scratch`) and
-     with KD for the first 60% (`staged_scratch`); the `--spread-variant` (default no_kd_scratch) with both
+     random weights trained `--paper-steps` (default: the teacher's own steps, its token budget) without KD
+     (`no_kd_scratch`), with KD all the way (`kd_all_scratch`) and with KD for the first 60% (`staged_scratch`); the `--spread-variant` (default no_kd_scratch) with both
      `--seeds`, the others with the first. Reported: held-out loss, gap to the teacher, the seed-to-seed spread,
      and whether the recipe is "capacity-limited": the no-KD student at least 2x that spread above the teacher.
   B. The practical protocol (OUT/practical/): students started from the teacher's layers (`student.init:
@@ -413,7 +413,7 @@ class Study:
 
 def paper_ns(a, recipe, out: Path) -> SimpleNamespace:
     """The arguments kd_ablation.run_variant reads."""
-    return SimpleNamespace(out=out, steps=a.budget, recipe=str(a.recipe_file), recipe_seed=recipe.seed,
+    return SimpleNamespace(out=out, steps=a.paper_steps, recipe=str(a.recipe_file), recipe_seed=recipe.seed,
                            recipe_student_steps=recipe.student.train.steps,
                            recipe_student_warmup=recipe.student.train.warmup_steps, evals=a.evals, timeout=a.timeout)
 
@@ -643,7 +643,8 @@ def print_report(result: dict) -> None:
     t = result["teacher"]
     p = result["protocol"]
     print(f"\n== compression study, {result['meta']['recipe']}: one teacher ({t['val_loss_protocol']:.4f} held-out, "
-          f"{t.get('steps')} steps), budget B = {p['budget']} student steps, KD stop {p['kd_stop']}, "
+          f"{t.get('steps')} steps), part A {p.get('paper_steps')} student steps, budget B = {p['budget']} student "
+          f"steps, KD stop {p['kd_stop']}, "
           f"held-out loss on {'the whole validation split' if p['eval_batches'] is None else str(p['eval_batches']) + ' batches'} ==")
     parts = result["parts"]
     if "A" in parts:
@@ -844,7 +845,7 @@ def dry_run(study) -> int:
             run = paper_run_dir(ns, name, seed)
             lines.append(("A", f"{name} seed {seed}", f"{cli} distill {recipe} --run-dir {run} "
                           + " ".join(_sets(paper_sets(ns, name, seed, study.teacher_stage))),
-                          _status(run / "student"), est(a.budget, r.student.layers, kd_share)))
+                          _status(run / "student"), est(a.paper_steps, r.student.layers, kd_share)))
     if "B" in a.parts:
         run = study.baseline_dir()
         lines.append(("B", "baseline", f"worker: load {study.teacher_stage} weights, train_model into {run} with "
@@ -968,7 +969,10 @@ def parse_args(argv: list[str] | None):
                         "teacher: checked) are reused; only read, a run missing there is reported, not trained "
                         "(default: part A trains into OUT/paper)")
     p.add_argument("--parts", nargs="+", choices=["A", "B", "C"], default=["A", "B", "C"])
-    p.add_argument("--budget", type=int, default=None, help="B, student steps (default: student.train.steps)")
+    p.add_argument("--budget", type=int, default=None, help="B, the steps of parts B and C's students and of the "
+                   "baseline (default: student.train.steps)")
+    p.add_argument("--paper-steps", type=int, default=None, help="part A's student steps (default: "
+                   "teacher.train.steps, the teacher's token budget at the same batch)")
     p.add_argument("--candidate-steps", type=int, default=None, help="part C's steps per candidate (default B/4)")
     p.add_argument("--candidates", type=int, default=8, help="part C's candidates to train (default 8)")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
@@ -1012,9 +1016,10 @@ def parse_args(argv: list[str] | None):
                 args.recipe_file.write_text(text)
     args.seeds = args.seeds or [recipe.seed, recipe.seed + 1]
     args.budget = args.budget or recipe.student.train.steps
+    args.paper_steps = args.paper_steps or recipe.teacher.train.steps
     args.candidate_steps = args.candidate_steps or max(1, args.budget // 4)
-    if min(args.budget, args.candidate_steps, args.evals) < 1 or args.candidates < 2:
-        p.error("--budget, --candidate-steps and --evals must be positive, --candidates at least 2")
+    if min(args.budget, args.paper_steps, args.candidate_steps, args.evals) < 1 or args.candidates < 2:
+        p.error("--budget, --paper-steps, --candidate-steps and --evals must be positive, --candidates at least 2")
     if "A" in args.parts and args.kd_stop != "60%":
         p.error("--kd-stop: part A runs kd_ablation's staged_scratch, whose stop is 60%; drop A or keep 60%")
     if not all(0 < f < 1 for f in args.fractions):
@@ -1062,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
                  "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                  "recipe": args.recipe, "recipe_file": str(args.recipe_file), "overrides": args.overrides,
                  "argv": sys.argv[1:] if argv is None else argv, "total_seconds": round(total, 1)},
-        "protocol": {"budget": args.budget, "candidate_steps": args.candidate_steps, "candidates": args.candidates,
+        "protocol": {"budget": args.budget, "paper_steps": args.paper_steps, "candidate_steps": args.candidate_steps, "candidates": args.candidates,
                      "seeds": args.seeds, "spread_variant": args.spread_variant, "kd_stop": args.kd_stop,
                      "expert_selection": args.expert_selection, "fractions": args.fractions, "evals": args.evals,
                      "eval_batches": args.eval_batches, "plan_blocks": args.plan_blocks,

@@ -37,6 +37,12 @@ def test_dry_run_lists_every_run_with_its_overrides_and_writes_nothing(tmp_path,
     assert f"plan {ROOT / 'recipes/tiny.yaml'} --measure --run-dir {out / 'teacher_run'} --json --blocks 128" in text
     assert "8 candidates" in text and "75 steps each" in text
     assert f"moe-pipeline teacher {ROOT / 'recipes/tiny.yaml'} --run-dir {out / 'teacher_run'}" in text
+    # a budget B of its own: part A keeps the teacher's steps (its token budget), B and C take B
+    assert compression_ablation.main(["--dry-run", "--recipe", "recipes/tiny.yaml", "--out", str(out),
+                                      "--budget", "120"]) == 0
+    text = capsys.readouterr().out
+    assert "paper/runs/no_kd_scratch_s300 " in text and "--set student.train.steps=300" in text
+    assert "practical/full_s120 " in text and "baseline/teacher_plus120 " in text and "30 steps each" in text
 
 
 def test_protocol_flags_are_checked(capsys):
