@@ -17,6 +17,19 @@ def test_the_gemv_kernel_builds_here_and_equals_f_linear():
 
     gemv = kernel()
     assert gemv is not None, "the GEMV kernel did not build on this machine (see the warning)"
+    check_kernel(gemv)
+
+
+def test_the_gemv_kernel_avx2_build_equals_f_linear():
+    """The AVX2 + FMA variant (CPUs without AVX-512: most laptops), built here too where the CPU can run it."""
+    from export.serve.linears import build
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU runs neither variant")
+    check_kernel(build("AVX2"))
+
+
+def check_kernel(gemv):
     assert gemv.MAX_ROWS == 4
     torch.manual_seed(0)
     for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:

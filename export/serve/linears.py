@@ -60,16 +60,21 @@ def kernel():
                           "use oneDNN", stacklevel=2)
         else:
             try:
-                from torch.utils.cpp_extension import load
-
-                _kernel = load(name=f"moe_pipeline_gemv_{isa.lower()}", sources=[str(SOURCE)],
-                               extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa]], verbose=False)
+                _kernel = build(isa)
             except Exception as err:  # no compiler, no ninja, a read-only cache: serve without it
                 warnings.warn(f"the GEMV kernel {SOURCE.name} was not built ({type(err).__name__}: "
                               f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); few-row linears "
                               f"use oneDNN", stacklevel=2)
         _kernel_tried = True
         return _kernel
+
+
+def build(isa: str):
+    """csrc/gemv.cpp compiled for `isa` (a key of ISA_FLAGS), or loaded from the extensions cache."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=f"moe_pipeline_gemv_{isa.lower()}", sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa]], verbose=False)
 
 
 class ServingWeight:
