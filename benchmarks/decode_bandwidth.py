@@ -87,6 +87,8 @@ def best_bandwidth(samples: list[dict]) -> dict:
     ops = {k: max(s["ops_bytes_per_s"][k] for s in samples) for k in samples[0]["ops_bytes_per_s"]}
     op = max(("sum_fp32", "mv_fp32"), key=ops.get)
     return {**samples[0], "ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "samples": len(samples),
+            "sample_bytes_per_s": [max(s["ops_bytes_per_s"]["sum_fp32"], s["ops_bytes_per_s"]["mv_fp32"])
+                                   for s in samples],
             "repeats": sum(s["repeats"] for s in samples)}
 
 

@@ -8,6 +8,7 @@
 // shift, as oneDNN does), the bias added in fp32, one rounding to the output dtype.
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -100,6 +101,7 @@ static void dispatch(int64_t M, const W* w, const float* x, float* y, int64_t I,
 
 // x [M, I] (1 <= M <= MAX_ROWS), w [O, I], both contiguous, fp32 or bf16 alike; bias [O] or None.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  RECORD_FUNCTION("moe_pipeline::gemv", std::vector<c10::IValue>({x, w}));  // seen by torch.profiler
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, in] and w [out, in]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "gemv: 1 to ", MAX_ROWS, " rows, not ", x.size(0));
   TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
