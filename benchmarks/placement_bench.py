@@ -23,6 +23,9 @@ status: each rank's ms per forward busy (less the exchange's collectives), compu
 in the exchange; the busiest rank's; and the predictor thread's CPU seconds (it shares rank 0's
 cores). The tokens/s gain that placement can give at most is bounded by the share of expert time
 in the busiest rank's forward: bound = busy / (busy - (its expert time - the ranks' mean)).
+And the balancedness a replica table could reach on each workload's own routes (`--ceilings-only`: just these,
+no servers), in forwards shaped like the server's: the native table, the best single table for the whole
+workload, and an oracle that plans each forward on its actual counts, all within the budget's replica slots.
 
 Targets: issue 7: on the skewed workload at equal budget, predictive balancedness >= 0.85 and >=
 reactive's; predictor demand error below the frequency baseline's; resident 0.5 keeps >= 80% of
@@ -139,11 +142,54 @@ def workloads(pkg: Path, n: int, prompt_len: int, seed: int) -> dict[str, list[l
         on0 = torch.tensor([native_rank(e, experts, 2) == 0 for e in range(experts)])
         share += on0[routes[..., i]].float().mean(dim=1)
     g = torch.Generator().manual_seed(seed)
-    heldout = windows[torch.randperm(len(windows), generator=g)[:n]]
-    skewed = windows[share.argsort(descending=True)[:n]]
-    return {"heldout": heldout.tolist(), "skewed": skewed.tolist(),
+    picks = {"heldout": torch.randperm(len(windows), generator=g)[:n], "skewed": share.argsort(descending=True)[:n]}
+    return {**{wl: windows[i].tolist() for wl, i in picks.items()},
             "_share": {"heldout": float(share.mean() / len(model.cfg.experts)),
-                       "skewed": float(share.sort(descending=True).values[:n].mean() / len(model.cfg.experts))}}
+                       "skewed": float(share.sort(descending=True).values[:n].mean() / len(model.cfg.experts))},
+            "_routes": {wl: routes[i] for wl, i in picks.items()}, "_cfg": model.cfg}
+
+
+def balancedness_ceilings(cfg, routes, concurrency: int, budget: float, ep: int = 2) -> dict:
+    """What a replica table could reach on a workload's own routes ([prompts, T, layers], the prompt tokens'
+    experts), in forwards shaped like the server's: each group of `concurrency` prompts prefilled in one forward,
+    then T one-token-per-prompt forwards (the prompt's own tokens standing in for the generated ones). Balancedness
+    as the server's metric: per layer the token-weighted mean over forwards of mean/max per rank, then the mean
+    over layers. For the native table (none), the best single table for the workload's whole demand (a reactive
+    planner that had seen it all), and an oracle: each forward its own best table, planned on its actual counts
+    (no policy can know them in advance). Every table holds at most the budget's replica slots, as the server."""
+    from export.serve.placement import balancedness, native_table, plan_replicas, rank_loads, replica_slots
+
+    slots = replica_slots(cfg, ep, budget)
+    L = len(cfg.experts)
+
+    def counts(tokens):  # tokens [N, layers] -> per layer per expert counts
+        return [torch_bincount(tokens[:, i], cfg.experts[i]) for i in range(L)]
+
+    forwards = []
+    for g in range(0, len(routes), concurrency):
+        group = routes[g: g + concurrency]
+        forwards.append(counts(group.reshape(-1, L)))
+        forwards += [counts(group[:, t]) for t in range(group.shape[1])]
+    whole = [[sum(f[i][e] for f in forwards) for e in range(n)] for i, n in enumerate(cfg.experts)]
+    tables = {"none": native_table(cfg, ep), "best static": plan_replicas(cfg, ep, whole, slots)}
+    out = {}
+    for name in (*tables, "oracle"):
+        num, den = [0.0] * L, [0.0] * L
+        for f in forwards:
+            table = tables.get(name) or plan_replicas(cfg, ep, f, slots)
+            for i in range(L):
+                w = sum(f[i])
+                if w:
+                    num[i] += w * balancedness(rank_loads(f[i], table[i], ep))
+                    den[i] += w
+        out[name] = sum(n / d for n, d in zip(num, den)) / L
+    return {**out, "slots_per_rank": slots, "forwards": len(forwards)}
+
+
+def torch_bincount(ids, n: int) -> list[float]:
+    import torch
+
+    return [float(c) for c in torch.bincount(ids, minlength=n)[:n]]
 
 
 def share(seconds, total: float) -> str:
@@ -174,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs of each workload per server; the median tokens/s")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "placement")
+    p.add_argument("--ceilings-only", action="store_true",
+                   help="only the balancedness a table could reach on the workloads' routes (no servers)")
     args = p.parse_args(argv)
     if not is_package(args.package):
         p.error(f"--package {args.package}: not a package; run README command 1 first")
@@ -187,9 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([*cli_command(), "predictor", "train", str(pkg)], cwd=ROOT, env=child_env(), check=True)
     predictor = json.loads((pkg / "predictor.json").read_text())["held_out"]
     loads = workloads(pkg, args.requests, args.prompt_len, args.seed)
+    routes, cfg = loads.pop("_routes"), loads.pop("_cfg")
     res: dict = {"package": str(args.package), "budget": args.budget, "requests": args.requests,
                  "concurrency": args.concurrency, "new_tokens": args.new_tokens, "rank0_share": loads.pop("_share"),
-                 "predictor": predictor, "placement": {}, "prefetch": {}}
+                 "predictor": predictor, "placement": {}, "prefetch": {},
+                 "ceilings": {wl: balancedness_ceilings(cfg, r, args.concurrency, args.budget) for wl, r in routes.items()}}
+    if args.ceilings_only:
+        report_ceilings(res)
+        return 0
     for wl, prompts in loads.items():
         urls, stop = serving(pkg, {policy: ["--ep-size", "2", "--placement", policy, "--replica-budget", str(args.budget)]
                                    for policy in POLICIES})
@@ -226,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def report_ceilings(res: dict) -> None:
+    for wl, c in res["ceilings"].items():
+        print(f"ceiling on {wl:8s} routes ({c['forwards']} forwards, {c['slots_per_rank']} replica slots a rank): "
+              f"none {c['none']:.3f}, best static table {c['best static']:.3f}, oracle (each forward's own best "
+              f"table) {c['oracle']:.3f}")
+
+
 def report(res: dict, out: Path) -> None:
     B = res["budget"]
     print(f"\n== expert placement, EP 2, replica budget {B}, {res['requests']} requests x {res['new_tokens']} tokens, "
@@ -252,10 +312,12 @@ def report(res: dict, out: Path) -> None:
                   f"{'/'.join(f'{x:.2f}' for x in r['rank_exchange_ms']):>16s} "
                   f"{r['step_balancedness'] or 0:9.3f} {'-' if pc is None else f'{pc:.1f}':>15s} "
                   f"{share(r.get('predictor_wait_s'), r['serve_seconds']):>13s} {int(r.get('table_changes') or 0):6d}")
+    report_ceilings(res)
     sk = res["placement"]["skewed"]
     pb, rb = sk["predictive"]["mean_balancedness"], sk["reactive"]["mean_balancedness"]
+    oracle = res["ceilings"]["skewed"]["oracle"]
     print(f"target: skewed predictive balancedness {pb:.3f} >= 0.9 and >= reactive {rb:.3f}: "
-          f"{'MET' if pb >= 0.9 and pb >= rb - 1e-9 else 'MISSED'}")
+          f"{'MET' if pb >= 0.9 and pb >= rb - 1e-9 else 'MISSED'} ({pb / oracle:.0%} of the oracle's {oracle:.3f})")
     gain = sk["predictive"]["tok_s"] / sk["none"]["tok_s"]
     # the most placement can give: the busiest rank's expert time brought down to the ranks' mean, nothing else
     none = sk["none"]

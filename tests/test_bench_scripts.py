@@ -104,3 +104,20 @@ def test_ep_projection_all_to_all_grows_with_latency():
     assert slow["all_to_all_us"] - fast["all_to_all_us"] == pytest.approx(20 * a["latency_inter_us"])
     assert slow["tok_s_per_gpu"] < fast["tok_s_per_gpu"]
     assert fast["dense_weights_us"] == pytest.approx(s["dense_bytes"] / (a["hbm_tbps"] * 1e12) * 1e6)
+
+
+def test_balancedness_ceilings_of_a_skewed_workload():
+    """benchmarks/placement_bench.py's ceilings: every token of layer 1 to expert 0 (rank 0's), layer 2 even. The
+    native table is half balanced there; one replica slot a rank lets a table split expert 0 in two."""
+    import placement_bench
+
+    from conftest import model_config
+
+    cfg = model_config()  # experts (2, 4) on 2 ranks: 3 native experts a rank
+    routes = torch.zeros(4, 6, 2, dtype=torch.long)  # 4 prompts x 6 tokens x 2 MoE layers
+    routes[..., 1] = torch.arange(4)[:, None].expand(4, 6)  # layer 2: prompt p's tokens to expert p
+    c = placement_bench.balancedness_ceilings(cfg, routes, concurrency=4, budget=0.34)
+    assert c["slots_per_rank"] == 1 and c["forwards"] == 1 + 6  # one prefill, six decode forwards
+    assert c["none"] == pytest.approx((0.5 + 1.0) / 2)  # layer 1 all on rank 0; layer 2 experts 0-3 even
+    assert c["best static"] == pytest.approx(1.0) and c["oracle"] == pytest.approx(1.0)
+    assert placement_bench.balancedness_ceilings(cfg, routes, 4, budget=0.0)["oracle"] == pytest.approx(0.75)
