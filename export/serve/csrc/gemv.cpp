@@ -115,8 +115,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t groups = (O + GROUP - 1) / GROUP;
-  // at least ~256 KB of weight per thread's share: below that the threads' start costs more than it saves
-  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / (GROUP * I * w.element_size() + 1));
+  // at least ~2 MB of weight per thread's share: waking a sleeping thread (OMP_WAIT_POLICY=PASSIVE) costs
+  // ~45 us, the time to read ~2 MB, so a smaller weight is read faster by one thread than split
+  const int64_t grain = std::max<int64_t>(1, (int64_t(2) << 20) / (GROUP * I * w.element_size() + 1));
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   const void* wp = w.data_ptr();
   at::parallel_for(0, groups, grain, [&](int64_t b, int64_t e) {
