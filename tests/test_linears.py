@@ -57,12 +57,34 @@ def test_a_serving_linear_is_the_linear(dtype, tol):
     served = ServingLinear(layer)
     assert served.served.gemv is not None and "GEMV kernel" in repr(served)
     assert served.served.weight.data_ptr() == layer.weight.data_ptr()  # the weight as it was: no second copy
-    for shape in [(1, 256), (3, 256), (1, 4, 256), (2, 9, 256), (0, 1, 256), (40, 256)]:  # kernel, oneDNN, empty
+    for shape in [(1, 256), (3, 256), (1, 4, 256), (2, 9, 256), (0, 1, 256), (40, 256), (3, 11, 256)]:
+        # the kernel (1-4 rows), F.linear (a small weight: more rows), no rows
         x = torch.randn(*shape).to(dtype)
         with torch.no_grad():
             got = served(x)
             assert got.shape == (*shape[:-1], 512)
             torch.testing.assert_close(got.float(), layer(x).float(), atol=tol, rtol=tol)
+
+
+def test_a_large_serving_linear_pads_rows_for_onednn():
+    from export.serve.linears import ONEDNN_FROM, ServingLinear
+
+    layer = nn.Linear(1024, ONEDNN_FROM // 1024).eval()
+    served = ServingLinear(layer)
+    for rows in (2, 5, 18, 33, 100):  # the kernel, then oneDNN: as they are (5, 18) or padded (33 -> 36, 100 -> 104)
+        x = torch.randn(rows, 1024)
+        with torch.no_grad():
+            torch.testing.assert_close(served(x), layer(x), atol=1e-4, rtol=1e-4)
+
+
+def test_row_buckets_bound_the_shapes_onednn_compiles():
+    from export.serve.linears import bucket
+
+    sizes = [bucket(n) for n in range(1, 2049)]
+    assert sizes[:8] == list(range(1, 9))  # few rows as they are
+    assert all(n <= b <= n * 1.125 for n, b in zip(range(1, 2049), sizes))  # at most 12.5% padding
+    assert len(set(sizes)) <= 8 + 8 * 8  # up to 8, then 8 sizes per octave: 8-2048
+    assert bucket(9) == 9 and bucket(17) == 18 and bucket(100) == 104 and bucket(2048) == 2048
 
 
 def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):

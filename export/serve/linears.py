@@ -9,7 +9,10 @@ read at batch 1, fp32 (a plain read of the same bytes: ~42 GB/s), 2-3x slower th
 blocked layout, so weights stay as they are: no second copy, nothing to reorder when an expert loads. For 1-4
 rows (batch-1 and small-batch decode) `csrc/gemv.cpp` reads the weight once at the memory's speed: ~42 GB/s
 where oneDNN reaches ~31 and MKL ~21, under a competing process ~28 against ~21. Measured by
-benchmarks/decode_bandwidth.py (batch-1 decode against the read-bandwidth bound).
+benchmarks/decode_bandwidth.py (batch-1 decode against the read-bandwidth bound). A weight under 1M elements
+(the tiny recipe's) goes to F.linear for more rows: as fast as oneDNN at that size, and oneDNN compiles and keeps
+a primitive for every row count it meets (a soak's RSS grew 5-7%); for larger ones oneDNN sees row counts rounded
+up to 8 sizes per octave (`bucket`).
 
 The kernel is built at first use with torch.utils.cpp_extension (a C++ compiler and ninja, as DeepSpeed's own CPU
 ops need; cached under ~/.cache/torch_extensions, one build per instruction set: AVX-512 or AVX2 + FMA). Without
@@ -29,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.linear's call is cheapest)
+ONEDNN_FROM = 1 << 20  # below this, more than 4 rows go to F.linear: as fast there, and no primitive cache to grow
 ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
@@ -90,7 +94,26 @@ class ServingWeight:
         if self.gemv is not None and 0 < rows <= self.gemv.MAX_ROWS and x.dtype == self.weight.dtype:
             y = self.gemv.linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, bias)
             return y.view(*x.shape[:-1], self.shape[0])
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        if self.weight.numel() < ONEDNN_FROM:
+            return F.linear(x, self.weight, bias)
+        padded = bucket(rows)
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        flat = x.new_zeros(padded, x.shape[-1])
+        flat[:rows] = x.reshape(rows, x.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, bias, "none", [], "")[:rows]
+        return y.view(*x.shape[:-1], self.shape[0])
+
+
+def bucket(rows: int) -> int:
+    """`rows` rounded up to one of 8 sizes per octave (at most 12.5% more rows; up to 8 rows as they are). oneDNN
+    keeps a compiled primitive for every shape it meets (up to 1024, each ~0.5-1 MB): a server's row counts (decode
+    batches, prefill chunks) are nearly every number up to --max-batched-tokens, and its memory grew by 5-7% over
+    a soak; with buckets, ~8 shapes per octave and weight."""
+    if rows <= 8:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def serving_weight(weight: torch.Tensor) -> torch.Tensor | ServingWeight:
