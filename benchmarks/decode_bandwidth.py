@@ -9,7 +9,7 @@ The package is `benchmarks/common.random_package`: recipes/350m.yaml cut to 4 la
 read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches), built once per dtype under
 `--work`. For each dtype, in one process with `--threads` threads:
 
-  (a) read bandwidth: a 1 GiB fp32 buffer (`--buffer-gib`) read by `torch.sum` and by `torch.mv` (a GEMV, the
+  (a) read bandwidth: a 1 GiB fp32 buffer of random values (`--buffer-gib`) read by `torch.sum` and by `torch.mv` (a GEMV, the
       decode's own kind of read), sampled before every decode run and after the last, the best sample kept; the
       bound uses the faster of the two ops. `torch.mv` on a bf16 matrix is measured too, as a diagnostic of the
       bf16 GEMV kernel (it is not the bandwidth);
@@ -22,8 +22,8 @@ read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches),
 
 bound = bandwidth / active bytes; ratio = decode tok/s (best run) / bound (also shown against the mv bandwidth);
 paired ratio = each run's tok/s over the bound of the two samples taken just before and after it (the median run
-shown): this VM's read bandwidth drifts between ~40 and ~77 GB/s, and the best sample of a stretch can come from
-a fast minute that no decode run shared.
+shown): this VM's read bandwidth drifts (~46-51 GB/s on random data), and the best sample of a stretch can come
+from a fast minute that no decode run shared.
 Then where the time goes: one more run timed by module (forward hooks: attention, dense MLP, gate + routing,
 experts, residual MLP, lm_head, the rest), each with the bytes it reads and the bandwidth it reaches, and
 torch.profiler's top operators. And (d), `--backends`: the engine loaded again with its linears on oneDNN for
@@ -69,17 +69,31 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
     def best(fn, nbytes):
         return nbytes / best_seconds(fn, repeats)
 
-    a = torch.ones(rows, cols)
-    v = torch.ones(cols)
+    # random values, as the model's weights: a constant buffer (torch.ones) read at up to 63-77 GB/s here in some
+    # samples against a steady ~48 for random data (identical pages merged or compressed below this VM, it seems)
+    a = random_buffer(rows, cols)
+    v = torch.rand(cols)
     ops = {"sum_fp32": best(lambda: a.sum(), a.numel() * 4), "mv_fp32": best(lambda: torch.mv(a, v), a.numel() * 4)}
-    del a
-    b = torch.ones(rows, 2 * cols, dtype=torch.bfloat16)  # the same bytes
-    vb = torch.ones(2 * cols, dtype=torch.bfloat16)
+    b = torch.rand(rows, 2 * cols, dtype=torch.bfloat16)  # the same bytes
+    vb = torch.rand(2 * cols).bfloat16()
     ops["mv_bf16"] = best(lambda: torch.mv(b, vb), b.numel() * 2)
-    del b
+    del a, b
     op = max(("sum_fp32", "mv_fp32"), key=ops.get)
     return {"ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "buffer_bytes": rows * cols * 4,
             "threads": threads, "repeats": repeats, "samples": 1}
+
+
+_buffers: dict = {}
+
+
+def random_buffer(rows: int, cols: int):
+    """A [rows, cols] fp32 buffer of uniform random values, made once per shape (1 GiB takes a second to fill)."""
+    import torch
+
+    if (rows, cols) not in _buffers:
+        _buffers.clear()
+        _buffers[rows, cols] = torch.rand(rows, cols, generator=torch.Generator().manual_seed(0))
+    return _buffers[rows, cols]
 
 
 def best_bandwidth(samples: list[dict]) -> dict:
