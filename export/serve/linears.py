@@ -16,7 +16,7 @@ up to 8 sizes per octave (`bucket`).
 
 The kernel is built at first use with torch.utils.cpp_extension (a C++ compiler and ninja, as DeepSpeed's own CPU
 ops need; cached under ~/.cache/torch_extensions, one build per instruction set: AVX-512 or AVX2 + FMA). Without
-it (another CPU, no compiler: one warning), every row count goes to oneDNN. fp32 and bf16 on a CPU with oneDNN
+it (another CPU, no compiler: one warning), few rows go where more rows go. fp32 and bf16 on a CPU with oneDNN
 only; MOE_PIPELINE_CPU_LINEARS=onednn leaves the kernel out, =0 leaves every layer as it is (F.linear).
 """
 
@@ -94,7 +94,7 @@ class ServingWeight:
         if self.gemv is not None and 0 < rows <= self.gemv.MAX_ROWS and x.dtype == self.weight.dtype:
             y = self.gemv.linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, bias)
             return y.view(*x.shape[:-1], self.shape[0])
-        if self.weight.numel() < ONEDNN_FROM:
+        if self.weight.numel() < ONEDNN_FROM:  # and without the kernel, few rows: MKL's GEMV is single-threaded
             return F.linear(x, self.weight, bias)
         padded = bucket(rows)
         if padded == rows:
