@@ -5,7 +5,7 @@
 // CPU ops), with AVX-512 or AVX2 + FMA. Output rows are split between torch's intra-op threads
 // (at::parallel_for), GROUP rows at a time: each step loads a vector of every input row once and of GROUP weight
 // rows, so the weight streams from memory once and x stays in L1. fp32 accumulation (bf16 weights widened by a
-// shift, as oneDNN does), the bias added in fp32, one rounding to the output dtype.
+// shift, as oneDNN does), the bias added in fp32, one rounding to the output dtype, no temporary tensors.
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <vector>
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -49,9 +50,10 @@ static inline float vsum(vf v) {
 
 constexpr int64_t MAX_ROWS = 4;
 
-// Output rows [o0, o1) of the M input rows x (fp32, [M, I]) against w ([O, I]) into y (fp32, [M, O]).
+// Output rows [o0, o1) of the M input rows x (fp32, [M, I]) against w ([O, I]) into y ([M, O], w's dtype), each
+// plus bias[o] (w's dtype, or none) in fp32 before the one rounding.
 template <typename W, int M>
-static void rows(const W* w, const float* x, float* y, int64_t I, int64_t O, int64_t o0, int64_t o1) {
+static void rows(const W* w, const float* x, const W* bias, W* y, int64_t I, int64_t O, int64_t o0, int64_t o1) {
   int64_t o = o0;
   for (; o + GROUP <= o1; o += GROUP) {
     vf acc[M][GROUP];
@@ -70,7 +72,7 @@ static void rows(const W* w, const float* x, float* y, int64_t I, int64_t O, int
       for (int r = 0; r < GROUP; ++r) {
         float s = vsum(acc[m][r]);
         for (int64_t j = i; j < I; ++j) s += static_cast<float>(w[(o + r) * I + j]) * x[m * I + j];
-        y[m * O + o + r] = s;
+        y[m * O + o + r] = static_cast<W>(bias ? s + static_cast<float>(bias[o + r]) : s);
       }
   }
   for (; o < o1; ++o) {  // the last rows, fewer than GROUP
@@ -84,22 +86,29 @@ static void rows(const W* w, const float* x, float* y, int64_t I, int64_t O, int
     for (int m = 0; m < M; ++m) {
       float s = vsum(acc[m]);
       for (int64_t j = i; j < I; ++j) s += static_cast<float>(w[o * I + j]) * x[m * I + j];
-      y[m * O + o] = s;
+      y[m * O + o] = static_cast<W>(bias ? s + static_cast<float>(bias[o]) : s);
     }
   }
 }
 
 template <typename W>
-static void dispatch(int64_t M, const W* w, const float* x, float* y, int64_t I, int64_t O, int64_t o0, int64_t o1) {
-  switch (M) {
-    case 1: return rows<W, 1>(w, x, y, I, O, o0, o1);
-    case 2: return rows<W, 2>(w, x, y, I, O, o0, o1);
-    case 3: return rows<W, 3>(w, x, y, I, O, o0, o1);
-    default: return rows<W, 4>(w, x, y, I, O, o0, o1);
-  }
+static void run(int64_t M, const W* w, const float* x, const W* bias, W* y, int64_t I, int64_t O) {
+  const int64_t groups = (O + GROUP - 1) / GROUP;
+  // at least ~2 MB of weight per thread's share: waking a sleeping thread (OMP_WAIT_POLICY=PASSIVE) costs
+  // ~45 us, the time to read ~2 MB, so a smaller weight is read faster by one thread than split
+  const int64_t grain = std::max<int64_t>(1, (int64_t(2) << 20) / (GROUP * I * int64_t(sizeof(W)) + 1));
+  at::parallel_for(0, groups, grain, [&](int64_t b, int64_t e) {
+    const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
+    switch (M) {
+      case 1: return rows<W, 1>(w, x, bias, y, I, O, o0, o1);
+      case 2: return rows<W, 2>(w, x, bias, y, I, O, o0, o1);
+      case 3: return rows<W, 3>(w, x, bias, y, I, O, o0, o1);
+      default: return rows<W, 4>(w, x, bias, y, I, O, o0, o1);
+    }
+  });
 }
 
-// x [M, I] (1 <= M <= MAX_ROWS), w [O, I], both contiguous, fp32 or bf16 alike; bias [O] or None.
+// x [M, I] (1 <= M <= MAX_ROWS), w [O, I], both contiguous, fp32 or bf16 alike; bias [O] of that dtype or None.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   RECORD_FUNCTION("moe_pipeline::gemv", std::vector<c10::IValue>({x, w}));  // seen by torch.profiler
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, in] and w [out, in]");
@@ -109,26 +118,23 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
               "gemv: fp32 or bf16, x and w alike");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.device().is_cpu() && w.device().is_cpu(),
               "gemv: contiguous CPU tensors");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == w.scalar_type() && bias->is_contiguous() && bias->numel() == w.size(0),
+                "gemv: a contiguous bias of the weight's dtype, one per output");
   const int64_t M = x.size(0), I = w.size(1), O = w.size(0);
-  const torch::Tensor xf = x.to(at::kFloat);  // bf16 rows widened once (fp32: x itself)
-  torch::Tensor y = torch::empty({M, O}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = (O + GROUP - 1) / GROUP;
-  // at least ~2 MB of weight per thread's share: waking a sleeping thread (OMP_WAIT_POLICY=PASSIVE) costs
-  // ~45 us, the time to read ~2 MB, so a smaller weight is read faster by one thread than split
-  const int64_t grain = std::max<int64_t>(1, (int64_t(2) << 20) / (GROUP * I * w.element_size() + 1));
-  const bool bf16 = w.scalar_type() == at::kBFloat16;
-  const void* wp = w.data_ptr();
-  at::parallel_for(0, groups, grain, [&](int64_t b, int64_t e) {
-    const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
-    if (bf16)
-      dispatch(M, static_cast<const c10::BFloat16*>(wp), xp, yp, I, O, o0, o1);
-    else
-      dispatch(M, static_cast<const float*>(wp), xp, yp, I, O, o0, o1);
-  });
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  return y.to(x.scalar_type());
+  torch::Tensor y = torch::empty({M, O}, x.options());
+  if (w.scalar_type() == at::kFloat) {
+    run<float>(M, w.data_ptr<float>(), x.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), I, O);
+  } else {
+    using B = c10::BFloat16;
+    std::vector<float> xf(M * I);  // the bf16 rows widened once (a few KB)
+    const B* xb = x.data_ptr<B>();
+    for (int64_t k = 0; k < M * I; ++k) xf[k] = static_cast<float>(xb[k]);
+    run<B>(M, w.data_ptr<B>(), xf.data(), has_bias ? bias->data_ptr<B>() : nullptr, y.data_ptr<B>(), I, O);
+  }
+  return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
