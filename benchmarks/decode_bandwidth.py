@@ -22,8 +22,8 @@ read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches),
 
 bound = bandwidth / active bytes; ratio = decode tok/s (best run) / bound (also shown against the mv bandwidth);
 paired ratio = each run's tok/s over the bound of the two samples taken just before and after it (the median run
-shown): this VM's read bandwidth drifts (~46-51 GB/s on random data), and the best sample of a stretch can come
-from a fast minute that no decode run shared.
+shown): this VM's read bandwidth drifts (41-53 GB/s on random data, and one first sample of a run at 77), and the
+best sample of a stretch can come from a fast moment that no decode run shared.
 Then where the time goes: one more run timed by module (forward hooks: attention, dense MLP, gate + routing,
 experts, residual MLP, lm_head, the rest), each with the bytes it reads and the bandwidth it reaches, and
 torch.profiler's top operators. And (d), `--backends`: the engine loaded again with its linears on oneDNN for
@@ -69,8 +69,9 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
     def best(fn, nbytes):
         return nbytes / best_seconds(fn, repeats)
 
-    # random values, as the model's weights: a constant buffer (torch.ones) read at up to 63-77 GB/s here in some
-    # samples against a steady ~48 for random data (identical pages merged or compressed below this VM, it seems)
+    # random values, as the model's weights (a constant buffer, torch.ones, read at 63 GB/s in one of three tries
+    # where random data read at 48). Even so the first sample of a run has read at 77 GB/s twice here, against
+    # 41-53 for the other 15: not explained; the paired ratio below does not depend on one sample
     a = random_buffer(rows, cols)
     v = torch.rand(cols)
     ops = {"sum_fp32": best(lambda: a.sum(), a.numel() * 4), "mv_fp32": best(lambda: torch.mv(a, v), a.numel() * 4)}
