@@ -102,15 +102,14 @@ def best_bandwidth(samples: list[dict]) -> dict:
     ops = {k: max(s["ops_bytes_per_s"][k] for s in samples) for k in samples[0]["ops_bytes_per_s"]}
     op = max(("sum_fp32", "mv_fp32"), key=ops.get)
     return {**samples[0], "ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "samples": len(samples),
-            "sample_bytes_per_s": [max(s["ops_bytes_per_s"]["sum_fp32"], s["ops_bytes_per_s"]["mv_fp32"])
-                                   for s in samples],
+            "sample_bytes_per_s": [s["bytes_per_s"] for s in samples],
             "repeats": sum(s["repeats"] for s in samples)}
 
 
 def paired_bandwidth(samples: list[dict]) -> float:
     """The mean bandwidth (the faster fp32 op) of the samples taken just before and just after one decode run: on a
-    shared machine whose bandwidth drifts (here 40-77 GB/s from one minute to the next), the bound of that run."""
-    return statistics.mean(max(s["ops_bytes_per_s"]["sum_fp32"], s["ops_bytes_per_s"]["mv_fp32"]) for s in samples)
+    shared machine whose bandwidth drifts (here 41-53 GB/s, once 77), the bound of that run."""
+    return statistics.mean(s["bytes_per_s"] for s in samples)
 
 
 # -- (c) active bytes per token ------------------------------------------------------------------------------------

@@ -157,13 +157,15 @@ def balancedness_ceilings(cfg, routes, concurrency: int, budget: float, ep: int 
     over layers. For the native table (none), the best single table for the workload's whole demand (a reactive
     planner that had seen it all), and an oracle: each forward its own best table, planned on its actual counts
     (no policy can know them in advance). Every table holds at most the budget's replica slots, as the server."""
+    import torch
+
     from export.serve.placement import balancedness, native_table, plan_replicas, rank_loads, replica_slots
 
     slots = replica_slots(cfg, ep, budget)
     L = len(cfg.experts)
 
     def counts(tokens):  # tokens [N, layers] -> per layer per expert counts
-        return [torch_bincount(tokens[:, i], cfg.experts[i]) for i in range(L)]
+        return [torch.bincount(tokens[:, i], minlength=n)[:n].tolist() for i, n in enumerate(cfg.experts)]
 
     forwards = []
     for g in range(0, len(routes), concurrency):
@@ -184,12 +186,6 @@ def balancedness_ceilings(cfg, routes, concurrency: int, budget: float, ep: int 
                     den[i] += w
         out[name] = sum(n / d for n, d in zip(num, den)) / L
     return {**out, "slots_per_rank": slots, "forwards": len(forwards)}
-
-
-def torch_bincount(ids, n: int) -> list[float]:
-    import torch
-
-    return [float(c) for c in torch.bincount(ids, minlength=n)[:n]]
 
 
 def share(seconds, total: float) -> str:

@@ -87,13 +87,12 @@ class ServingWeight:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.detach().contiguous()
         self.gemv = kernel()
-        self.shape = self.weight.shape
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
         if self.gemv is not None and 0 < rows <= self.gemv.MAX_ROWS and x.dtype == self.weight.dtype:
             y = self.gemv.linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, bias)
-            return y.view(*x.shape[:-1], self.shape[0])
+            return y.view(*x.shape[:-1], self.weight.shape[0])
         if self.weight.numel() < ONEDNN_FROM:  # and without the kernel, few rows: MKL's GEMV is single-threaded
             return F.linear(x, self.weight, bias)
         padded = bucket(rows)
@@ -102,7 +101,7 @@ class ServingWeight:
         flat = x.new_zeros(padded, x.shape[-1])
         flat[:rows] = x.reshape(rows, x.shape[-1])
         y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, bias, "none", [], "")[:rows]
-        return y.view(*x.shape[:-1], self.shape[0])
+        return y.view(*x.shape[:-1], self.weight.shape[0])
 
 
 def bucket(rows: int) -> int:
@@ -116,11 +115,14 @@ def bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def serves(weight: torch.Tensor) -> bool:
+    """Whether this module serves `weight` (large enough, and its dtype and device are `available`)."""
+    return weight.numel() >= SERVE_FROM and available(weight.dtype, weight.device)
+
+
 def serving_weight(weight: torch.Tensor) -> torch.Tensor | ServingWeight:
     """`weight` as a `ServingWeight` where this module serves it, else itself (`linear` takes either)."""
-    if weight.numel() >= SERVE_FROM and available(weight.dtype, weight.device):
-        return ServingWeight(weight)
-    return weight
+    return ServingWeight(weight) if serves(weight) else weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | ServingWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,16 +167,13 @@ def serving_linears(model: nn.Module) -> int:
     count = 0
     for module in list(model.modules()):
         projections = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
-        if all(type(l) is nn.Linear for l in projections) and hasattr(module, "qkv") and \
-                available(projections[0].weight.dtype, projections[0].weight.device) and \
-                projections[0].weight.numel() >= SERVE_FROM:
+        if all(type(l) is nn.Linear for l in projections) and hasattr(module, "qkv") and serves(projections[0].weight):
             module.__dict__["fused"] = FusedQKV(module)  # not a submodule: the state dict keeps q, k, v
             for n in ("q_proj", "k_proj", "v_proj"):  # their weights now live in the fused copy only
                 setattr(module, n, nn.Identity())
             count += 3
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and name != "wg" and child.weight.numel() >= SERVE_FROM and \
-                    available(child.weight.dtype, child.weight.device):
+            if type(child) is nn.Linear and name != "wg" and serves(child.weight):
                 setattr(module, name, ServingLinear(child))
                 count += 1
     return count
