@@ -29,6 +29,16 @@ def test_the_gemv_kernel_avx2_build_equals_f_linear():
     check_kernel(build("AVX2"))
 
 
+def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear():
+    """On a CPU with AVX512_BF16 the kernel's bf16 path is VDPBF16PS; the AVX-512 build without it (Skylake, Ice
+    Lake, Zen 4 before the flag is read) widens bf16 by a shift instead: built and checked here too."""
+    from export.serve.linears import build, cpu_isa
+
+    if cpu_isa() != "AVX512_BF16":
+        pytest.skip("this CPU has no AVX512_BF16: the default build is already the plain AVX-512 one")
+    check_kernel(build("AVX512"))
+
+
 def check_kernel(gemv):
     assert gemv.MAX_ROWS == 4
     torch.manual_seed(0)

@@ -15,7 +15,8 @@ a primitive for every row count it meets (a soak's RSS grew 5-7%); for larger on
 up to 8 sizes per octave (`bucket`).
 
 The kernel is built at first use with torch.utils.cpp_extension (a C++ compiler and ninja, as DeepSpeed's own CPU
-ops need; cached under ~/.cache/torch_extensions, one build per instruction set: AVX-512 or AVX2 + FMA). Without
+ops need; cached under ~/.cache/torch_extensions, one build per instruction set: AVX-512, with AVX512_BF16's bf16 dot products where the CPU has them, or
+AVX2 + FMA). Without
 it (another CPU, no compiler: one warning), few rows go where more rows go. fp32 and bf16 on a CPU with oneDNN
 only; MOE_PIPELINE_CPU_LINEARS=onednn leaves the kernel out, =0 leaves every layer as it is (F.linear).
 """
@@ -35,7 +36,8 @@ SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.line
 ONEDNN_FROM = 1 << 20  # below this, more than 4 rows go to F.linear: as fast there, and no primitive cache to grow
 ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
-ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
+ISA_FLAGS = {"AVX512_BF16": [*_AVX512, "-mavx512bf16"], "AVX512": _AVX512, "AVX2": ["-mavx2", "-mfma"]}
 
 _kernel_lock = threading.Lock()
 _kernel: object | None = None
@@ -58,7 +60,7 @@ def kernel():
     with _kernel_lock:
         if _kernel_tried:
             return _kernel
-        isa = torch.backends.cpu.get_cpu_capability()
+        isa = cpu_isa()
         if isa not in ISA_FLAGS:
             warnings.warn(f"CPU capability {isa}: no GEMV kernel for it (AVX-512 or AVX2 + FMA); few-row linears "
                           "use oneDNN", stacklevel=2)
@@ -71,6 +73,20 @@ def kernel():
                               f"use oneDNN", stacklevel=2)
         _kernel_tried = True
         return _kernel
+
+
+def cpu_isa() -> str:
+    """torch's CPU capability, as AVX512_BF16 where the CPU also has AVX512_BF16 (VDPBF16PS: bf16 dot products,
+    Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on); torch does not report that one."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    if isa == "AVX512":
+        try:
+            flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        except OSError:  # not Linux: the AVX-512 build, whose bf16 path needs no extension
+            flags = ""
+        if "avx512_bf16" in flags.split():
+            return "AVX512_BF16"
+    return isa
 
 
 def build(isa: str):
