@@ -40,6 +40,7 @@ Weights are read only from safetensors, never pickle.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import errno
 import hashlib
@@ -130,16 +131,17 @@ def model_config_from(raw, pkg: Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise PackageError(pkg, [f"{CONFIG}: {_kind(raw)}, not a JSON object"])
     fields = ModelConfig.__dataclass_fields__
-    missing = [f for f in fields if f not in raw]
+    # the family fields have defaults (the PR-MoE GPT's): a package written before them lacks them
+    missing = [f for f, d in fields.items() if f not in raw and d.default is dataclasses.MISSING]
     if missing:
         raise PackageError(pkg, [f"{CONFIG}: missing field(s) {', '.join(missing)}"])
     types = typing.get_type_hints(ModelConfig)
     problems = [f"{CONFIG}: {f} must be {want}, got {_kind(raw[f])}"
-                for f in fields if (want := _field_problem(f, raw[f], types[f]))]
+                for f in fields if f in raw and (want := _field_problem(f, raw[f], types[f]))]
     if problems:
         raise PackageError(pkg, problems)
     try:
-        return ModelConfig(**{f: raw[f] for f in fields})
+        return ModelConfig(**{f: raw[f] for f in fields if f in raw})
     except AssertionError as err:
         why = str(err) or "experts, moe_layers, layers, hidden and heads do not agree"
         raise PackageError(pkg, [f"{CONFIG}: inconsistent fields ({why})"]) from None
@@ -153,9 +155,11 @@ def _field_problem(name: str, v, t) -> str | None:
     def number(x):
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
-    least = 0 if name in ("min_capacity", "moe_layers") else 1
+    least = 0 if name in ("min_capacity", "moe_layers", "shared_expert_hidden") else 1
     if t is int:
         return None if count(v, least) else f"an integer >= {least}"
+    if t == int | None:
+        return None if v is None or count(v, least) else f"an integer >= {least} or null"
     if t == tuple[int, ...]:
         return None if isinstance(v, list) and all(count(x, least) for x in v) else f"a list of integers >= {least}"
     if t is float:
@@ -164,6 +168,8 @@ def _field_problem(name: str, v, t) -> str | None:
         return None if v is None or number(v) else "a number >= 0 or null"
     if t is bool:
         return None if isinstance(v, bool) else "true or false"
+    if t == bool | None:
+        return None if v is None or isinstance(v, bool) else "true, false or null"
     if name == "mlp_type":
         return None if v in ("standard", "residual") else '"standard" or "residual"'
     assert t is str, f"ModelConfig.{name}: a field of type {t} needs a check here"

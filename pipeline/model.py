@@ -6,6 +6,14 @@ student keeps the layers it was built from, so its layout is a list). Each MoE l
 its own expert count (Pyramid: more experts in the top layers) and may be Residual: a fixed dense
 MLP plus one routed expert, mixed per token by a learned 2-way softmax (DeepSpeed-MoE, 2022).
 
+The same blocks, switched by `ModelConfig`'s family fields (as litgpt's `Config` expresses model families),
+also express the Hugging Face MoE families a teacher can be imported from (pipeline/hf_import.py: Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE): RMSNorm, rotary positions (rotate-half, any head width), grouped-query
+attention, q/k norms (per head, or over the whole projection), biases on or off, SwiGLU MLPs and experts
+(`fc1` holds [gate; up] stacked, as transformers 5 holds `gate_up_proj`), top-k weights renormalised or not,
+a shared expert with a sigmoid gate (Qwen2-MoE), dense layers anywhere, untied heads. A field's default is the
+PR-MoE GPT's, so a config saved before these fields existed reads as the model it was.
+
 Two interchangeable MoE implementations with the same parameter names:
   * "deepspeed": `deepspeed.moe.layer.MoE`, expert parallel across ranks (training, serving);
   * "reference": plain PyTorch with every expert local, no launcher or process group needed
@@ -54,13 +62,55 @@ class ModelConfig:
     dropout: float
     tie_embeddings: bool
     init_std: float
+    # -- the family fields (defaults: the PR-MoE GPT) --
+    family: str = "pr-moe"  # "pr-moe" | "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe": names on import/export
+    norm: str = "layernorm"  # "layernorm" (with bias) | "rmsnorm" (computed in fp32, weight only)
+    norm_eps: float = 1e-5
+    positions: str = "learned"  # "learned" (wpe, seq_len rows) | "rope" (rotate-half, no wpe)
+    rope_theta: float = 10000.0
+    head_dim: int | None = None  # None: hidden // heads
+    kv_heads: int | None = None  # None: heads (grouped-query attention when fewer)
+    qk_norm: str = "none"  # "none" | "head" (Qwen3-MoE: RMSNorm(head_dim) per head) | "full" (OLMoE: over q, k)
+    qkv_bias: bool = True
+    out_bias: bool = True
+    activation: str = "gelu"  # "gelu" (fc1 -> GeLU -> fc2) | "swiglu" (fc1 = [gate; up], fc2(silu(gate) * up))
+    mlp_bias: bool = True
+    ffn_hidden: int | None = None  # dense MLP width (and the residual MLP's); None: ffn_mult * hidden
+    expert_hidden: int | None = None  # each expert's width; None: the dense width
+    renormalize: bool | None = None  # top-k weights rescaled to sum to 1; None: for k >= 2 (DeepSpeed's rule)
+    shared_expert_hidden: int = 0  # Qwen2-MoE's shared expert (width; 0: none), mixed by a sigmoid gate
 
     def __post_init__(self):
         object.__setattr__(self, "experts", tuple(self.experts))
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
         assert len(self.experts) == len(self.moe_layers), "one experts entry per MoE layer"
         assert list(self.moe_layers) == sorted(set(self.moe_layers)) and all(0 <= i < self.layers for i in self.moe_layers)
-        assert self.hidden % self.heads == 0
+        assert self.head_dim is not None or self.hidden % self.heads == 0
+        assert self.heads % self.kv_group_heads == 0, "heads must be a multiple of kv_heads"
+        assert self.norm in ("layernorm", "rmsnorm") and self.positions in ("learned", "rope")
+        assert self.qk_norm in ("none", "head", "full") and self.activation in ("gelu", "swiglu")
+        assert self.head_size % 2 == 0 or self.positions != "rope", "rotary positions need an even head_dim"
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def kv_group_heads(self) -> int:
+        """Key/value heads (= heads without grouped-query attention)."""
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def dense_width(self) -> int:
+        return self.ffn_hidden if self.ffn_hidden is not None else self.ffn_mult * self.hidden
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_hidden if self.expert_hidden is not None else self.dense_width
+
+    @property
+    def renormalizes(self) -> bool:
+        return self.renormalize if self.renormalize is not None else self.top_k > 1
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -126,7 +176,7 @@ class KVCache(Cache):
     for the whole batch."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
-        shape = (batch, cfg.heads, max_len, cfg.hidden // cfg.heads)
+        shape = (batch, cfg.kv_group_heads, max_len, cfg.head_size)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.length = 0  # tokens already cached (same for every sequence of the batch)
@@ -141,16 +191,60 @@ class KVCache(Cache):
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back before the weight (as Llama-style models do)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or cfg.hidden
+    return RMSNorm(dim, cfg.norm_eps) if cfg.norm == "rmsnorm" else nn.LayerNorm(dim, eps=cfg.norm_eps)
+
+
+def rope_tables(cfg: ModelConfig, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., T, head_dim] for position ids `pos` [T] or [B, T] (rotate-half layout: the two halves of a
+    head share frequencies), in fp32 then cast to the activations' dtype."""
+    d = cfg.head_size
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d))
+    ang = pos.float()[..., None] * inv  # [..., T, d/2]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, d]; cos/sin [T, d] or [B, T, d]."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         # `num_heads`: the name DeepSpeed's tensor slicing (AutoTP) divides by the slice count
-        self.num_heads = cfg.heads
+        self.num_heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_group_heads, cfg.head_size
+        q_width, kv_width = cfg.heads * cfg.head_size, cfg.kv_group_heads * cfg.head_size
         # separate q, k, v projections (not one fused qkv): DeepSpeed's AutoTP can slice them
-        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden)
-        self.out_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.q_proj = nn.Linear(cfg.hidden, q_width, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden, kv_width, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden, kv_width, bias=cfg.qkv_bias)
+        self.out_proj = nn.Linear(q_width, cfg.hidden, bias=cfg.out_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm != "none":
+            full = cfg.qk_norm == "full"
+            self.q_norm = norm(cfg, q_width if full else cfg.head_size)
+            self.k_norm = norm(cfg, kv_width if full else cfg.head_size)
         self.dropout = cfg.dropout
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,43 +255,62 @@ class Attention(nn.Module):
             return fused(x).chunk(3, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, cache: Cache | None = None, layer: int = 0) -> torch.Tensor:
-        B, T, C = x.shape
-        H = self.num_heads
-        # [B, T, C] -> [B, H, T, C/H]
+    def forward(self, x: torch.Tensor, cache: Cache | None = None, layer: int = 0,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        D = self.head_dim
+        q, k, v = self.qkv(x)
+        if self.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+            q, k = self.q_norm(q), self.k_norm(k)
+        # [B, T, H*D] -> [B, H, T, D] (this rank's heads under tensor slicing: H = width // D)
         # (head width spelled out, not -1: a rank with no rows this step runs B = 0)
-        q, k, v = (y.view(B, T, H, y.shape[-1] // H).transpose(1, 2) for y in self.qkv(x))
+        q, k, v = (y.view(B, T, y.shape[-1] // D, D) for y in (q, k, v))
+        if self.qk_norm == "head":  # Qwen3-MoE: per head, one norm shared by the heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        gqa = q.shape[1] != k.shape[1]
         past, mask = 0, None
         if cache is not None:
             past = cache.length
             k, v = cache.update(layer, k, v)  # [B, H, past+T, C/H]
             mask = cache.attention_mask(T)  # [B, 1, T, keys] when rows have their own lengths (serving), else None
         if mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
                                                dropout_p=self.dropout if self.training else 0.0)
         else:
             # new query i (absolute position past+i) sees keys 0..past+i
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).reshape(B, T, H * y.shape[-1])  # [B, H, T, C/H] -> [B, T, C] (C/tp under tensor slicing)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(B, T, y.shape[1] * D)  # [B, H, T, D] -> [B, T, H*D] (/tp under tensor slicing)
         return self.out_proj(y)
 
 
 # -- MLP and Mixture-of-Experts --------------------------------------------------------------
 
 class MLP(nn.Module):
-    """h -> ffn_mult*h -> h with GeLU: the dense MLP, and every expert (8h^2 + 5h parameters at 4x)."""
+    """h -> width -> h: the dense MLP, and every expert. GeLU (8h^2 + 5h parameters at 4x), or SwiGLU with
+    fc1 = [gate; up] ([2 x width, h]) and fc2(silu(gate) * up)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn_mult * cfg.hidden)
-        self.fc2 = nn.Linear(cfg.ffn_mult * cfg.hidden, cfg.hidden)
+        width = width or cfg.dense_width
+        self.swiglu = cfg.activation == "swiglu"
+        self.fc1 = nn.Linear(cfg.hidden, 2 * width if self.swiglu else width, bias=cfg.mlp_bias)
+        self.fc2 = nn.Linear(width, cfg.hidden, bias=cfg.mlp_bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc2(F.gelu(self.fc1(x))))
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.dropout(self.fc2(h))
 
 
 class Gate(nn.Module):
@@ -209,7 +322,7 @@ class Gate(nn.Module):
 class _Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, num_experts: int):
         super().__init__()
-        self.deepspeed_experts = nn.ModuleList(MLP(cfg) for _ in range(num_experts))
+        self.deepspeed_experts = nn.ModuleList(MLP(cfg, cfg.expert_width) for _ in range(num_experts))
 
 
 class Routing(NamedTuple):
@@ -284,7 +397,7 @@ class _ReferenceDispatch(nn.Module):
         S, C = x.shape  # tokens, hidden
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         capacity = None if factor is None else expert_capacity(S, E, factor, cfg.top_k, cfg.min_capacity)
-        r = route(router_logits(x, self.gate.wg.weight), cfg.top_k, cfg.top_k > 1, capacity)
+        r = route(router_logits(x, self.gate.wg.weight), cfg.top_k, cfg.renormalizes, capacity)
         out = torch.zeros_like(x)
         token, choice, per_expert = group_by_expert(r, E)
         start = 0
@@ -308,7 +421,11 @@ class MoE(nn.Module):
             from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
             # DeepSpeed names the parts deepspeed_moe.{gate.wg, experts.deepspeed_experts.i}, mlp, coefficient
-            self.moe = DeepSpeedMoE(cfg.hidden, MLP(cfg), num_experts=num_experts, ep_size=ep_size, k=cfg.top_k,
+            if cfg.top_k > 1 and not cfg.renormalizes:
+                raise NotImplementedError("DeepSpeed's gate always renormalises the top-k weights for k >= 2; "
+                                          "a model with renormalize: false runs on the reference MoE for now")
+            self.moe = DeepSpeedMoE(cfg.hidden, MLP(cfg, cfg.expert_width), num_experts=num_experts, ep_size=ep_size,
+                                    k=cfg.top_k,
                                     capacity_factor=cfg.capacity_factor,
                                     # unused when None: train(False) then turns token dropping off
                                     eval_capacity_factor=cfg.eval_capacity_factor or cfg.capacity_factor,
@@ -322,6 +439,9 @@ class MoE(nn.Module):
                 self.moe.coefficient = nn.Linear(cfg.hidden, 2)
         else:
             raise ValueError(f"unknown MoE implementation {impl!r}: 'deepspeed' or 'reference'")
+        if cfg.shared_expert_hidden:  # Qwen2-MoE: routed(x) + sigmoid(shared_gate(x)) * shared(x)
+            self.shared = MLP(cfg, cfg.shared_expert_hidden)
+            self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False)
         self.train(True)
 
     @property
@@ -350,13 +470,22 @@ class MoE(nn.Module):
             out[valid] = y[0]
             return out, aux, counts
         if self.impl == "deepspeed":
-            return self.moe(x)
-        B, T, C = x.shape
-        out, aux, counts = self.moe.deepspeed_moe(x.reshape(B * T, C))  # [B*T, C]
-        out = out.view(B, T, C)
-        if self.cfg.mlp_type == "residual":
-            out = mix_residual(self.moe, x, out)
-        return out, aux, counts
+            out, aux, counts = self.moe(x)
+        else:
+            B, T, C = x.shape
+            out, aux, counts = self.moe.deepspeed_moe(x.reshape(B * T, C))  # [B*T, C]
+            out = out.view(B, T, C)
+            if self.cfg.mlp_type == "residual":
+                out = mix_residual(self.moe, x, out)
+        return add_shared(self, x, out), aux, counts
+
+
+def add_shared(moe: nn.Module, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's shared expert: routed + sigmoid(shared_gate(x)) * shared(x); `routed` alone without one."""
+    shared = getattr(moe, "shared", None)
+    if shared is None:
+        return routed
+    return routed + torch.sigmoid(moe.shared_gate(x)) * shared(x)
 
 
 # -- block and model ---------------------------------------------------------------------------
@@ -364,15 +493,15 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, moe_impl: str, ep_size: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.hidden)
+        self.ln_1 = norm(cfg)
         self.attn = Attention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.hidden)
+        self.ln_2 = norm(cfg)
         self.is_moe = cfg.is_moe(layer)
         self.mlp = MoE(cfg, cfg.experts_at(layer), moe_impl, ep_size) if self.is_moe else MLP(cfg)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cache=None, layer=0):
-        x = x + self.resid_dropout(self.attn(self.ln_1(x), cache, layer))
+    def forward(self, x, cache=None, layer=0, rope=None):
+        x = x + self.resid_dropout(self.attn(self.ln_1(x), cache, layer, rope))
         h = self.ln_2(x)
         if self.is_moe:
             h, aux, counts = self.mlp(h, cache.token_mask(h.shape[1]) if cache is not None else None)
@@ -397,13 +526,14 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
+        if cfg.positions == "learned":
+            self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
             Block(cfg, i, moe_impl,
                   default_ep_size(cfg.experts_at(i), world_size, ep_size) if cfg.is_moe(i) else 1)
             for i in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.ln_f = norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -423,10 +553,16 @@ class GPT(nn.Module):
         pos = cache.positions(T) if cache is not None else None  # [B, T]: rows with their own lengths
         if pos is None:
             pos = torch.arange(start, start + T, device=input_ids.device)
-        x = self.drop(self.wte(input_ids) + self.wpe(pos))  # [B, T, C]
+        x = self.wte(input_ids)  # [B, T, C]
+        rope = None
+        if self.cfg.positions == "learned":
+            x = x + self.wpe(pos)
+        else:
+            rope = rope_tables(self.cfg, pos, x.dtype)  # cos, sin: computed once, read by every layer
+        x = self.drop(x)
         aux_losses, counts = [], []
         for i, block in enumerate(self.blocks):
-            x, aux, c = block(x, cache, i)
+            x, aux, c = block(x, cache, i, rope)
             if aux is not None:
                 aux_losses.append(aux)
                 counts.append(c)
@@ -515,7 +651,7 @@ def init_weights(model: GPT, seed: int, ep_rank_of=lambda moe: 0) -> None:
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
         if name.endswith("bias"):
             value = torch.zeros(p.shape)
-        elif ".ln_" in name or name.startswith("ln_"):
+        elif ".ln_" in name or name.startswith("ln_") or name.endswith(("q_norm.weight", "k_norm.weight")):
             value = torch.ones(p.shape)
         else:
             std = cfg.init_std

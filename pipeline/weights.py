@@ -175,16 +175,23 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None,
     package's files (export/package.py); a file that differs from it, before or after its tensors are
     read, is refused (FileChangedError). Without it, a file that changes while it is read is refused.
     """
-    src = Path(src)
-    where = weight_files(src, files)
     rename = rename or (lambda name: name)
     wanted: dict[str, list[torch.Tensor]] = {}  # stored name -> the parameters it fills (a tied, sliced head: 2)
     for name, p in unique_params(model):
         wanted.setdefault(rename(global_name(model, name, ep_rank_of)), []).append(p)
+    fill_tensors(src, wanted, files)
+
+
+def fill_tensors(src: Path, wanted: dict[str, list[torch.Tensor]], files: dict[str, FileFacts] | None = None,
+                 lacks: str = "the weights belong to a different architecture (check config.json)") -> None:
+    """Read each stored tensor `wanted` names into the tensors listed for it (parameters, or contiguous views of
+    them: a Hugging Face gate and up projection fill the two halves of one fc1), file by file in file order, one
+    tensor in flight. `lacks`: the fix a missing tensor's error gives."""
+    src = Path(src)
+    where = weight_files(src, files)
     missing = sorted(set(wanted) - set(where))
     if missing:
-        raise ValueError(f"{src} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[0]}: "
-                         f"the weights belong to a different architecture (check config.json)")
+        raise ValueError(f"{src} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[0]}: {lacks}")
     by_file: dict[str, list[str]] = {}
     for key in wanted:
         by_file.setdefault(where[key], []).append(key)

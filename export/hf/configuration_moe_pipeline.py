@@ -60,6 +60,23 @@ class MoEPipelineConfig(PretrainedConfig):
     dropout: float | None = None
     tie_embeddings: bool | None = None
     init_std: float | None = None
+    # the family fields (None here: the ModelConfig default, the PR-MoE GPT's)
+    family: str | None = None
+    norm: str | None = None
+    norm_eps: float | None = None
+    positions: str | None = None
+    rope_theta: float | None = None
+    head_dim: int | None = None
+    kv_heads: int | None = None
+    qk_norm: str | None = None
+    qkv_bias: bool | None = None
+    out_bias: bool | None = None
+    activation: str | None = None
+    mlp_bias: bool | None = None
+    ffn_hidden: int | None = None
+    expert_hidden: int | None = None
+    renormalize: bool | None = None
+    shared_expert_hidden: int | None = None
 
     # -- tokens and generation
     bos_token_id: int | None = None
@@ -78,6 +95,8 @@ class MoEPipelineConfig(PretrainedConfig):
         values, missing = {}, []
         for f in dataclasses.fields(ModelConfig):
             value = getattr(self, f.name, None)
+            if value is None and f.default is not dataclasses.MISSING:  # a family field: its default
+                continue
             if value is None and "None" not in str(f.type):  # only Optional fields may be None
                 missing.append(f.name)
             values[f.name] = value

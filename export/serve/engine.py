@@ -65,7 +65,7 @@ class SlotCache(Cache):
                  heads: int | None = None):
         self.max_len = max_len or cfg.seq_len
         # heads: this rank's (a 1/tp slice under tensor slicing)
-        shape = (slots, heads or cfg.heads, self.max_len, cfg.hidden // cfg.heads)
+        shape = (slots, heads or cfg.kv_group_heads, self.max_len, cfg.head_size)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.device = device
@@ -359,7 +359,7 @@ class Worker:
         self.device = next(model.parameters()).device
         dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
         self.cache = SlotCache(model.cfg, slots, device=self.device, dtype=dtype,
-                               heads=model.blocks[0].attn.num_heads)
+                               heads=model.blocks[0].attn.k_proj.weight.shape[0] // model.cfg.head_size)  # this rank's
         self.rows: dict[int, RowState] = {}
         self.forwards = 0
         self.forward_s = 0.0  # seconds in forwards since start (model, projection, sampling)

@@ -53,7 +53,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from export.serve.linears import linear, serving_linears, serving_weight
-from pipeline.model import GPT, MLP, Gate, ModelConfig, expert_key, mix_residual, router_logits, split_expert_key
+from pipeline.model import (GPT, MLP, Gate, ModelConfig, add_shared, expert_key, mix_residual, router_logits,
+                            split_expert_key)
 
 POLICIES = ("none", "reactive", "predictive")
 # how the expert exchange moves tokens: a variable-split all-to-all (each rank receives only its tokens: the GPU
@@ -262,19 +263,23 @@ class ExpertStore:
         wrapped for the few-row kernel and oneDNN (export/serve/linears.py: no copy, nothing reordered)."""
         from pipeline.artifacts import FileChangedError, check_unchanged
 
-        keys = [self.key(layer, expert, p) for p in EXPERT_PARTS]
+        parts = EXPERT_PARTS if self.cfg.mlp_bias else EXPERT_PARTS[::2]  # the families' experts have no biases
+        keys = [self.key(layer, expert, p) for p in parts]
         for f in dict.fromkeys(self.where[k] for k in keys):  # before touching the mapping
             try:
                 check_unchanged(self._files[f].fileno(), self.src / f, self._facts[f])
             except FileChangedError as err:
                 raise FileChangedError(f"expert {expert} of MoE layer {layer} not loaded: {err}") from None
-        w1, b1, w2, b2 = (self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys)
+        tensors = [self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys]
+        w1, b1, w2, b2 = tensors if self.cfg.mlp_bias else (tensors[0], None, tensors[1], None)
         return serving_weight(w1), b1, serving_weight(w2), b2
 
     def nbytes(self) -> int:
         """Bytes of one expert in the serving dtype."""
-        h, f = self.cfg.hidden, self.cfg.ffn_mult * self.cfg.hidden
-        return (2 * h * f + f + h) * torch.finfo(self.dtype).bits // 8
+        h, f = self.cfg.hidden, self.cfg.expert_width
+        up = 2 * f if self.cfg.activation == "swiglu" else f
+        n = up * h + f * h + ((up + h) if self.cfg.mlp_bias else 0)
+        return n * torch.finfo(self.dtype).bits // 8
 
 
 @dataclass
@@ -507,7 +512,13 @@ class Placement:
                 where = torch.cat([torch.arange(a, a + n, device=got.device) for a, n in parts])
                 rows = got[where]
             w1, b1, w2, b2 = self.weights(layer, e)
-            y = linear(F.gelu(linear(rows, w1, b1)), w2, b2)
+            h = linear(rows, w1, b1)
+            if self.cfg.activation == "swiglu":  # fc1 = [gate; up]
+                gate, up = h.chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            else:
+                h = F.gelu(h)
+            y = linear(h, w2, b2)
             if idx is not None:
                 out[idx[0]:idx[0] + idx[1]] = y
             else:
@@ -570,6 +581,9 @@ class PlacedMoE(nn.Module):
         if cfg.mlp_type == "residual":
             self.moe.mlp = MLP(cfg)
             self.moe.coefficient = nn.Linear(cfg.hidden, 2)
+        if cfg.shared_expert_hidden:  # Qwen2-MoE's shared expert, on every rank (not an expert: data parallel)
+            self.shared = MLP(cfg, cfg.shared_expert_hidden)
+            self.shared_gate = nn.Linear(cfg.hidden, 1, bias=False)
 
     @property
     def num_local_experts(self) -> int:
@@ -584,7 +598,8 @@ class PlacedMoE(nn.Module):
         real = valid.reshape(-1).nonzero().squeeze(1) if valid is not None else None
         if real is not None:
             xs = xs[real]
-        weights, token, choice, per_expert = serving_route(xs, self.moe.deepspeed_moe.gate.wg.weight, cfg.top_k, E)
+        weights, token, choice, per_expert = serving_route(xs, self.moe.deepspeed_moe.gate.wg.weight, cfg.top_k, E,
+                                                           cfg.renormalizes)
         y, counts = pl.exchange(self.index, xs[token], per_expert)  # [pairs, C]: each (token, choice)'s expert output
         # back in (token, choice) order, each token's choices weighted and added: a gather, where a scatter-add
         # (index_add_) starts every intra-op thread even for one token (~0.2 ms a layer at batch 1 when they sleep)
@@ -601,16 +616,16 @@ class PlacedMoE(nn.Module):
         out = out.view(B, T, C)
         if cfg.mlp_type == "residual":
             out = mix_residual(self.moe, x, out)
-        return out, xs.new_zeros((), dtype=torch.float32), counts
+        return add_shared(self, x, out), xs.new_zeros((), dtype=torch.float32), counts
 
 
-def serving_route(xs: torch.Tensor, wg: torch.Tensor, top_k: int, E: int):
+def serving_route(xs: torch.Tensor, wg: torch.Tensor, top_k: int, E: int, renormalize: bool | None = None):
     """`pipeline.model.route` + `group_by_expert` as inference needs them, in fewer operations (no balancing loss, no
     capacity: nothing is dropped at inference): (mixing weights [S, k], and the (token, choice) pairs grouped by
     expert, stable, with each expert's count, read to the host in one sync). Tested against route."""
     probs = router_logits(xs, wg).softmax(dim=-1)  # [S, E] fp32
     top_p, top_i = probs.topk(top_k, dim=-1)  # [S, k]
-    if top_k > 1:  # DeepSpeed renormalises the kept weights for k >= 2
+    if renormalize if renormalize is not None else top_k > 1:  # DeepSpeed's rule: for k >= 2
         top_p = top_p / top_p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(top_p.dtype).eps)
     flat = top_i.reshape(-1)  # (token, choice) pairs in row-major order, as keep.nonzero() lists them
     order = flat.argsort(stable=True)

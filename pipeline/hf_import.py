@@ -1,0 +1,203 @@
+"""Hugging Face MoE checkpoints as teachers: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, read into `pipeline.model.GPT`.
+
+A checkpoint directory (config.json, model.safetensors or shards with model.safetensors.index.json, tokenizer
+files) becomes a `ModelConfig` (`model_config`) and fills a model of any expert-parallel layout by a plain name
+map (`hf_sources`, in the style of gpt-fast's convert_hf_checkpoint), tensor by tensor straight from the files:
+nothing is converted or copied on disk, no second copy is held in memory, and a rank reads only its own experts
+(`load_hf_weights`). The Hub's per-expert names are read (what `save_pretrained` writes by default); a gate and
+an up projection fill the two halves of our SwiGLU `fc1` ([gate; up], transformers 5's `gate_up_proj` layout).
+
+    .venv/bin/python -m pipeline.hf_import /models/OLMoE-1B-7B-0924    # its ModelConfig and parameter counts
+
+Nothing is downloaded: a directory is required.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.model import GPT, ModelConfig, global_name
+
+SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+CONFIG = "config.json"
+
+
+class HFImportError(ValueError):
+    """A checkpoint that cannot be imported; the message names the field or file and the fix."""
+
+
+def read_hf_config(src: Path) -> dict:
+    """config.json of a Hugging Face checkpoint directory, checked to be one of the supported families."""
+    src = Path(src)
+    if not src.is_dir():
+        hint = (" (a Hub name? nothing is downloaded here: download it yourself, e.g. `huggingface-cli download "
+                f"{src} --local-dir DIR`, and point teacher.load at DIR)" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(src))
+                else "")
+        raise HFImportError(f"{src}: not a directory{hint}")
+    path = src / CONFIG
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HFImportError(f"{path}: missing: a Hugging Face checkpoint directory has a config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HFImportError(f"{path}: not JSON ({err})") from None
+    family = raw.get("model_type") if isinstance(raw, dict) else None
+    if family not in SUPPORTED:
+        raise HFImportError(f"{path}: model_type {family!r} is not supported; supported families: "
+                            f"{', '.join(SUPPORTED)}")
+    return raw
+
+
+def _get(raw: dict, path: Path, *names, default=...):
+    for name in names:
+        if raw.get(name) is not None:
+            return raw[name]
+    if default is ...:
+        raise HFImportError(f"{path}: lacks {names[0]}, which a {raw['model_type']} config needs")
+    return default
+
+
+def model_config(raw: dict, path: Path = Path(CONFIG)) -> ModelConfig:
+    """The `ModelConfig` of a supported family's config.json (`raw`); what we cannot run exactly is refused."""
+    family = raw["model_type"]
+    g = lambda *names, default=...: _get(raw, path, *names, default=default)
+    layers, hidden, heads = g("num_hidden_layers"), g("hidden_size"), g("num_attention_heads")
+    experts = g("num_local_experts", "num_experts")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise HFImportError(f"{path}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported "
+                            "(only the default rotary embedding)")
+    if g("hidden_act", default="silu") != "silu":
+        raise HFImportError(f"{path}: hidden_act {raw['hidden_act']!r}: these families use silu (SwiGLU)")
+    if family == "mixtral" and raw.get("sliding_window") is not None:
+        raise HFImportError(f"{path}: sliding_window {raw['sliding_window']}: sliding-window attention is not "
+                            "supported; set it to null if the model was trained with full attention")
+    if family in ("qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):
+        raise HFImportError(f"{path}: use_sliding_window true: sliding-window attention is not supported")
+    if family == "olmoe" and raw.get("clip_qkv") is not None:
+        raise HFImportError(f"{path}: clip_qkv {raw['clip_qkv']}: clipping q/k/v is not supported")
+    if family in ("mixtral", "olmoe"):
+        moe_layers = list(range(layers))
+        expert_width = dense_width = g("intermediate_size")
+    else:  # Qwen: layer i is MoE unless in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0
+        step, dense = g("decoder_sparse_step", default=1), set(g("mlp_only_layers", default=[]))
+        moe_layers = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
+        expert_width, dense_width = g("moe_intermediate_size"), g("intermediate_size")
+    if family == "qwen2_moe":
+        qkv_bias, out_bias = bool(g("qkv_bias", default=True)), False
+    elif family == "mixtral":
+        qkv_bias = out_bias = False
+    else:
+        qkv_bias = out_bias = bool(g("attention_bias", default=False))
+    head_dim = raw.get("head_dim")
+    return ModelConfig(
+        vocab_size=g("vocab_size"), seq_len=g("max_position_embeddings"), layers=layers, hidden=hidden, heads=heads,
+        experts=tuple(experts for _ in moe_layers), moe_layers=tuple(moe_layers), mlp_type="standard",
+        top_k=g("num_experts_per_tok"), capacity_factor=1.0, eval_capacity_factor=None, min_capacity=4,
+        aux_loss_coef=float(g("router_aux_loss_coef", default=0.01)), ffn_mult=4, dropout=0.0,
+        tie_embeddings=bool(g("tie_word_embeddings", default=False)), init_std=float(g("initializer_range", default=0.02)),
+        family=family, norm="rmsnorm", norm_eps=float(g("rms_norm_eps")), positions="rope",
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1e6 if family == "mixtral" else 10000.0))),
+        head_dim=None if head_dim is None or head_dim * heads == hidden else int(head_dim),
+        kv_heads=g("num_key_value_heads", default=heads), qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
+        qkv_bias=qkv_bias, out_bias=out_bias, activation="swiglu", mlp_bias=False, ffn_hidden=dense_width,
+        expert_hidden=expert_width, renormalize=True if family == "mixtral" else bool(g("norm_topk_prob", default=False)),
+        shared_expert_hidden=int(g("shared_expert_intermediate_size", default=0)) if family == "qwen2_moe" else 0)
+
+
+# -- the name map: our global parameter name -> the checkpoint's tensors ---------------------------------------
+
+_ATTN = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "out_proj": "o_proj",
+         "q_norm": "q_norm", "k_norm": "k_norm"}
+
+
+def hf_sources(cfg: ModelConfig, name: str) -> list[str]:
+    """The checkpoint tensors that make our parameter `name` (global expert ids): one, or for a SwiGLU fc1 weight
+    two (gate, then up), stacked along dim 0."""
+    if name == "wte.weight":
+        return ["model.embed_tokens.weight"]
+    if name == "ln_f.weight":
+        return ["model.norm.weight"]
+    if name == "lm_head.weight":
+        return ["lm_head.weight"]
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m is None:
+        raise HFImportError(f"{name}: no {cfg.family} tensor maps to it")
+    layer, rest = f"model.layers.{m.group(1)}", m.group(2)
+    mixtral = cfg.family == "mixtral"
+    moe = f"{layer}.block_sparse_moe" if mixtral else f"{layer}.mlp"
+    swiglu = {"fc1.weight": ["gate_proj.weight", "up_proj.weight"], "fc2.weight": ["down_proj.weight"]}
+    if rest in ("ln_1.weight", "ln_2.weight"):
+        return [f"{layer}.{'input_layernorm' if rest == 'ln_1.weight' else 'post_attention_layernorm'}.weight"]
+    if (a := re.fullmatch(r"attn\.(\w+)\.(weight|bias)", rest)) and a.group(1) in _ATTN:
+        return [f"{layer}.self_attn.{_ATTN[a.group(1)]}.{a.group(2)}"]
+    if rest == "mlp.moe.deepspeed_moe.gate.wg.weight":
+        return [f"{moe}.gate.weight"]
+    if e := re.fullmatch(r"mlp\.moe\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(fc[12]\.weight)", rest):
+        if mixtral:
+            return [f"{moe}.experts.{e.group(1)}.{w}.weight" for w in (("w1", "w3") if e.group(2) == "fc1.weight" else ("w2",))]
+        return [f"{moe}.experts.{e.group(1)}.{w}" for w in swiglu[e.group(2)]]
+    if s := re.fullmatch(r"mlp\.shared\.(fc[12]\.weight)", rest):
+        return [f"{layer}.mlp.shared_expert.{w}" for w in swiglu[s.group(1)]]
+    if rest == "mlp.shared_gate.weight":
+        return [f"{layer}.mlp.shared_expert_gate.weight"]
+    if d := re.fullmatch(r"mlp\.(fc[12]\.weight)", rest):  # a dense layer (Qwen's mlp_only_layers)
+        return [f"{layer}.mlp.{w}" for w in swiglu[d.group(1)]]
+    raise HFImportError(f"{name}: no {cfg.family} tensor maps to it")
+
+
+def checkpoint_names(cfg: ModelConfig) -> set[str]:
+    """Every tensor name a checkpoint of `cfg` has (all experts of every layer)."""
+    from pipeline.weights import unique_params
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {key for name, _ in unique_params(model) for key in hf_sources(cfg, name)}
+
+
+def load_hf_weights(model: GPT, src: Path, ep_rank_of=None, files=None) -> None:
+    """Fill `model` (built from `model_config` of the same checkpoint, any expert-parallel layout) from the
+    checkpoint in `src`, reading only the tensors this rank holds, each into its parameter (or its half of one)."""
+    from pipeline.weights import ep_rank_of as default_ep_rank_of
+    from pipeline.weights import fill_tensors, unique_params, weight_files
+
+    ep_rank_of = ep_rank_of or default_ep_rank_of
+    unused = sorted(set(weight_files(src, files)) - set(checkpoint_names(model.cfg)))
+    if unused:  # the config does not describe these weights (a q/k norm, a bias, a shared expert it lacks)
+        raise HFImportError(f"{src}: {len(unused)} tensor(s) that {CONFIG} does not account for, e.g. {unused[0]}: "
+                            f"the config and the weights disagree")
+    wanted: dict[str, list[torch.Tensor]] = {}
+    for name, p in unique_params(model):
+        keys = hf_sources(model.cfg, global_name(model, name, ep_rank_of))
+        rows = p.shape[0] // len(keys)
+        for j, key in enumerate(keys):
+            wanted.setdefault(key, []).append(p.data if len(keys) == 1 else p.data.narrow(0, j * rows, rows))
+    fill_tensors(src, wanted, files, lacks=f"not a complete {model.cfg.family} checkpoint with the Hub's tensor names "
+                 "(a shard missing, or saved with save_original_format=False: save it again with the default)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.model import param_counts
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    try:
+        cfg = model_config(read_hf_config(Path(argv[0])), Path(argv[0]) / CONFIG)
+    except HFImportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    with torch.device("meta"):
+        counts = param_counts(GPT(cfg))
+    print(json.dumps({"model": cfg.to_dict(), **counts}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""pipeline/hf_import.py: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE checkpoints as our model.
+
+Each family's checkpoint is made here, offline: a small random model of transformers' own config and model
+classes, `save_pretrained` (the Hub's per-expert tensor names). The imported model must give the Hugging Face
+model's logits (fp32, max |diff| < 1e-4) and its greedy tokens, with grouped-query attention, q/k norms, shared
+experts, dense layers between MoE ones, a head width that is not hidden/heads, and sharded files.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 128}
+
+
+def family_model(family: str, **kw):
+    """A small random Hugging Face model of `family` (fp32, eval)."""
+    T = transformers
+    if family == "mixtral":
+        cfg = T.MixtralConfig(**COMMON, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **kw)
+        cls = T.MixtralForCausalLM
+    elif family == "qwen2_moe":  # layer 0 dense; a shared expert with its sigmoid gate; unnormalised top-k
+        cfg = T.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                               mlp_only_layers=[0], **kw)
+        cls = T.Qwen2MoeForCausalLM
+    elif family == "qwen3_moe":  # per-head q/k norm; head_dim 32 != 64 / 4; MoE on layers 1 (sparse step 2)
+        cfg = T.Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                               num_experts_per_tok=2, head_dim=32, norm_topk_prob=True, decoder_sparse_step=2, **kw)
+        cls = T.Qwen3MoeForCausalLM
+    else:  # olmoe: q/k norm over the whole projection; unnormalised top-k
+        cfg = T.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, num_experts_per_tok=2, eos_token_id=0,
+                            pad_token_id=1, **kw)
+        cls = T.OlmoeForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).float().eval()
+    with torch.no_grad():  # routers and norms away from their initial values, so that they matter
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("gate.weight"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def imported(src):
+    from pipeline.hf_import import load_hf_weights, model_config, read_hf_config
+    from pipeline.model import GPT
+
+    cfg = model_config(read_hf_config(src))
+    model = GPT(cfg).eval()
+    load_hf_weights(model, src)
+    return model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_an_imported_teacher_gives_the_hugging_face_models_logits_and_tokens(family, tmp_path):
+    hf = family_model(family)
+    hf.save_pretrained(tmp_path)
+    ours = imported(tmp_path)
+    cfg = ours.cfg
+    assert cfg.family == family and cfg.kv_group_heads == 2 and cfg.positions == "rope" and cfg.norm == "rmsnorm"
+    assert cfg.moe_layers == {"mixtral": (0, 1, 2), "olmoe": (0, 1, 2), "qwen2_moe": (1, 2), "qwen3_moe": (1,)}[family]
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours(ids).logits
+    diff = (got - want).abs().max().item()
+    assert diff < 1e-4, f"{family}: max |logit diff| {diff}"
+    # greedy: our KV-cache decode against transformers' generate
+    from pipeline.model import KVCache
+
+    prompt = ids[:1, :8]
+    want_tokens = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 8:]
+    cache = KVCache(cfg, batch=1, max_len=20)
+    tok = ours(prompt, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [tok]
+    for _ in range(11):
+        tok = ours(tok, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(tok)
+    assert torch.cat(tokens, 1)[0].tolist() == want_tokens.tolist()
+
+
+def test_a_sharded_checkpoint_with_a_tied_head_is_read_through_its_index(tmp_path):
+    hf = family_model("qwen3_moe", tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    ours = imported(tmp_path)
+    assert ours.cfg.tie_embeddings and ours.lm_head.weight is ours.wte.weight
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
+
+
+def test_bad_checkpoints_are_refused_naming_the_fault(tmp_path):
+    from pipeline.hf_import import HFImportError, read_hf_config
+
+    with pytest.raises(HFImportError, match="nothing is downloaded"):
+        read_hf_config("mistralai/Mixtral-8x7B-v0.1")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(HFImportError, match="model_type 'llama' is not supported; supported families: mixtral, "
+                                            "qwen2_moe, qwen3_moe, olmoe"):
+        read_hf_config(tmp_path)
+    hf = family_model("mixtral")
+    hf.save_pretrained(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, "model.layers.0.self_attn.q_norm.weight": torch.ones(64)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(HFImportError, match=r"1 tensor\(s\) that config.json does not account for, e.g. model.layers.0.self_attn.q_norm.weight"):
+        imported(tmp_path)
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks 1 tensor.*experts.2.w3.weight: not a complete mixtral checkpoint"):
+        imported(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, tmp_path):
+    """The serving runtime's MoE layer (export/serve/placement.py: experts from the store, the exchange, SwiGLU
+    experts without biases, a shared expert, unnormalised top-k) and its CPU linears, from our weights' files."""
+    from export.serve.placement import placed_model
+    from pipeline import dist
+    from pipeline.weights import save_weights
+
+    hf = family_model(family)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = imported(tmp_path / "hf")
+    (tmp_path / "ours").mkdir()
+    save_weights(ours, tmp_path / "ours")
+    served = placed_model(ours.cfg, tmp_path / "ours", dist.init(), torch.float32)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (served(ids).logits - hf(ids).logits).abs().max().item()
+    assert diff < 1e-4, f"{family}: max |logit diff| {diff}"
