@@ -141,3 +141,28 @@ def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, t
     with torch.no_grad():
         diff = (served(ids).logits - hf(ids).logits).abs().max().item()
     assert diff < 1e-4, f"{family}: max |logit diff| {diff}"
+
+
+PUBLISHED = {  # total and active parameters, billions, as each model's card states them
+    "mixtral": (46.7, 12.9), "qwen2_moe": (14.3, 2.7), "qwen3_moe": (30.5, 3.3), "olmoe": (6.9, 1.3)}
+
+
+@pytest.mark.parametrize("family", sorted(PUBLISHED))
+def test_the_published_configurations_count_as_transformers_counts_them(family, tmp_path):
+    """recipes/hf/<family>.json (Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, OLMoE-1B-7B): our model on the meta
+    device has, to the parameter, the total of the family's own transformers model built from the same config.json,
+    and its total and active counts (every non-expert parameter, embedding and head included, plus top_k experts
+    per MoE layer) are the published sizes to their one decimal."""
+    import shutil
+
+    from pipeline.build import meta_counts
+    from pipeline.hf_import import model_config, read_hf_config
+
+    shutil.copy(f"recipes/hf/{family}.json", tmp_path / "config.json")
+    counts = meta_counts(model_config(read_hf_config(tmp_path)))
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    assert counts["total"] == sum(p.numel() for p in hf.parameters())
+    total, active = PUBLISHED[family]
+    # within the cards' one decimal (Qwen3-30B-A3B's 3.353B active is published as 3.3B: cut, not rounded)
+    assert abs(counts["total"] / 1e9 - total) < 0.06 and abs(counts["active_per_token"] / 1e9 - active) < 0.06
