@@ -410,6 +410,31 @@ class _ReferenceDispatch(nn.Module):
         return out, r.aux, r.counts
 
 
+_RAW_TOPK_GATE = None
+
+
+def raw_topk_gate() -> type:
+    """DeepSpeed's `TopKGate` whose kept routes weigh their plain softmax probabilities, not rescaled to sum to 1
+    (Qwen2-MoE's and OLMoE's norm_topk_prob false; DeepSpeed rescales for every k >= 2). Routing, capacity,
+    dropping and the balancing loss stay DeepSpeed's own."""
+    global _RAW_TOPK_GATE
+    if _RAW_TOPK_GATE is None:
+        from deepspeed.moe.sharded_moe import TopKGate
+
+        class RawTopKGate(TopKGate):
+            def forward(self, input, used_token=None, sparse_routes=False, use_tutel=False):
+                out = super().forward(input, used_token, sparse_routes, use_tutel)
+                if not sparse_routes:
+                    raise NotImplementedError("renormalize: false needs DeepSpeed's sparse routes (its MoE layer's)")
+                l_aux, capacity, experts, idx, locations, gates, counts = out  # idx [k, S], -1: dropped
+                probs = router_logits(input, self.wg.weight).softmax(dim=-1)  # [S, E]
+                raw = probs.gather(1, idx.long().clamp_min(0).t()).t() * (idx >= 0)
+                return l_aux, capacity, experts, idx, locations, raw.to(gates.dtype), counts
+
+        _RAW_TOPK_GATE = RawTopKGate
+    return _RAW_TOPK_GATE
+
+
 class MoE(nn.Module):
     """One MoE layer. Returns (output, aux loss, tokens per expert)."""
 
@@ -421,15 +446,14 @@ class MoE(nn.Module):
             from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
             # DeepSpeed names the parts deepspeed_moe.{gate.wg, experts.deepspeed_experts.i}, mlp, coefficient
-            if cfg.top_k > 1 and not cfg.renormalizes:
-                raise NotImplementedError("DeepSpeed's gate always renormalises the top-k weights for k >= 2; "
-                                          "a model with renormalize: false runs on the reference MoE for now")
             self.moe = DeepSpeedMoE(cfg.hidden, MLP(cfg, cfg.expert_width), num_experts=num_experts, ep_size=ep_size,
                                     k=cfg.top_k,
                                     capacity_factor=cfg.capacity_factor,
                                     # unused when None: train(False) then turns token dropping off
                                     eval_capacity_factor=cfg.eval_capacity_factor or cfg.capacity_factor,
                                     min_capacity=cfg.min_capacity, use_residual=residual, drop_tokens=True)
+            if cfg.top_k > 1 and not cfg.renormalizes:  # DeepSpeed's gate always renormalises for k >= 2
+                self.moe.deepspeed_moe.gate.__class__ = raw_topk_gate()
         elif impl == "reference":
             assert ep_size == 1, "the reference MoE holds every expert locally"
             self.moe = nn.Module()

@@ -166,3 +166,24 @@ def test_the_published_configurations_count_as_transformers_counts_them(family, 
     total, active = PUBLISHED[family]
     # within the cards' one decimal (Qwen3-30B-A3B's 3.353B active is published as 3.3B: cut, not rounded)
     assert abs(counts["total"] / 1e9 - total) < 0.06 and abs(counts["active_per_token"] / 1e9 - active) < 0.06
+
+
+@pytest.mark.slow
+def test_every_family_gives_the_same_logits_at_ep2_in_one_launch(tmp_path):
+    """DeepSpeed's MoE layer over 2 ranks (gloo), each rank reading only its experts; Qwen2-MoE and OLMoE's
+    unnormalised top-k through our gate inside DeepSpeed's layer."""
+    from test_multirank import launch
+
+    families = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+    models = {}
+    for f in families:
+        models[f] = family_model(f)
+        models[f].save_pretrained(tmp_path / f)
+    launch("tests/workers/hf_ep_parity.py", str(tmp_path / "logits.pt"), *(str(tmp_path / f) for f in families))
+    ep2 = torch.load(tmp_path / "logits.pt", weights_only=True)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(3))
+    for f in families:
+        with torch.no_grad():
+            want = models[f](ids).logits
+        diff = (ep2[f] - want).abs().max().item()
+        assert diff < 1e-4, f"{f} at EP 2: max |logit diff| {diff}"
