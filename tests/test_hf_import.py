@@ -187,3 +187,64 @@ def test_every_family_gives_the_same_logits_at_ep2_in_one_launch(tmp_path):
             want = models[f](ids).logits
         diff = (ep2[f] - want).abs().max().item()
         assert diff < 1e-4, f"{f} at EP 2: max |logit diff| {diff}"
+
+
+def student_of(teacher, kept):
+    """A Mixture-of-Students made by hand: the teacher's `kept` layers (as distill/student.py keeps them)."""
+    from distill.student import student_config
+    from pipeline.model import GPT
+
+    student = GPT(student_config(teacher.cfg, kept)).eval()
+    for s, t in enumerate(kept):
+        student.blocks[s].load_state_dict(teacher.blocks[t].state_dict())
+    for name in ("wte", "ln_f", "lm_head"):
+        getattr(student, name).load_state_dict(getattr(teacher, name).state_dict())
+    return student
+
+
+@pytest.mark.parametrize("family, kept", [("mixtral", [0, 2]), ("qwen2_moe", [0, 2]), ("qwen3_moe", [0, 1]),
+                                          ("olmoe", [1, 2])])
+def test_a_student_exported_in_its_family_loads_in_plain_transformers(family, kept, tmp_path):
+    """--format hf: the family's own class with the student's layer count (dense layers remapped), no remote code,
+    the student's logits."""
+    from export.native import write_native
+
+    family_model(family).save_pretrained(tmp_path / "teacher")
+    student = student_of(imported(tmp_path / "teacher"), kept)
+    write_native(student, tmp_path / "native", dtype=torch.float32)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "native", dtype=torch.float32).eval()
+    assert type(loaded).__name__ == type(family_model(family)).__name__
+    assert loaded.config.num_hidden_layers == 2
+    manifest = json.loads((tmp_path / "native" / "manifest.json").read_text())
+    assert set(manifest["files"]) >= {"config.json", "model.safetensors"}
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        diff = (loaded(ids).logits - student(ids).logits).abs().max().item()
+    assert diff < 1e-4, f"{family} student: max |logit diff| {diff}"
+
+
+def test_what_a_family_cannot_express_is_refused_with_the_format_that_can(tmp_path):
+    import dataclasses
+
+    from conftest import model_config
+    from export.native import NativeExportError, write_native
+    from pipeline.model import GPT
+
+    family_model("qwen2_moe").save_pretrained(tmp_path / "teacher")
+    teacher = imported(tmp_path / "teacher")
+    pruned = GPT(dataclasses.replace(teacher.cfg, experts=(4, 2)))
+    with pytest.raises(NativeExportError, match=r"different expert counts \[4, 2\].*our package"):
+        write_native(pruned, tmp_path / "out")
+    with pytest.raises(NativeExportError, match="pr-moe model.*our package"):
+        write_native(GPT(model_config()), tmp_path / "out")
+    olmoe_with_dense = GPT(dataclasses.replace(imported_config("olmoe", tmp_path), experts=(4, 4), moe_layers=(0, 2)))
+    with pytest.raises(NativeExportError, match=r"layers \[1\] are dense; every olmoe layer"):
+        write_native(olmoe_with_dense, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def imported_config(family, tmp_path):
+    from pipeline.hf_import import model_config, read_hf_config
+
+    family_model(family).save_pretrained(tmp_path / family)
+    return model_config(read_hf_config(tmp_path / family))
