@@ -380,7 +380,8 @@ def model_card(m: dict) -> str:
     lines += ["", "Load it:", "", "```python",
               "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)",
-              "tokenizer = AutoTokenizer.from_pretrained(PATH)", "```", "",
+              "tokenizer = AutoTokenizer.from_pretrained(PATH, trust_remote_code=False)  # alone: asks nothing",
+              "```", "",
               "or `moe-pipeline eval PATH`, `moe-pipeline verify PATH`. Checksums of every file are in manifest.json.", ""]
     return "\n".join(lines)
 

@@ -317,3 +317,51 @@ def test_bf16_package_keeps_the_gate_in_fp32(run):
     out = r["generate"]
     assert out.shape[0] == 1 and ids.shape[1] < out.shape[1] <= ids.shape[1] + NEW
     assert out[0, :ids.shape[1]].tolist() == ids[0].tolist()
+
+
+TOKENIZER_PROBE = r'''
+import sys
+from transformers import AutoTokenizer
+for d in sys.argv[1:3]:
+    for trust in (None, False):
+        ids = AutoTokenizer.from_pretrained(d, trust_remote_code=trust)("In the beginning").input_ids
+        print(f"\nRESULT {d} {trust} {ids}", flush=True)
+'''
+
+CUSTOM_CONFIG = '''
+from transformers import PretrainedConfig
+
+
+class SomeConfig(PretrainedConfig):
+    model_type = "some_custom_model"
+'''
+
+
+def test_autotokenizer_asks_about_any_remote_code_model_and_false_is_the_quiet_workaround(tmp_path):
+    """transformers 5's AutoTokenizer reads config.json through AutoConfig first, and AutoConfig asks before
+    running the code an `auto_map` names, for our package as for any remote-code model (here a minimal one):
+    nothing a package can write avoids that. `trust_remote_code=False` loads the tokenizer with no question
+    and runs no package code (the package's README and ours say so)."""
+    ours = write_package(tmp_path / "ours", GPT(tiny_config()).eval())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "custom_config.py").write_text(CUSTOM_CONFIG)
+    (other / "config.json").write_text(json.dumps({"model_type": "some_custom_model",
+                                                   "auto_map": {"AutoConfig": "custom_config.SomeConfig"}}))
+    gpt2_tokenizer(64).save_pretrained(other)
+    (tmp_path / "probe.py").write_text(TOKENIZER_PROBE)
+    env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    proc = subprocess.run([sys.executable, "probe.py", str(ours), str(other)], cwd=tmp_path, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    asked = "Do you wish to run the custom code?"
+    blocks = proc.stdout.split("\nRESULT ")
+    want = gpt2_tokenizer(64)("In the beginning").input_ids
+    results = {}
+    for before, line in zip(blocks, blocks[1:]):
+        d, trust, ids = line.splitlines()[0].split(" ", 2)
+        results[(Path(d).name, trust)] = (asked in before, json.loads(ids))
+    assert results == {("ours", "None"): (True, want), ("ours", "False"): (False, want),
+                       ("other", "None"): (True, want), ("other", "False"): (False, want)}
+    assert not (tmp_path / "hf_home" / "modules").exists()  # no package code was imported
