@@ -315,3 +315,65 @@ def test_killing_the_launching_command_stops_every_rank(package):
     finally:
         for pid in left:
             os.kill(int(pid), signal.SIGKILL)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_package(package, tmp_path_factory) -> Path:
+    """The package with a chat template in its tokenizer (as an instruct teacher's tokenizer carries one), its
+    manifest updated for the changed file."""
+    import hashlib
+    import shutil
+
+    out = tmp_path_factory.mktemp("chat") / "pkg"
+    shutil.copytree(package, out)
+    cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**tok_cfg, "chat_template": CHAT_TEMPLATE}, indent=1))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"]["tokenizer_config.json"] = {"sha256": hashlib.sha256(cfg_path.read_bytes()).hexdigest(),
+                                                  "size": cfg_path.stat().st_size}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+def test_chat_completions_render_the_template_and_stream_openai_chunks(chat_package, server):
+    proc, url = start(chat_package)
+    try:
+        messages = [{"role": "system", "content": "Answer in the words of the King James Bible."},
+                    {"role": "user", "content": "And God said"}]
+        rendered = "".join(f"<{m['role']}>: {m['content']}\n" for m in messages) + "<assistant>:"
+        plain = complete(url, prompt=rendered, max_tokens=12, temperature=0).json()
+        r = requests.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 12,
+                                                               "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        choice = body["choices"][0]
+        assert choice["message"]["role"] == "assistant"
+        assert choice["message"]["content"] == plain["choices"][0]["text"]
+        assert choice["finish_reason"] == plain["choices"][0]["finish_reason"]
+        assert body["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+        with requests.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 12,
+                                                               "temperature": 0, "stream": True},
+                           stream=True, timeout=120) as s:
+            events = [line[6:] for line in s.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == choice["message"]["content"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+        bad = requests.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    finally:
+        assert stop(proc) == 0
+    # a base model's tokenizer has no template: 400 naming messages, and the server keeps serving
+    r = requests.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                      timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "no chat template" in r.json()["error"]["message"]
+    assert complete(server, prompt="And God said", max_tokens=2).status_code == 200

@@ -6,7 +6,9 @@
         --model_args base_url=http://127.0.0.1:8000/v1/completions,model=tiny-student,max_length=127
 
 Endpoints: `POST /v1/completions` (prompt as a string, token ids, or a list of either; max_tokens,
-temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `GET /v1/models`, `GET /health`,
+temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `POST /v1/chat/completions` (messages rendered
+by the tokenizer's chat template; max_tokens or max_completion_tokens, temperature, top_p, seed, stop, stream;
+400 naming `messages` when the tokenizer has no template), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text, export/serve/metrics.py), and vLLM's `GET /tokenizer_info`,
 `POST /tokenize`, `POST /detokenize`, so that lm-eval's `local-completions` model evaluates
 log-likelihood tasks against the server.
@@ -88,6 +90,75 @@ class CompletionRequest(BaseModel):
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               seed=self.seed, stop=list(self.stop or []), logprobs=self.logprobs, echo=self.echo)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, v):
+        _check_text(v)
+        return v
+
+
+class ChatRequest(BaseModel):
+    """The fields of OpenAI's /v1/chat/completions we implement (text messages, one choice); others are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: Literal[1] = 1
+
+    _stops = field_validator("stop")(CompletionRequest._stops.__func__)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or 16,
+                              temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                              stop=list(self.stop or []))
+
+
+def parse_chat(raw, engine, model_name: str) -> tuple[ChatRequest, list[int]]:
+    """(the request, the rendered conversation's token ids) of a /v1/chat/completions body, or BadRequest."""
+    if not isinstance(raw, dict):
+        raise BadRequest(400, "the body must be a JSON object")
+    try:
+        req = ChatRequest.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise BadRequest(400, f"{param}: {first['msg']}", param) from None
+    if req.model not in (None, model_name):
+        raise BadRequest(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", "model",
+                         "not_found_error")
+    tok = engine.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise BadRequest(400, "messages: this model's tokenizer has no chat template (a base model); send a prompt "
+                         "to /v1/completions instead", "messages")
+    try:
+        ids = tok.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+    except Exception as err:  # noqa: BLE001 - a template that rejects these messages (roles out of order, say)
+        raise BadRequest(400, f"messages: the chat template refused them ({type(err).__name__}: {err})",
+                         "messages") from None
+    ids = list(ids)
+    max_tokens = req.sampling().max_tokens
+    if len(ids) + max_tokens > engine.cfg.seq_len:
+        param = "messages" if len(ids) >= engine.cfg.seq_len else "max_tokens"
+        raise BadRequest(400, f"{param}: the conversation's {len(ids)} tokens + max_tokens {max_tokens} exceed the "
+                         f"model's context of {engine.cfg.seq_len} tokens", param)
+    return req, ids
 
 
 def _encodable(text: str) -> bool:
@@ -182,6 +253,14 @@ def logprobs_body(engine, req: EngineRequest, echo: bool) -> dict:
 def _sse(rid: str, created: int, model: str, text: str, finish: str | None) -> str:
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
              "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _chat_sse(rid: str, created: int, model: str, text: str | None, finish: str | None) -> str:
+    """A chat.completion.chunk: text None is the opening delta (the role)."""
+    delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
     return f"data: {json.dumps(chunk)}\n\n"
 
 
@@ -280,7 +359,7 @@ def _from_engine(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
             pass
 
 
-async def complete_all(worker, request: Request, req: CompletionRequest,
+async def complete_all(worker, request: Request, req,
                        encoded: list[list[int]]) -> list[EngineRequest] | None:
     """Submit every prompt; the finished engine requests, in order; None if the client disconnected first
     (then each is aborted: a waiting one never runs, a running one frees its slot at the next step)."""
@@ -303,10 +382,12 @@ async def complete_all(worker, request: Request, req: CompletionRequest,
     return None
 
 
-def stream_events(worker, metrics: ServeMetrics, model_name: str, req: CompletionRequest, prompt: list[int],
-                  text: str, rid: str, created: int):
-    """Submit the prompt now; server-sent events: the echoed prompt, each new piece of text no later token can
-    change (`Request.stable_text`), the finish reason. A client that hangs up aborts the request."""
+def stream_events(worker, metrics: ServeMetrics, model_name: str, req, prompt: list[int],
+                  text: str, rid: str, created: int, chat: bool = False):
+    """Submit the prompt now; server-sent events: the echoed prompt (for chat: the assistant role), each new piece
+    of text no later token can change (`Request.stable_text`), the finish reason. A client that hangs up aborts
+    the request."""
+    sse = _chat_sse if chat else _sse
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     seq = worker.submit(prompt, req.sampling(),
@@ -316,21 +397,23 @@ def stream_events(worker, metrics: ServeMetrics, model_name: str, req: Completio
     async def events():
         finished = False
         try:
-            if req.echo and text:
-                yield _sse(rid, created, model_name, text, None)
+            if chat:
+                yield sse(rid, created, model_name, None, None)
+            elif req.echo and text:
+                yield sse(rid, created, model_name, text, None)
             emitted = ""
             while True:
                 kind, value = await queue.get()
                 if kind == "token":
                     if len(value) > len(emitted):
-                        yield _sse(rid, created, model_name, value[len(emitted):], None)
+                        yield sse(rid, created, model_name, value[len(emitted):], None)
                         emitted = value
                     continue
                 finished = True
                 final = value.text if value.finish_reason != "error" else emitted
                 if len(final) > len(emitted):
-                    yield _sse(rid, created, model_name, final[len(emitted):], None)
-                yield _sse(rid, created, model_name, "", value.finish_reason)
+                    yield sse(rid, created, model_name, final[len(emitted):], None)
+                yield sse(rid, created, model_name, "", value.finish_reason)
                 yield "data: [DONE]\n\n"
                 metrics.finished(value)
                 return
@@ -454,5 +537,39 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": choices,
                 "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out,
                           "total_tokens": usage_in + usage_out}}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        t0 = time.perf_counter()
+        try:
+            raw = await _read_json(request, max_body)
+            req, ids = await off_loop(parse_chat, raw, engine, model_name)
+            queued = len(engine.waiting)
+            if queued and queued + 1 > config.max_waiting:
+                raise BadRequest(429, f"the server is busy: {queued} sequences are waiting (--max-waiting "
+                                 f"{config.max_waiting}); retry shortly", kind="rate_limit_error")
+        except BadRequest as err:
+            response = _error(err, metrics)
+            if err.status == 429:
+                response.headers["Retry-After"] = "1"
+            return response
+        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        if req.stream:
+            events = stream_events(worker, metrics, model_name, req, ids, "", rid, created, chat=True)
+            return StreamingResponse(events, media_type="text/event-stream")
+        seqs = await complete_all(worker, request, req, [ids])
+        if seqs is None:
+            metrics.request(499)
+            return JSONResponse(error_body("client closed the request"), status_code=499)
+        seq = seqs[0]
+        if seq.finish_reason == "error":
+            return _error(BadRequest(500, f"the engine failed: {seq.text}", kind="server_error"), metrics)
+        metrics.finished(seq)
+        metrics.latency.observe(time.perf_counter() - t0)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": seq.text},
+                             "logprobs": None, "finish_reason": seq.finish_reason}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(seq.generated),
+                          "total_tokens": len(ids) + len(seq.generated)}}
 
     return app
