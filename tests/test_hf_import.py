@@ -248,3 +248,18 @@ def imported_config(family, tmp_path):
 
     family_model(family).save_pretrained(tmp_path / family)
     return model_config(read_hf_config(tmp_path / family))
+
+
+def test_load_hf_teacher_builds_in_the_checkpoints_dtype_with_fp32_gates(tmp_path):
+    from pipeline.hf_import import load_hf_teacher
+
+    hf = family_model("olmoe").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    model = load_hf_teacher(tmp_path)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {d for n, d in dtypes.items() if not n.endswith("gate.wg.weight")} == {torch.bfloat16}
+    assert {d for n, d in dtypes.items() if n.endswith("gate.wg.weight")} == {torch.float32}
+    ref = imported(tmp_path)  # fp32
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        assert (model(ids).logits.float() - ref(ids).logits).abs().max().item() < 0.1
