@@ -129,10 +129,10 @@ def test_hf_import_memory_measures_each_layout_against_the_model_bytes(tmp_path)
     at 1 rank and at EP 2 (the launcher), RSS growth over the model's bytes; an EP-2 rank holds about half."""
     import hf_import_memory
 
-    assert hf_import_memory.main(["--hidden", "256", "--gb", "0.08", "--skip-transformers", "--work",
+    assert hf_import_memory.main(["--hidden", "256", "--gb", "0.2", "--skip-transformers", "--work",
                                   str(tmp_path / "work"), "--out", str(tmp_path / "out")]) == 0
     res = json.loads((tmp_path / "out" / "hf_import_memory.json").read_text())
-    assert res["shards"] >= 1 and res["model_bytes"] > 0.07e9
+    assert res["shards"] >= 1 and res["model_bytes"] > 0.19e9
     one, = res["runs"]["1 rank"]["ranks"]
     ep = res["runs"]["EP 2"]["ranks"]
     # (at this size a process's fixed costs weigh: the issue's ratios are measured at >= 4 GB)
