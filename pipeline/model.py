@@ -248,11 +248,11 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three projections; `fused` (set by the CPU serving runtime, export/serve/linears.py): one [3C', C] product
-        instead, whose output is split (a third of the weight reads' calls)."""
+        """The three projections; `fused` (set by the CPU serving runtime, export/serve/linears.py): one product
+        instead, whose output is split by `fused.sizes` (a third of the weight reads' calls)."""
         fused = self.__dict__.get("fused")
         if fused is not None:
-            return fused(x).chunk(3, dim=-1)
+            return fused(x).split(fused.sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cache: Cache | None = None, layer: int = 0,

@@ -123,11 +123,15 @@ def test_bad_checkpoints_are_refused_naming_the_fault(tmp_path):
         imported(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
-def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "qwen3_moe"])
+def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, tmp_path, monkeypatch):
     """The serving runtime's MoE layer (export/serve/placement.py: experts from the store, the exchange, SwiGLU
-    experts without biases, a shared expert, unnormalised top-k) and its CPU linears, from our weights' files."""
+    experts without biases, a shared expert, unnormalised top-k) and its CPU linears on every weight (q, k, v fused
+    into one product even where k and v are narrower), from our weights' files."""
+    from export.serve import linears
     from export.serve.placement import placed_model
+
+    monkeypatch.setattr(linears, "SERVE_FROM", 0)  # these small weights too: the fused q, k, v and the kernel
     from pipeline import dist
     from pipeline.weights import save_weights
 
@@ -137,6 +141,7 @@ def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, t
     (tmp_path / "ours").mkdir()
     save_weights(ours, tmp_path / "ours")
     served = placed_model(ours.cfg, tmp_path / "ours", dist.init(), torch.float32)
+    assert "fused" in served.blocks[0].attn.__dict__
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         diff = (served(ids).logits - hf(ids).logits).abs().max().item()
@@ -263,3 +268,33 @@ def test_load_hf_teacher_builds_in_the_checkpoints_dtype_with_fp32_gates(tmp_pat
     ids = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         assert (model(ids).logits.float() - ref(ids).logits).abs().max().item() < 0.1
+
+
+def test_the_serving_engine_decodes_an_imported_gqa_teacher_as_our_model_does(tmp_path):
+    """export/serve/engine.py's per-row key/value cache holds the kv heads (2 of 4 query heads here) with rotary
+    positions per row: rows of different lengths decoding together give the model's own greedy tokens."""
+    from export.serve.engine import Engine, SamplingParams, generate
+    from export.serve.placement import placed_model
+    from pipeline import dist
+    from pipeline.data import gpt2_tokenizer
+    from pipeline.model import KVCache
+    from pipeline.weights import save_weights
+
+    family_model("qwen3_moe").save_pretrained(tmp_path / "hf")
+    ours = imported(tmp_path / "hf")
+    (tmp_path / "ours").mkdir()
+    save_weights(ours, tmp_path / "ours")
+    engine = Engine(placed_model(ours.cfg, tmp_path / "ours", dist.init(), torch.float32), gpt2_tokenizer(128),
+                    max_batch=3)
+    engine.eos = None
+    prompts = [[5, 9, 17], [3] * 11, [100, 2, 7, 7, 40, 1]]
+    got = generate(engine, prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    for p, req in zip(prompts, got):
+        cache = KVCache(ours.cfg, batch=1, max_len=len(p) + 10)
+        with torch.no_grad():
+            tok = ours(torch.tensor([p]), cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            want = [tok.item()]
+            for _ in range(9):
+                tok = ours(tok, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+                want.append(tok.item())
+        assert req.generated == want

@@ -359,7 +359,8 @@ class Worker:
         self.device = next(model.parameters()).device
         dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
         self.cache = SlotCache(model.cfg, slots, device=self.device, dtype=dtype,
-                               heads=model.blocks[0].attn.k_proj.weight.shape[0] // model.cfg.head_size)  # this rank's
+                               # this rank's key/value heads (its query heads' share under tensor slicing)
+                               heads=model.blocks[0].attn.num_heads * model.cfg.kv_group_heads // model.cfg.heads)
         self.rows: dict[int, RowState] = {}
         self.forwards = 0
         self.forward_s = 0.0  # seconds in forwards since start (model, projection, sampling)

@@ -163,10 +163,12 @@ class ServingLinear(nn.Module):
 
 
 class FusedQKV:
-    """An attention layer's q, k and v projections as one [3C', C] weight (its output split in three)."""
+    """An attention layer's q, k and v projections as one [q + k + v, C] weight (its output split by `sizes`: k and v
+    narrower than q under grouped-query attention)."""
 
     def __init__(self, attn: nn.Module):
         layers = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.sizes = [l.weight.shape[0] for l in layers]
         self.weight = ServingWeight(torch.cat([l.weight.detach() for l in layers]))
         biases = [l.bias for l in layers]
         self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
