@@ -25,8 +25,14 @@ from pipeline.recipe import Recipe
 
 
 def teacher_config(recipe: Recipe) -> ModelConfig:
-    """The teacher's ModelConfig: MoE on layers moe_every, 2*moe_every, ... (1-indexed). A student's comes
-    from the teacher's and the layers it keeps (distill.student.student_config)."""
+    """The teacher's ModelConfig: a Hugging Face teacher's from its config.json (pipeline/hf_import.py), else the
+    PR-MoE's with MoE on layers moe_every, 2*moe_every, ... (1-indexed). A student's comes from the teacher's and
+    the layers it keeps (distill.student.student_config)."""
+    raw = recipe.hf_teacher()
+    if raw is not None:
+        from pipeline.hf_import import model_config
+
+        return model_config(raw)
     m = recipe.model
     return ModelConfig(vocab_size=recipe.vocab_size(), seq_len=recipe.data.seq_len,
                        layers=m.layers, hidden=m.hidden, heads=m.heads, experts=tuple(m.experts),

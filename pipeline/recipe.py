@@ -122,7 +122,13 @@ class TrainSpec(Section):
 
 
 class TeacherSpec(Section):
-    load: str | None = None  # an existing teacher directory (config.json, model.safetensors, tokenizer/) instead of training
+    # an existing teacher instead of training one: a directory made by `moe-pipeline teacher` (config.json,
+    # model.safetensors, tokenizer/), or a Hugging Face checkpoint of a supported family (config.json with its
+    # model_type, safetensors, tokenizer files: pipeline/hf_import.py)
+    load: str | None = None
+    # a Hugging Face config.json alone (recipes/hf/<family>.json: architecture, no weights): the teacher's shape
+    # for `plan` and the recipe's checks while teacher.load is unset
+    architecture: str | None = None
     train: TrainSpec
 
 
@@ -218,7 +224,7 @@ class Recipe(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     seed: int = 1234
     data: DataSpec = DataSpec()
-    model: ModelSpec
+    model: ModelSpec | None = None  # the PR-MoE teacher to train; optional for a Hugging Face teacher (its config.json)
     teacher: TeacherSpec
     student: StudentSpec
     kd: KDSpec = KDSpec()
@@ -227,15 +233,69 @@ class Recipe(Section):
 
     # -- derived facts, computed from the fields above (never stored twice) --
 
+    def hf_teacher(self) -> dict | None:
+        """The teacher's Hugging Face config.json (teacher.load's checkpoint, else teacher.architecture), or None
+        for a PR-MoE teacher (the model section; a directory made by `moe-pipeline teacher`)."""
+        from pipeline.hf_import import CONFIG, HFImportError, read_hf_config
+
+        load, arch = self.teacher.load, self.teacher.architecture
+        key, where = ("teacher.load", load) if load else ("teacher.architecture", arch)
+        if where is None:
+            return None
+        path = Path(where)
+        if key == "teacher.load":
+            try:
+                import json
+
+                raw = json.loads((path / CONFIG).read_text()) if (path / CONFIG).is_file() else None
+            except (OSError, ValueError):
+                raw = None
+            if not (isinstance(raw, dict) and "model_type" in raw):
+                return None  # our own teacher directory (or none yet): checked when the teacher stage reads it
+        try:
+            if key == "teacher.architecture":
+                if not path.is_file():
+                    raise HFImportError(f"{path}: not a file (a config.json, e.g. recipes/hf/mixtral.json)")
+                import shutil
+                import tempfile
+
+                with tempfile.TemporaryDirectory() as tmp:  # read as a checkpoint's config.json is read
+                    shutil.copyfile(path, Path(tmp) / CONFIG)
+                    return read_hf_config(tmp)
+            return read_hf_config(path)
+        except HFImportError as err:
+            raise RecipeError(key, where, str(err)) from None
+
+    def teacher_layout(self) -> tuple[int, list[int], list[int], int]:
+        """(layers, 0-indexed MoE layers, experts per MoE layer, top_k) of the teacher."""
+        raw = self.hf_teacher()
+        if raw is not None:
+            from pipeline.hf_import import HFImportError, model_config
+
+            try:
+                cfg = model_config(raw)
+            except HFImportError as err:
+                raise RecipeError("teacher.load" if self.teacher.load else "teacher.architecture",
+                                  self.teacher.load or self.teacher.architecture, str(err)) from None
+            return cfg.layers, list(cfg.moe_layers), list(cfg.experts), cfg.top_k
+        m = self.model
+        return m.layers, list(range(m.moe_every - 1, m.layers, m.moe_every)), list(m.experts), m.top_k
+
     def moe_layer_count(self, layers: int) -> int:
-        return self.model.moe_layer_count(layers)
+        """MoE layers in a student of `layers` layers: the PR-MoE's every `moe_every`-th, or for a Hugging Face
+        teacher the teacher's share of MoE layers (all of them in Mixtral, OLMoE and the published Qwen models)."""
+        if self.model is not None and self.hf_teacher() is None:
+            return self.model.moe_layer_count(layers)
+        total, moe, _, _ = self.teacher_layout()
+        return layers - round(layers * (total - len(moe)) / total)
 
     def student_experts(self) -> list[int]:
         """The student's experts per MoE layer: given, or the teacher's top ones (the paper's rule)."""
         if self.student.experts is not None:
             return list(self.student.experts)
-        drop = len(self.model.experts) - self.moe_layer_count(self.student.layers)
-        return list(self.model.experts[max(drop, 0):])
+        experts = self.teacher_layout()[2]
+        drop = len(experts) - self.moe_layer_count(self.student.layers)
+        return list(experts[max(drop, 0):])
 
     def kd_stop_step(self) -> int | None:
         """The first student step without KD, or None for KD all the way."""
@@ -245,7 +305,11 @@ class Recipe(Section):
         return stop
 
     def vocab_size(self) -> int:
-        """The model's embedding rows: the tokenizer's size padded to a multiple of VOCAB_MULTIPLE."""
+        """The model's embedding rows: the tokenizer's size padded to a multiple of VOCAB_MULTIPLE (a Hugging Face
+        teacher's: its config's vocab_size, padded as it was)."""
+        raw = self.hf_teacher()
+        if raw is not None:
+            return int(raw["vocab_size"])
         n = GPT2_VOCAB if self.data.tokenizer == "gpt2" else self.data.vocab_size
         return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
@@ -256,24 +320,47 @@ class Recipe(Section):
     # -- rules across sections (each section's own rules are on its class); run in this order --
 
     @model_validator(mode="after")
+    def _teacher_is_described(self) -> Self:
+        raw = self.hf_teacher()
+        if raw is None and self.model is None:
+            raise RecipeError("model", None, "required: the PR-MoE teacher's shape; it may be left out only when "
+                              "teacher.load or teacher.architecture names a Hugging Face checkpoint's config.json")
+        if raw is not None and self.model is not None:  # given anyway: it must be the checkpoint's
+            layers, _, experts, top_k = self.teacher_layout()
+            theirs = {"layers": layers, "hidden": raw["hidden_size"], "heads": raw["num_attention_heads"],
+                      "experts": experts, "top_k": top_k}
+            for key, value in theirs.items():
+                if getattr(self.model, key) != value:
+                    raise RecipeError(f"model.{key}", getattr(self.model, key), f"the teacher checkpoint's {value} "
+                                      f"({raw['model_type']}): leave the model section out, or make it agree")
+        if raw is not None and self.data.seq_len > raw["max_position_embeddings"]:
+            raise RecipeError("data.seq_len", self.data.seq_len, f"at most the teacher's context "
+                              f"(max_position_embeddings {raw['max_position_embeddings']})")
+        return self
+
+    @model_validator(mode="after")
     def _student_fits_teacher(self) -> Self:
-        m, s = self.model, self.student
-        if s.layers >= m.layers:
-            raise RecipeError("student.layers", s.layers, f"must be < teacher layers ({m.layers})")
+        s = self.student
+        layers, moe, experts, top_k = self.teacher_layout()
+        pr_moe = self.hf_teacher() is None
+        if s.layers >= layers:
+            raise RecipeError("student.layers", s.layers, f"must be < teacher layers ({layers})")
         n_student_moe = self.moe_layer_count(s.layers)
         if n_student_moe == 0:
-            raise RecipeError("student.layers", s.layers,
-                              f"at least model.moe_every ({m.moe_every}) so the student keeps an MoE layer")
+            raise RecipeError("student.layers", s.layers, f"at least model.moe_every ({self.model.moe_every}) so the "
+                              "student keeps an MoE layer" if pr_moe else f"keeps no MoE layer (the teacher's are "
+                              f"{moe}): more layers, so the student keeps one")
         student_experts = self.student_experts()
         if len(student_experts) != n_student_moe:
+            layout = f"{s.layers} layers, MoE every {self.model.moe_every}" if pr_moe else f"{s.layers} layers"
             raise RecipeError("student.experts", s.experts, f"one entry per student MoE layer: {n_student_moe} "
-                              f"entries ({s.layers} layers, MoE every {m.moe_every})")
+                              f"entries ({layout})")
         for i, e in enumerate(student_experts):
-            if e < m.top_k:
-                raise RecipeError(f"student.experts.{i}", e, f"at least model.top_k ({m.top_k}) experts")
-            if e > max(m.experts):
+            if e < top_k:
+                raise RecipeError(f"student.experts.{i}", e, f"at least {'model.top_k' if pr_moe else 'the teacher' + chr(39) + 's top_k'} ({top_k}) experts")
+            if e > max(experts):
                 raise RecipeError(f"student.experts.{i}", e, f"at most the teacher's largest MoE layer "
-                                  f"({max(m.experts)} experts); below its kept teacher layer's count prunes experts")
+                                  f"({max(experts)} experts); below its kept teacher layer's count prunes experts")
         return self
 
     @model_validator(mode="after")
@@ -302,7 +389,7 @@ class Recipe(Section):
         world, ep = self._world(info), self.distributed.ep_size
         if ep is not None and world % ep:
             raise RecipeError("distributed.ep_size", ep, f"must divide the world size ({world})")
-        for key, experts in (("model.experts", self.model.experts), ("student.experts", self.student_experts())):
+        for key, experts in (("model.experts", self.teacher_layout()[2]), ("student.experts", self.student_experts())):
             for i, e in enumerate(experts):
                 if ep is not None and e % ep:
                     raise RecipeError(f"{key}.{i}", e, f"divisible by distributed.ep_size ({ep})")

@@ -91,6 +91,11 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
             print(f"[teacher] already done: {run.stage(STAGE)} (pass --redo to train again)", flush=True)
         return run.stage(STAGE)
     check_hardware(recipe)
+    if recipe.hf_teacher() is not None:  # refused before anything is written
+        key = "teacher.load" if recipe.teacher.load else "teacher.architecture"
+        raise RecipeError(key, recipe.teacher.load or recipe.teacher.architecture,
+                          "a Hugging Face teacher is read by `moe-pipeline plan` and pipeline/hf_import.py so far; "
+                          "the teacher and distill stages on it are not built yet (issue 17)")
     src = Path(recipe.teacher.load) if recipe.teacher.load else None
     cfg = check_loadable(recipe, src) if src else teacher_config(recipe)
     prepared = prepare(recipe, ranks)  # data errors stop us here, before anything is written

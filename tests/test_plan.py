@@ -108,3 +108,46 @@ def test_plan_measure_scores_candidates_cut_from_the_trained_teacher(small_run, 
 
     table = format_table(result)  # what the command prints without --json
     assert all(r["name"][:33] in table for r in rows) and "retention" in table
+
+
+# a Hugging Face teacher's shape from its config.json alone (recipes/hf/): the student ~12% shallower
+HF_STUDENTS = {"mixtral": (28, 46.70e9, 8), "qwen2_moe": (21, 14.32e9, 4), "qwen3_moe": (42, 30.53e9, 8),
+               "olmoe": (14, 6.92e9, 8)}
+
+
+@pytest.mark.parametrize("family", sorted(HF_STUDENTS))
+def test_plan_reads_a_hugging_face_teacher_from_its_config_alone(family):
+    layers, total, ep = HF_STUDENTS[family]
+    recipe = load_recipe(ROOT / "recipes" / "1.3b.yaml", [f"teacher.architecture=recipes/hf/{family}.json",
+                                                          "model=null", f"student.layers={layers}",
+                                                          "data.seq_len=4096", f"distributed.ep_size={ep}"], world_size=64)
+    assert recipe.model is None and recipe.vocab_size() == {"mixtral": 32000, "olmoe": 50304}.get(family, 151936)
+    result = plan(recipe, world=64)
+    t, s = result["teacher"], result["student"]
+    assert abs(t["params_total"] - total) < 0.005e9
+    assert s["layers"] == layers and len(s["experts"]) == layers  # every published layer is an MoE layer
+    assert s["params_total"] < t["params_total"] and t["ep_size"] == [ep] * t["layers"]
+
+
+def test_a_hugging_face_teacher_and_a_model_section_must_agree():
+    from pipeline.recipe import RecipeError
+
+    base = ["teacher.architecture=recipes/hf/olmoe.json", "student.layers=14", "data.seq_len=2048"]
+    with pytest.raises(RecipeError, match=r"model.layers = 24: the teacher checkpoint's 16 \(olmoe\): leave the "
+                                          "model section out, or make it agree"):
+        load_recipe(ROOT / "recipes" / "1.3b.yaml", base, world_size=8)
+    with pytest.raises(RecipeError, match="model = None: required: the PR-MoE teacher's shape"):
+        load_recipe(ROOT / "recipes" / "1.3b.yaml", ["model=null"], world_size=8)
+    with pytest.raises(RecipeError, match="teacher.architecture = 'recipes/tiny.yaml'.*not JSON"):
+        load_recipe(ROOT / "recipes" / "1.3b.yaml", ["teacher.architecture=recipes/tiny.yaml", "model=null"],
+                    world_size=8)
+    with pytest.raises(RecipeError, match="data.seq_len = 8192: at most the teacher's context"):
+        load_recipe(ROOT / "recipes" / "1.3b.yaml", [*base, "model=null", "data.seq_len=8192"], world_size=8)
+
+
+def test_the_teacher_stage_refuses_a_hugging_face_teacher_before_writing_anything(tmp_path):
+    proc = cli("teacher", "recipes/tiny.yaml", "--run-dir", str(tmp_path / "run"), "--set",
+               "teacher.architecture=recipes/hf/olmoe.json", "--set", "model=null", "--set", "student.layers=14",
+               check=False)
+    assert proc.returncode == 2 and "teacher.architecture" in proc.stderr and "not built yet" in proc.stderr
+    assert not (tmp_path / "run").exists()
