@@ -7,7 +7,7 @@ bytes at 1 rank, <= 0.7x per rank at EP 2).
 A checkpoint of random bf16 weights in the family's real layout (config.json written by export/native.py, the
 Hub's tensor names, ~1 GB shards with model.safetensors.index.json) is written once under `--work`: Mixtral's
 shape at hidden 2048 (16 heads, 4 kv heads, 8 experts of width 5632, top-2, vocab 32000), as many layers as
-reach `--gb`. Then, each in a fresh process (`pipeline.hf_import.load_hf_teacher`: built on the meta device,
+reach `--gb`. Then, each in a fresh process (`pipeline.build.load_hf_teacher`: built on the meta device,
 materialised empty, filled tensor by tensor):
   * 1 rank (the reference MoE);
   * EP 2: two ranks through the DeepSpeed launcher (gloo), each reading only its half of every layer's experts;
@@ -123,8 +123,8 @@ if mode == "ep2":
 if mode == "transformers":
     from transformers import AutoModelForCausalLM
 else:
-    from pipeline.hf_import import load_hf_teacher
-    import pipeline.build, pipeline.weights  # what it imports on first use: not counted as the load's memory
+    from pipeline.build import load_hf_teacher
+    import pipeline.hf_import, pipeline.weights  # what it imports on first use: not counted as the load's memory
 torch.set_num_threads(1)
 before = status("VmRSS")
 open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS

@@ -94,7 +94,7 @@ def native_tensors(model: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def write_native(model: GPT, out: Path, tokenizer=None, dtype: torch.dtype = torch.bfloat16, force: bool = False,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write `model` as its family's checkpoint in `out` (atomically: a temporary directory, then rename)."""
-    from export.package import _write_shards
+    from export.package import _write_shards, publish
 
     out = Path(out)
     config = native_config(model.cfg, dtype, getattr(tokenizer, "bos_token_id", None),
@@ -113,13 +113,7 @@ def write_native(model: GPT, out: Path, tokenizer=None, dtype: torch.dtype = tor
         manifest = {"format": f"hf-{model.cfg.family}", "weights": weights, "files": {
             p.name: {"sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(tmp.iterdir()) if p.is_file()}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

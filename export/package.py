@@ -258,6 +258,17 @@ def _write_shards(tensors: dict[str, torch.Tensor], tmp: Path, max_bytes: int, m
     return [*files, INDEX]
 
 
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the finished directory `tmp` to `out`; an old `out` (with --force) is moved aside first, then removed."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool = False,
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write the package of a finished stage to `out` (atomically: temporary directory, then rename)."""
@@ -333,14 +344,7 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
         problems = verify_package(tmp)
         if problems:
             raise PackageError(tmp, problems)
-        # publish: the old package (with --force) is moved aside first, then removed
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

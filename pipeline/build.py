@@ -5,6 +5,7 @@ or the plain-PyTorch reference, on a device or on the meta device) and filled fr
     cfg = teacher_config(recipe)                      # the recipe's teacher as a ModelConfig
     meta_counts(cfg)                                  # {"total": ..., "active_per_token": ...}, no memory
     teacher = load_frozen("runs/tiny/teacher", ranks) # expert parallel over the ranks, eval mode, no grads
+    teacher = load_hf_teacher("/models/OLMoE-1B-7B-0924")  # a Hugging Face checkpoint, its dtype, gates fp32
 
 Training builds with `build_model(..., groups=False)` (deepspeed.initialize makes the expert-parallel
 groups); everything else that runs DeepSpeed's MoE layers outside `deepspeed.initialize` gets them
@@ -97,3 +98,24 @@ def cast_keeping_gates(model: GPT, dtype: torch.dtype) -> GPT:
         if name.endswith("deepspeed_moe.gate"):
             module.wg.float()
     return model
+
+
+def load_hf_teacher(src: Path, world: int = 1, ep_size: int | None = None, dtype: torch.dtype | None = None,
+                    impl: str | None = None) -> GPT:
+    """The checkpoint in `src` as our model, expert parallel over `world` ranks (DeepSpeed's MoE; with one rank
+    and no `impl`, the reference MoE), in `dtype` (default: the checkpoint's) with the gates in fp32, eval mode, no
+    gradients. Built on the meta device and materialised empty: nothing is initialised, each rank allocates only
+    what it holds and fills it tensor by tensor from the files (no second copy). Collective with several ranks."""
+    from pipeline.hf_import import CONFIG, checkpoint_dtype, load_hf_weights, model_config, read_hf_config
+
+    raw = read_hf_config(src)
+    cfg = model_config(raw, Path(src) / CONFIG)
+    dtype = dtype or checkpoint_dtype(raw)
+    impl = impl or ("reference" if world == 1 else "deepspeed")
+    model = build_model(cfg, world, ep_size, impl=impl, meta=True, groups=impl == "deepspeed")
+    cast_keeping_gates(model, dtype)  # on the meta device: free
+    model.to_empty(device="cpu")  # allocated, not touched: a page is resident once its tensor is read
+    if cfg.tie_embeddings:  # to_empty made the tied head a tensor of its own
+        model.lm_head.weight = model.wte.weight
+    load_hf_weights(model, src)
+    return model.eval().requires_grad_(False)

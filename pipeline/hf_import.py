@@ -190,30 +190,6 @@ def checkpoint_dtype(raw: dict) -> torch.dtype:
     return dtypes[name]
 
 
-def load_hf_teacher(src: Path, world: int = 1, ep_size: int | None = None, dtype: torch.dtype | None = None,
-                    impl: str | None = None) -> GPT:
-    """The checkpoint in `src` as our model, expert parallel over `world` ranks (DeepSpeed's MoE; with one rank
-    and no `impl`, the reference MoE), in `dtype` (default: the checkpoint's) with the gates in fp32, eval mode, no
-    gradients. Built on the meta device and materialised empty: nothing is initialised, each rank allocates only
-    what it holds and fills it tensor by tensor from the files (no second copy). Collective with several ranks."""
-    from pipeline.build import build_model
-
-    raw = read_hf_config(src)
-    cfg = model_config(raw, Path(src) / CONFIG)
-    dtype = dtype or checkpoint_dtype(raw)
-    impl = impl or ("reference" if world == 1 else "deepspeed")
-    model = build_model(cfg, world, ep_size, impl=impl, meta=True, groups=impl == "deepspeed")
-    model.to(dtype=dtype)  # on the meta device: free
-    for name, module in model.named_modules():
-        if name.endswith("deepspeed_moe.gate"):
-            module.wg.float()
-    model.to_empty(device="cpu")  # allocated, not touched: a page is resident once its tensor is read
-    if cfg.tie_embeddings:  # to_empty made the tied head a tensor of its own
-        model.lm_head.weight = model.wte.weight
-    load_hf_weights(model, src)
-    return model.eval().requires_grad_(False)
-
-
 def main(argv: list[str] | None = None) -> int:
     from pipeline.model import param_counts
 

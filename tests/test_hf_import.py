@@ -256,7 +256,7 @@ def imported_config(family, tmp_path):
 
 
 def test_load_hf_teacher_builds_in_the_checkpoints_dtype_with_fp32_gates(tmp_path):
-    from pipeline.hf_import import load_hf_teacher
+    from pipeline.build import load_hf_teacher
 
     hf = family_model("olmoe").to(torch.bfloat16)
     hf.save_pretrained(tmp_path)

@@ -275,6 +275,22 @@ def _error(err: BadRequest, metrics: ServeMetrics) -> JSONResponse:
     return JSONResponse(err.body, status_code=err.status)
 
 
+def check_room(engine, prompts: int, config) -> None:
+    """429 when sequences already wait and `prompts` more would pass --max-waiting."""
+    queued = len(engine.waiting)
+    if queued and queued + prompts > config.max_waiting:
+        raise BadRequest(429, f"the server is busy: {queued} sequences are waiting (--max-waiting "
+                         f"{config.max_waiting}); retry shortly", kind="rate_limit_error")
+
+
+def refused(err: BadRequest, metrics: ServeMetrics) -> JSONResponse:
+    """The error response of a refused completion request (a 429 says when to retry)."""
+    response = _error(err, metrics)
+    if err.status == 429:
+        response.headers["Retry-After"] = "1"
+    return response
+
+
 async def _read_json(request: Request, max_body: int):
     """The body as JSON, reading at most `max_body` bytes whatever the headers say (a chunked body has no
     Content-Length): past that, 413 without buffering the rest."""
@@ -506,15 +522,9 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         try:
             raw = await _read_json(request, max_body)
             req, encoded, texts = await off_loop(parse_completion, raw, engine, model_name, config.max_prompts)
-            queued = len(engine.waiting)
-            if queued and queued + len(encoded) > config.max_waiting:  # no await from here to the submit
-                raise BadRequest(429, f"the server is busy: {queued} sequences are waiting (--max-waiting "
-                                 f"{config.max_waiting}); retry shortly", kind="rate_limit_error")
+            check_room(engine, len(encoded), config)  # no await from here to the submit
         except BadRequest as err:
-            response = _error(err, metrics)
-            if err.status == 429:
-                response.headers["Retry-After"] = "1"
-            return response
+            return refused(err, metrics)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if req.stream:
             events = stream_events(worker, metrics, model_name, req, encoded[0], texts[0], rid, created)
@@ -544,15 +554,9 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         try:
             raw = await _read_json(request, max_body)
             req, ids = await off_loop(parse_chat, raw, engine, model_name)
-            queued = len(engine.waiting)
-            if queued and queued + 1 > config.max_waiting:
-                raise BadRequest(429, f"the server is busy: {queued} sequences are waiting (--max-waiting "
-                                 f"{config.max_waiting}); retry shortly", kind="rate_limit_error")
+            check_room(engine, 1, config)
         except BadRequest as err:
-            response = _error(err, metrics)
-            if err.status == 429:
-                response.headers["Retry-After"] = "1"
-            return response
+            return refused(err, metrics)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if req.stream:
             events = stream_events(worker, metrics, model_name, req, ids, "", rid, created, chat=True)
