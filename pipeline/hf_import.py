@@ -39,11 +39,17 @@ def read_hf_config(src: Path) -> dict:
                 f"{src} --local-dir DIR`, and point teacher.load at DIR)" if re.fullmatch(r"[\w.-]+/[\w.-]+", str(src))
                 else "")
         raise HFImportError(f"{src}: not a directory{hint}")
-    path = src / CONFIG
+    return read_config_file(src / CONFIG, "a Hugging Face checkpoint directory has a config.json")
+
+
+def read_config_file(path: Path, missing: str = "a config.json of a Hugging Face checkpoint") -> dict:
+    """A config.json file (a checkpoint's, or an architecture-only one such as recipes/hf/mixtral.json), checked
+    to be one of the supported families."""
+    path = Path(path)
     try:
         raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HFImportError(f"{path}: missing: a Hugging Face checkpoint directory has a config.json") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise HFImportError(f"{path}: missing: {missing}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise HFImportError(f"{path}: not JSON ({err})") from None
     family = raw.get("model_type") if isinstance(raw, dict) else None

@@ -13,6 +13,7 @@ they span sections); those that depend on the world size read it from the valida
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -235,36 +236,23 @@ class Recipe(Section):
 
     def hf_teacher(self) -> dict | None:
         """The teacher's Hugging Face config.json (teacher.load's checkpoint, else teacher.architecture), or None
-        for a PR-MoE teacher (the model section; a directory made by `moe-pipeline teacher`)."""
-        from pipeline.hf_import import CONFIG, HFImportError, read_hf_config
-
+        for a PR-MoE teacher (the model section; a directory made by `moe-pipeline teacher`). Read once per file
+        version, however many checks ask."""
         load, arch = self.teacher.load, self.teacher.architecture
-        key, where = ("teacher.load", load) if load else ("teacher.architecture", arch)
-        if where is None:
-            return None
-        path = Path(where)
-        if key == "teacher.load":
+        if load:
+            path = Path(load) / "config.json"
             try:
-                import json
-
-                raw = json.loads((path / CONFIG).read_text()) if (path / CONFIG).is_file() else None
-            except (OSError, ValueError):
-                raw = None
-            if not (isinstance(raw, dict) and "model_type" in raw):
-                return None  # our own teacher directory (or none yet): checked when the teacher stage reads it
+                stamp = path.stat().st_mtime_ns
+            except OSError:
+                return None  # no teacher there yet: the teacher stage says so when it reads it
+            return _hf_config(str(path), stamp, "teacher.load", load)
+        if arch is None:
+            return None
         try:
-            if key == "teacher.architecture":
-                if not path.is_file():
-                    raise HFImportError(f"{path}: not a file (a config.json, e.g. recipes/hf/mixtral.json)")
-                import shutil
-                import tempfile
-
-                with tempfile.TemporaryDirectory() as tmp:  # read as a checkpoint's config.json is read
-                    shutil.copyfile(path, Path(tmp) / CONFIG)
-                    return read_hf_config(tmp)
-            return read_hf_config(path)
-        except HFImportError as err:
-            raise RecipeError(key, where, str(err)) from None
+            stamp = Path(arch).stat().st_mtime_ns
+        except OSError:
+            stamp = None
+        return _hf_config(arch, stamp, "teacher.architecture", arch)
 
     def teacher_layout(self) -> tuple[int, list[int], list[int], int]:
         """(layers, 0-indexed MoE layers, experts per MoE layer, top_k) of the teacher."""
@@ -412,6 +400,27 @@ class Recipe(Section):
 
 
 # -- loading ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=16)
+def _hf_config(path: str, stamp: int | None, key: str, value: str) -> dict | None:
+    """A teacher's Hugging Face config.json, or None for teacher.load's own format (no model_type). `stamp`: the
+    file's mtime, so that a changed file is read again."""
+    import json
+
+    from pipeline.hf_import import HFImportError, read_config_file
+
+    if key == "teacher.load":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
+        if not (isinstance(raw, dict) and "model_type" in raw):
+            return None  # our own teacher directory: checked when the teacher stage reads it
+    try:
+        return read_config_file(path, "a config.json, e.g. recipes/hf/mixtral.json")
+    except HFImportError as err:
+        raise RecipeError(key, value, str(err)) from None
+
 
 class _Loader(yaml.SafeLoader):
     """YAML 1.1 reads `3e-4` as a string; recipes mean a float, as YAML 1.2 does."""

@@ -131,17 +131,7 @@ class ChatRequest(BaseModel):
 
 def parse_chat(raw, engine, model_name: str) -> tuple[ChatRequest, list[int]]:
     """(the request, the rendered conversation's token ids) of a /v1/chat/completions body, or BadRequest."""
-    if not isinstance(raw, dict):
-        raise BadRequest(400, "the body must be a JSON object")
-    try:
-        req = ChatRequest.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        param = str(first["loc"][0]) if first["loc"] else None
-        raise BadRequest(400, f"{param}: {first['msg']}", param) from None
-    if req.model not in (None, model_name):
-        raise BadRequest(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", "model",
-                         "not_found_error")
+    req = _validated(ChatRequest, raw, model_name)
     tok = engine.tokenizer
     if not getattr(tok, "chat_template", None):
         raise BadRequest(400, "messages: this model's tokenizer has no chat template (a base model); send a prompt "
@@ -199,12 +189,12 @@ class BadRequest(Exception):
         self.status, self.body = status, error_body(message, param, kind)
 
 
-def parse_completion(raw, engine, model_name: str, max_prompts: int) -> tuple[CompletionRequest, list[list[int]], list[str]]:
-    """(the request, each prompt's token ids, each prompt's text) of a /v1/completions body, or BadRequest."""
+def _validated(schema: type[BaseModel], raw, model_name: str):
+    """A request body checked against `schema` and the served model's name, or BadRequest naming the field."""
     if not isinstance(raw, dict):
         raise BadRequest(400, "the body must be a JSON object")
     try:
-        req = CompletionRequest.model_validate(raw)
+        req = schema.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         param = str(first["loc"][0]) if first["loc"] else None  # the request's field ('prompt', not 'prompt.str')
@@ -212,6 +202,12 @@ def parse_completion(raw, engine, model_name: str, max_prompts: int) -> tuple[Co
     if req.model not in (None, model_name):
         raise BadRequest(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", "model",
                          "not_found_error")
+    return req
+
+
+def parse_completion(raw, engine, model_name: str, max_prompts: int) -> tuple[CompletionRequest, list[list[int]], list[str]]:
+    """(the request, each prompt's token ids, each prompt's text) of a /v1/completions body, or BadRequest."""
+    req = _validated(CompletionRequest, raw, model_name)
     prompts = req.prompts()
     if req.stream and len(prompts) > 1:
         raise BadRequest(400, "stream supports one prompt per request", "prompt")
