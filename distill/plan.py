@@ -4,6 +4,8 @@ Both models are built on the meta device (no memory), so the paper's 31B-paramet
 in a second on a laptop. Memory per rank is an estimate for training: weights, gradients and Adam
 state for the recipe's precision and ZeRO stage, with experts split by expert parallelism and
 their optimizer state by ZeRO over the expert-data-parallel group (activations not included).
+A Hugging Face teacher is imported, not trained: its memory is its weights alone, in the student's
+precision (the frozen KD teacher).
 
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
 """
@@ -22,14 +24,17 @@ def _bytes_per_param(train: TrainSpec) -> dict[str, int]:
     return {"weights": 2, "gradients": 2, "optimizer": 12}  # fp32 master copy + Adam m, v
 
 
-def memory_per_rank(cfg: ModelConfig, ep: list[int], train: TrainSpec, world: int) -> dict[str, int]:
+def memory_per_rank(cfg: ModelConfig, ep: list[int], train: TrainSpec, world: int,
+                    frozen: bool = False) -> dict[str, int]:
     """Bytes of training state on one rank, split into weights, gradients and optimizer state.
 
     The rank holds E/ep experts of each MoE layer, replicated over the world/ep ranks of its
     expert-data-parallel group (ZeRO partitions their gradients/optimizer state over that group);
-    everything else is replicated over all ranks.
+    everything else is replicated over all ranks. `frozen`: weights only (no gradients, no optimizer).
     """
     per = _bytes_per_param(train)
+    if frozen:
+        per = {"weights": per["weights"], "gradients": 0, "optimizer": 0}
     local_cfg = ModelConfig(**{**cfg.to_dict(), "experts": tuple(e // d for e, d in zip(cfg.experts, ep))})
     local = meta_model(local_cfg)
     moe_index = {i: n for n, i in enumerate(i for i in range(cfg.layers) if cfg.is_moe(i))}
@@ -45,10 +50,12 @@ def memory_per_rank(cfg: ModelConfig, ep: list[int], train: TrainSpec, world: in
     return out
 
 
-def describe(cfg: ModelConfig, train: TrainSpec, world: int, ep_override: int | None) -> dict:
+def describe(cfg: ModelConfig, train: TrainSpec, world: int, ep_override: int | None, frozen: bool = False,
+             seq_len: int | None = None) -> dict:
+    """`seq_len`: the training sequence length (default: the model's context)."""
     ep = [default_ep_size(e, world, ep_override) for e in cfg.experts]
     counts = meta_counts(cfg)
-    mem = memory_per_rank(cfg, ep, train, world)
+    mem = memory_per_rank(cfg, ep, train, world, frozen)
     return {
         "params_total": counts["total"],
         "params_active_per_token": counts["active_per_token"],
@@ -57,8 +64,8 @@ def describe(cfg: ModelConfig, train: TrainSpec, world: int, ep_override: int | 
         "ep_size": ep,
         "memory_per_rank_bytes": mem["total"],
         "memory_per_rank_breakdown": {k: v for k, v in mem.items() if k != "total"},
-        "tokens_per_step": train.global_batch_size * cfg.seq_len,
-        "total_steps": train.steps,
+        "tokens_per_step": train.global_batch_size * (seq_len or cfg.seq_len),
+        "total_steps": 0 if frozen else train.steps,
     }
 
 
@@ -70,9 +77,12 @@ def plan(recipe: Recipe, world: int) -> dict:
     teacher = teacher_config(recipe)
     method = "paper" if recipe.student.layer_selection == "importance" else recipe.student.layer_selection
     kept = select_layers(teacher, recipe.student.layers, recipe.moe_layer_count(recipe.student.layers), method)
+    imported = recipe.hf_teacher() is not None  # frozen: weights in the student's precision
     return {
-        "teacher": describe(teacher, recipe.teacher.train, world, ep),
-        "student": describe(student_config(teacher, kept, recipe.student.experts), recipe.student.train, world, ep),
+        "teacher": describe(teacher, recipe.student.train if imported else recipe.teacher.train, world, ep, imported,
+                            recipe.data.seq_len),
+        "student": describe(student_config(teacher, kept, recipe.student.experts), recipe.student.train, world, ep,
+                            seq_len=recipe.data.seq_len),
     }
 
 

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline import dist
+from pipeline.artifacts import SOURCE, read_model_config
 from pipeline.model import GPT, ModelConfig, expert_key, router_logits, split_expert_key
 from pipeline.recipe import RecipeError
 from pipeline.weights import ep_rank_of as default_ep_rank_of
@@ -317,7 +318,10 @@ def _check_expert_counts(student: GPT, teacher_dir: Path, kept: Sequence[int],
     for it, all distinct teacher experts: the name mapping alone would silently copy a subset. Returns the
     teacher's expert count per MoE block."""
     teacher_experts: dict[int, int] = {}
-    for key in weight_files(teacher_dir):
+    if (teacher_dir / SOURCE).is_file():  # weights in another checkpoint (checked against its config when recorded)
+        cfg = read_model_config(teacher_dir)
+        teacher_experts = dict(zip(cfg.moe_layers, cfg.experts))
+    for key in weight_files(teacher_dir) if not teacher_experts else ():
         parts = split_expert_key(key)
         if parts is not None:
             teacher_experts[parts.block] = max(teacher_experts.get(parts.block, 0), parts.expert + 1)

@@ -6,8 +6,10 @@ listed in Qwen's `mlp_only_layers`), safetensors under the Hub's tensor names (o
 index), the tokenizer, and a manifest of checksums. `AutoModelForCausalLM.from_pretrained(dir)` then loads it
 as the family's own class with no remote code, so vLLM, SGLang and llama.cpp's converters can take it.
 
-    from export.native import write_native
-    write_native(model, out_dir, tokenizer, dtype=torch.bfloat16)
+    moe-pipeline export runs/olmoe-1b-7b-mos --format hf [--dtype bf16] [--out DIR]   # the student
+    from export.native import export_native, write_native
+    export_native("runs/olmoe-1b-7b-mos/student", out_dir, "bf16")   # a finished stage
+    write_native(model, out_dir, tokenizer, dtype=torch.bfloat16)     # a model in memory
 
 These families have one expert count per model and no PR-MoE residual MLP: a pyramid, a student whose layers
 were pruned to different expert counts, or a PR-MoE model is refused (NativeExportError), and our package
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.artifacts import CONFIG, DTYPE_NAMES, MANIFEST, sha256_file
+from pipeline.artifacts import CONFIG, DONE, DTYPE_NAMES, DTYPES, MANIFEST, TOKENIZER, read_model_config, sha256_file
 from pipeline.hf_import import SUPPORTED, hf_sources
 from pipeline.model import GPT, ModelConfig
 
@@ -118,3 +120,24 @@ def write_native(model: GPT, out: Path, tokenizer=None, dtype: torch.dtype = tor
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def export_native(stage_dir: Path, out: Path, dtype: str = "bf16", force: bool = False,
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write a finished stage (a student of an imported teacher, or the teacher) as its family's checkpoint in
+    `out`. What the family cannot express is refused before any weight is read (NativeExportError)."""
+    from pipeline import data as data_lib
+    from pipeline.build import load_stage_model
+
+    stage_dir = Path(stage_dir)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    if not (stage_dir / DONE).is_file():
+        raise FileNotFoundError(f"{stage_dir / DONE} is missing: the stage is not finished "
+                                f"(run `moe-pipeline distill RECIPE` first)")
+    native_config(read_model_config(stage_dir), DTYPES[dtype])  # refused here, before anything is read or written
+    if Path(out).exists() and not force:
+        raise FileExistsError(f"{out} exists: pass --force to replace it, or --out another directory")
+    model = load_stage_model(stage_dir, DTYPES[dtype])
+    return write_native(model, out, data_lib.load_tokenizer(stage_dir / TOKENIZER), DTYPES[dtype], force,
+                        max_shard_bytes)

@@ -29,6 +29,7 @@ CONFIG = "config.json"  # the model: every ModelConfig field (a package's is Hug
 TOKENIZER = "tokenizer"  # a stage directory's tokenizer folder (a package keeps the files at its top level)
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"  # Hugging Face's sharded layout
+SOURCE = "source.json"  # a stage whose weights are another checkpoint's (a Hugging Face teacher): path, sha256, name map
 DONE = "DONE.json"  # a finished stage: inputs' hashes, outputs, wall time
 MANIFEST = "manifest.json"  # a package: format version, sha256 of every file, provenance
 RECIPE_FILE = "recipe.yaml"  # a run directory's resolved recipe
@@ -56,7 +57,7 @@ def is_package(path: Path) -> bool:
 def is_model_dir(path: Path) -> bool:
     """A stage directory (or any directory with a config and consolidated weights)."""
     path = Path(path)
-    return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / INDEX).is_file())
+    return (path / CONFIG).is_file() and any((path / f).is_file() for f in (WEIGHTS, INDEX, SOURCE))
 
 
 def is_run_dir(path: Path) -> bool:

@@ -6,6 +6,7 @@ or the plain-PyTorch reference, on a device or on the meta device) and filled fr
     meta_counts(cfg)                                  # {"total": ..., "active_per_token": ...}, no memory
     teacher = load_frozen("runs/tiny/teacher", ranks) # expert parallel over the ranks, eval mode, no grads
     teacher = load_hf_teacher("/models/OLMoE-1B-7B-0924")  # a Hugging Face checkpoint, its dtype, gates fp32
+    model = load_stage_model("runs/tiny/student")     # one rank, every expert local: what export writes
 
 Training builds with `build_model(..., groups=False)` (deepspeed.initialize makes the expert-parallel
 groups); everything else that runs DeepSpeed's MoE layers outside `deepspeed.initialize` gets them
@@ -80,14 +81,33 @@ def load_frozen(stage_dir: Path, world: int, ep_size: int | None, device: torch.
                 dtype: torch.dtype = torch.float32) -> GPT:
     """A finished stage's model, expert parallel over the `world` ranks (each reads only its own experts),
     on `device` in `dtype` (the MoE gates fp32), in eval mode without gradients: the frozen KD teacher, a loaded
-    teacher.
-    Collective with several ranks."""
+    teacher. Built on the meta device and allocated on `device` directly: no initialisation, no full copy on the
+    host. A stage recording a Hugging Face checkpoint (source.json) reads it in place. Collective with several
+    ranks."""
     from pipeline.weights import load_weights
 
-    model = build_model(read_model_config(stage_dir), world, ep_size)
+    model = _allocated(build_model(read_model_config(stage_dir), world, ep_size, meta=True), dtype, device)
     load_weights(model, stage_dir)
-    # in `dtype` but the gates fp32, as packages keep them and the runtime runs them
-    return cast_keeping_gates(model.to(device=device), dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
+
+
+def load_stage_model(stage_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> GPT:
+    """A finished stage's model on one rank, every expert local (the reference MoE), in `dtype` with fp32 gates, eval
+    mode, no gradients: what export writes out. A stage recording a Hugging Face checkpoint reads it in place."""
+    from pipeline.weights import load_weights
+
+    model = _allocated(build_model(read_model_config(stage_dir), impl="reference", meta=True), dtype, device)
+    load_weights(model, stage_dir)
+    return model.eval().requires_grad_(False)
+
+
+def _allocated(model: GPT, dtype: torch.dtype, device: torch.device | str) -> GPT:
+    """`model` (on the meta device) in `dtype` with fp32 gates, allocated on `device`, not initialised."""
+    cast_keeping_gates(model, dtype)  # on the meta device: free
+    model.to_empty(device=device)  # on the host: allocated, not touched; a page is resident once its tensor is read
+    if model.cfg.tie_embeddings:  # to_empty made the tied head a tensor of its own
+        model.lm_head.weight = model.wte.weight
+    return model
 
 
 def cast_keeping_gates(model: GPT, dtype: torch.dtype) -> GPT:
@@ -101,21 +121,18 @@ def cast_keeping_gates(model: GPT, dtype: torch.dtype) -> GPT:
 
 
 def load_hf_teacher(src: Path, world: int = 1, ep_size: int | None = None, dtype: torch.dtype | None = None,
-                    impl: str | None = None) -> GPT:
+                    impl: str | None = None, device: torch.device | str = "cpu") -> GPT:
     """The checkpoint in `src` as our model, expert parallel over `world` ranks (DeepSpeed's MoE; with one rank
-    and no `impl`, the reference MoE), in `dtype` (default: the checkpoint's) with the gates in fp32, eval mode, no
-    gradients. Built on the meta device and materialised empty: nothing is initialised, each rank allocates only
-    what it holds and fills it tensor by tensor from the files (no second copy). Collective with several ranks."""
+    and no `impl`, the reference MoE), in `dtype` (default: the checkpoint's) with the gates in fp32, on `device`,
+    eval mode, no gradients. Built on the meta device and allocated empty: nothing is initialised, each rank
+    allocates only what it holds and fills it tensor by tensor from the files (no second copy). Collective with
+    several ranks."""
     from pipeline.hf_import import CONFIG, checkpoint_dtype, load_hf_weights, model_config, read_hf_config
 
     raw = read_hf_config(src)
     cfg = model_config(raw, Path(src) / CONFIG)
-    dtype = dtype or checkpoint_dtype(raw)
     impl = impl or ("reference" if world == 1 else "deepspeed")
     model = build_model(cfg, world, ep_size, impl=impl, meta=True, groups=impl == "deepspeed")
-    cast_keeping_gates(model, dtype)  # on the meta device: free
-    model.to_empty(device="cpu")  # allocated, not touched: a page is resident once its tensor is read
-    if cfg.tie_embeddings:  # to_empty made the tied head a tensor of its own
-        model.lm_head.weight = model.wte.weight
+    _allocated(model, dtype or checkpoint_dtype(raw), device)
     load_hf_weights(model, src)
     return model.eval().requires_grad_(False)

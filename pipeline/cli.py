@@ -6,6 +6,7 @@
     moe-pipeline plan recipes/1.3b.yaml --world-size 128 --json
     moe-pipeline plan recipes/tiny.yaml --measure    # candidate students cut from the trained teacher, scored untrained
     moe-pipeline export runs/tiny [--stage teacher] [--dtype bf16] [--out DIR] [--force]
+    moe-pipeline export runs/olmoe-1b-7b-mos --format hf      # an imported teacher's family, the student's depth
     moe-pipeline verify runs/tiny/package
     moe-pipeline serve runs/tiny/package [--port 8000] [--ep-size 2] [--placement predictive] [--api-key-file F]
     moe-pipeline predictor train runs/tiny/package   # the expert-demand predictor for serve --placement predictive
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="package directory (default RUN/package)")
     p.add_argument("--force", action="store_true", help="replace an existing package")
     p.add_argument("--max-shard-size", default="2GB", help="split model.safetensors above this size (HF's layout)")
+    p.add_argument("--format", choices=["package", "hf"], default="package",
+                   help="package: ours (expert-parallel serving, predictor, verify; remote code); hf: the imported "
+                        "teacher's own family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) with the student's depth, for "
+                        "plain transformers, vLLM, SGLang (default out RUN/hf)")
 
     p = sub.add_parser("verify", help="check a package: files, checksums, tensors (exit 1 and a list of problems)")
     p.add_argument("package", type=Path)
@@ -194,14 +199,26 @@ def cmd_export(args) -> int:
     from pipeline.artifacts import read_manifest
 
     src = args.run / args.stage if is_run_dir(args.run) else args.run
-    out = args.out or (args.run / "package" if is_run_dir(args.run) else src.parent / "package")
+    name = "hf" if args.format == "hf" else "package"
+    out = args.out or (args.run / name if is_run_dir(args.run) else src.parent / name)
     try:
-        pkg = export_package(src, out, dtype=args.dtype, force=args.force, max_shard_bytes=parse_size(args.max_shard_size))
+        if args.format == "hf":
+            from export.native import export_native
+
+            pkg = export_native(src, out, args.dtype, args.force, parse_size(args.max_shard_size))
+        else:
+            pkg = export_package(src, out, dtype=args.dtype, force=args.force,
+                                 max_shard_bytes=parse_size(args.max_shard_size))
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 2
     manifest = read_manifest(pkg)
     size = sum(f["size"] for f in manifest["files"].values())
+    if args.format == "hf":
+        config = json.loads((pkg / "config.json").read_text())
+        print(f"[export] {src} -> {pkg}: {config['architectures'][0]}, {config['num_hidden_layers']} layers, "
+              f"{config['torch_dtype']}, {len(manifest['files'])} files, {size / 1e6:.1f} MB")
+        return 0
     print(f"[export] {src} -> {pkg}: {manifest['dtype']}, {manifest['params']['total']:,} parameters "
           f"({manifest['params']['active_per_token']:,} active per token), {len(manifest['files'])} files, "
           f"{size / 1e6:.1f} MB")

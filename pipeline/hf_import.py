@@ -157,34 +157,92 @@ def hf_sources(cfg: ModelConfig, name: str) -> list[str]:
     raise HFImportError(f"{name}: no {cfg.family} tensor maps to it")
 
 
-def checkpoint_names(cfg: ModelConfig) -> set[str]:
-    """Every tensor name a checkpoint of `cfg` has (all experts of every layer)."""
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` has (all experts of every layer), with its shape."""
     from pipeline.weights import unique_params
 
     with torch.device("meta"):
         model = GPT(cfg)
-    return {key for name, _ in unique_params(model) for key in hf_sources(cfg, name)}
+    out = {}
+    for name, p in unique_params(model):
+        keys = hf_sources(cfg, name)
+        for key in keys:
+            out[key] = (p.shape[0] // len(keys), *p.shape[1:])
+    return out
+
+
+def checkpoint_names(cfg: ModelConfig) -> set[str]:
+    """Every tensor name a checkpoint of `cfg` has (all experts of every layer)."""
+    return set(expected_shapes(cfg))
+
+
+def name_map(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our global parameter name -> the checkpoint tensors that make it (a teacher stage records it)."""
+    from pipeline.weights import unique_params
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {name: hf_sources(cfg, name) for name, _ in unique_params(model)}
+
+
+def checkpoint_files(src: Path) -> list[str]:
+    """The files of the checkpoint in `src` that make the model: config.json, the index if sharded, each shard."""
+    from pipeline.weights import weight_files
+
+    where = weight_files(src)
+    index = ["model.safetensors.index.json"] if (Path(src) / "model.safetensors.index.json").is_file() else []
+    return [CONFIG, *index, *sorted(set(where.values()))]
+
+
+def check_checkpoint(src: Path, cfg: ModelConfig) -> None:
+    """The checkpoint in `src` has every tensor `cfg` needs, in its shape, and none it does not account for, read
+    from the safetensors headers alone (no weights): an HFImportError names the first fault."""
+    from pipeline.weights import read_header, weight_files
+
+    src = Path(src)
+    try:
+        where = weight_files(src)
+    except (FileNotFoundError, ValueError) as err:
+        raise HFImportError(f"{src}: {err}") from None
+    want = expected_shapes(cfg)
+    unused = sorted(set(where) - set(want))
+    if unused:  # the config does not describe these weights (a q/k norm, a bias, a shared expert it lacks)
+        raise HFImportError(f"{src}: {len(unused)} tensor(s) that {CONFIG} does not account for, e.g. {unused[0]}: "
+                            f"the config and the weights disagree")
+    missing = sorted(set(want) - set(where))
+    if missing:
+        raise HFImportError(f"{src} lacks {len(missing)} tensor(s) of a {cfg.family} checkpoint, e.g. {missing[0]}: "
+                            f"not a complete checkpoint {_LACKS}")
+    for f in sorted(set(where.values())):
+        try:
+            with open(src / f, "rb") as fh:
+                header, _ = read_header(fh, src / f)
+        except FileNotFoundError:
+            raise HFImportError(f"{src / f}: missing: the index names this shard; copy the whole checkpoint") from None
+        except ValueError as err:
+            raise HFImportError(str(err)) from None
+        for key, info in header.items():
+            if where.get(key) == f and tuple(info["shape"]) != want[key]:
+                raise HFImportError(f"{src / f}: {key} has shape {tuple(info['shape'])}; {CONFIG} makes it "
+                                    f"{want[key]}: the config and the weights disagree")
+
+
+_LACKS = ("with the Hub's tensor names (a shard missing, or saved with save_original_format=False: save it "
+          "again with the default)")
 
 
 def load_hf_weights(model: GPT, src: Path, ep_rank_of=None, files=None) -> None:
     """Fill `model` (built from `model_config` of the same checkpoint, any expert-parallel layout) from the
     checkpoint in `src`, reading only the tensors this rank holds, each into its parameter (or its half of one)."""
     from pipeline.weights import ep_rank_of as default_ep_rank_of
-    from pipeline.weights import fill_tensors, unique_params, weight_files
+    from pipeline.weights import load_weights, weight_files
 
-    ep_rank_of = ep_rank_of or default_ep_rank_of
     unused = sorted(set(weight_files(src, files)) - set(checkpoint_names(model.cfg)))
     if unused:  # the config does not describe these weights (a q/k norm, a bias, a shared expert it lacks)
         raise HFImportError(f"{src}: {len(unused)} tensor(s) that {CONFIG} does not account for, e.g. {unused[0]}: "
                             f"the config and the weights disagree")
-    wanted: dict[str, list[torch.Tensor]] = {}
-    for name, p in unique_params(model):
-        keys = hf_sources(model.cfg, global_name(model, name, ep_rank_of))
-        rows = p.shape[0] // len(keys)
-        for j, key in enumerate(keys):
-            wanted.setdefault(key, []).append(p.data if len(keys) == 1 else p.data.narrow(0, j * rows, rows))
-    fill_tensors(src, wanted, files, lacks=f"not a complete {model.cfg.family} checkpoint with the Hub's tensor names "
-                 "(a shard missing, or saved with save_original_format=False: save it again with the default)")
+    load_weights(model, src, ep_rank_of or default_ep_rank_of, rename=lambda name: hf_sources(model.cfg, name),
+                 files=files, lacks=f"not a complete {model.cfg.family} checkpoint {_LACKS}")
 
 
 def checkpoint_dtype(raw: dict) -> torch.dtype:

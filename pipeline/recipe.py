@@ -58,10 +58,20 @@ class DataSpec(Section):
     train: str | list[str] = "bundled"  # "bundled", "hf:NAME[:CONFIG]", or local .txt/.jsonl/.parquet paths or globs
     text_field: str = "text"  # the text column of .jsonl/.parquet/HF rows
     validation_fraction: float = Field(0.05, gt=0, lt=0.5)  # of whole documents (books, plays)
-    tokenizer: Literal["gpt2", "bpe"] = "bpe"  # GPT-2's BPE, or a byte-level BPE trained on the train split
+    # "gpt2" (GPT-2's BPE), "bpe" (a byte-level BPE trained on the train split), or a directory holding a Hugging
+    # Face tokenizer.json (a checkpoint's tokenizer; the default when teacher.load is a Hugging Face checkpoint)
+    tokenizer: str = "bpe"
     vocab_size: int = Field(8192, ge=260, le=1_000_000)  # bpe only: small, so the output layer doesn't dominate
     seq_len: int = Field(256, ge=8)  # tokens per training sequence; also the model's context (learned positions)
     workers: int | None = Field(None, ge=0)  # processes that tokenize (0: in this one); None: this node's cores, at most 16
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_kind(cls, v: str, info: ValidationInfo) -> str:
+        if v in ("gpt2", "bpe") or (info.context or {}).get("stored") or (Path(v) / "tokenizer.json").is_file():
+            return v
+        raise RecipeError("data.tokenizer", v, "'gpt2', 'bpe', or a directory with a Hugging Face tokenizer.json "
+                          "(a checkpoint's tokenizer files)")
 
 
 class ModelSpec(Section):
@@ -232,6 +242,18 @@ class Recipe(Section):
     distributed: DistributedSpec = DistributedSpec()
     monitor: MonitorSpec = MonitorSpec()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_of_the_teacher(cls, raw: Any) -> Any:
+        """data.tokenizer, when not given and teacher.load is a Hugging Face checkpoint with a tokenizer.json: its."""
+        teacher = raw.get("teacher") if isinstance(raw, dict) else None
+        load = teacher.get("load") if isinstance(teacher, dict) else None
+        data = raw.get("data", {}) if isinstance(raw, dict) else None
+        if isinstance(load, str) and isinstance(data, dict) and "tokenizer" not in data \
+                and (Path(load) / "tokenizer.json").is_file() and _is_hf_checkpoint(Path(load)):
+            raw = {**raw, "data": {**data, "tokenizer": load}}
+        return raw
+
     # -- derived facts, computed from the fields above (never stored twice) --
 
     def hf_teacher(self) -> dict | None:
@@ -298,8 +320,14 @@ class Recipe(Section):
         raw = self.hf_teacher()
         if raw is not None:
             return int(raw["vocab_size"])
-        n = GPT2_VOCAB if self.data.tokenizer == "gpt2" else self.data.vocab_size
+        tok = self.data.tokenizer
+        n = GPT2_VOCAB if tok == "gpt2" else self.data.vocab_size if tok == "bpe" else _tokenizer_size(tok)
         return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    def _teacher_unknown(self) -> bool:
+        """A stored recipe whose Hugging Face teacher is no longer where it was: its cross-checks were made when
+        it ran, and cannot be made again here."""
+        return self.model is None and self.hf_teacher() is None
 
     def _world(self, info: ValidationInfo) -> int:
         """The world size a recipe is checked for: the caller's (context "world_size"), else distributed.nproc."""
@@ -308,9 +336,17 @@ class Recipe(Section):
     # -- rules across sections (each section's own rules are on its class); run in this order --
 
     @model_validator(mode="after")
-    def _teacher_is_described(self) -> Self:
+    def _teacher_is_described(self, info: ValidationInfo) -> Self:
+        stored = (info.context or {}).get("stored")
+        if self.teacher.load and not stored and not Path(self.teacher.load).is_dir():  # a Hub name, say
+            from pipeline.hf_import import HFImportError, read_hf_config
+
+            try:
+                read_hf_config(self.teacher.load)
+            except HFImportError as err:
+                raise RecipeError("teacher.load", self.teacher.load, str(err).split(": ", 1)[1]) from None
         raw = self.hf_teacher()
-        if raw is None and self.model is None:
+        if raw is None and self.model is None and not (self.teacher.load and stored):
             raise RecipeError("model", None, "required: the PR-MoE teacher's shape; it may be left out only when "
                               "teacher.load or teacher.architecture names a Hugging Face checkpoint's config.json")
         if raw is not None and self.model is not None:  # given anyway: it must be the checkpoint's
@@ -328,6 +364,8 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _student_fits_teacher(self) -> Self:
+        if self._teacher_unknown():
+            return self
         s = self.student
         layers, moe, experts, top_k = self.teacher_layout()
         pr_moe = self.hf_teacher() is None
@@ -377,6 +415,8 @@ class Recipe(Section):
         world, ep = self._world(info), self.distributed.ep_size
         if ep is not None and world % ep:
             raise RecipeError("distributed.ep_size", ep, f"must divide the world size ({world})")
+        if self._teacher_unknown():
+            return self
         for key, experts in (("model.experts", self.teacher_layout()[2]), ("student.experts", self.student_experts())):
             for i, e in enumerate(experts):
                 if ep is not None and e % ep:
@@ -420,6 +460,24 @@ def _hf_config(path: str, stamp: int | None, key: str, value: str) -> dict | Non
         return read_config_file(path, "a config.json, e.g. recipes/hf/mixtral.json")
     except HFImportError as err:
         raise RecipeError(key, value, str(err)) from None
+
+
+def _is_hf_checkpoint(path: Path) -> bool:
+    import json
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and "model_type" in raw
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_size(directory: str) -> int:
+    """Entries of the Hugging Face tokenizer in `directory` (added tokens included)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(directory) / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
 
 
 class _Loader(yaml.SafeLoader):
@@ -486,10 +544,11 @@ def load_recipe(path: str | Path, overrides: list[str] = (), world_size: int | N
     return validate(raw, world_size)
 
 
-def validate(raw: dict, world_size: int | None = None) -> Recipe:
-    """A recipe from a parsed mapping, checked for `world_size` ranks (None: its distributed.nproc)."""
+def validate(raw: dict, world_size: int | None = None, stored: bool = False) -> Recipe:
+    """A recipe from a parsed mapping, checked for `world_size` ranks (None: its distributed.nproc). `stored`: one
+    a run or package stored, whose Hugging Face teacher and tokenizer directories may be gone by now."""
     try:
-        return Recipe.model_validate(raw, context={"world_size": world_size})
+        return Recipe.model_validate(raw, context={"world_size": world_size, "stored": stored})
     except ValidationError as err:
         raise _first_error(err) from None
 
@@ -502,7 +561,7 @@ def validate_stored(raw: dict) -> Recipe:
     stop = kd.get("stop_at") if isinstance(kd, dict) else None
     if isinstance(stop, float) and 0 < stop <= 1:
         raw = {**raw, "kd": {**kd, "stop_at": f"{stop * 100:g}%"}}
-    return validate(raw)
+    return validate(raw, stored=True)
 
 
 def load_stored_recipe(path: str | Path) -> Recipe:

@@ -2,9 +2,12 @@
 
     moe-pipeline teacher recipes/tiny.yaml             # 1 rank
     moe-pipeline teacher recipes/tiny.yaml --nproc 2   # 2 ranks, expert parallel, via the DeepSpeed launcher
+    moe-pipeline teacher recipes/olmoe-mos.yaml --set teacher.load=/models/OLMoE-1B-7B-0924   # a Hugging Face one
 
 The finished directory describes itself: `config.json` (the model), `model.safetensors` (global
-expert ids), `tokenizer/`, `checkpoints/` (DeepSpeed's, resumable) and `DONE.json`.
+expert ids), `tokenizer/`, `checkpoints/` (DeepSpeed's, resumable) and `DONE.json`. For a Hugging Face
+teacher (pipeline/hf_import.py) nothing is trained or copied: `source.json` records the checkpoint's
+directory, its files' sha256 and the name map, and every later load reads the checkpoint through it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from pipeline import data as data_lib
 from pipeline.artifacts import CONFIG, INDEX, TOKENIZER, WEIGHTS, atomic_write_text, cache_root, read_model_config
 from pipeline import dist
 from pipeline.dist import Ranks, barrier
-from pipeline.build import build_model, load_frozen, meta_counts, teacher_config
+from pipeline.artifacts import DTYPES
+from pipeline.build import build_model, load_frozen, load_hf_teacher, meta_counts, teacher_config
 from pipeline.model import ModelConfig, init_weights
 from pipeline.recipe import Recipe, RecipeError
 from pipeline.runs import RunDir, check_world_size
@@ -62,8 +66,15 @@ def check_loadable(recipe: Recipe, src: Path) -> ModelConfig:
     try:
         loaded = read_model_config(src)
     except FileNotFoundError:
+        if not src.is_dir():  # a Hub name, say: read_hf_config says what to do
+            from pipeline.hf_import import HFImportError, read_hf_config
+
+            try:
+                read_hf_config(src)
+            except HFImportError as err:
+                raise RecipeError("teacher.load", str(src), str(err)) from None
         raise RecipeError("teacher.load", str(src), "a teacher directory with config.json, model.safetensors and "
-                          "tokenizer/ (one made by `moe-pipeline teacher`)") from None
+                          "tokenizer/ (one made by `moe-pipeline teacher`), or a Hugging Face checkpoint") from None
     want = teacher_config(recipe)
     diff = [f"{k} {getattr(loaded, k)} (recipe: {getattr(want, k)})" for k in ARCHITECTURE
             if getattr(loaded, k) != getattr(want, k)]
@@ -71,6 +82,28 @@ def check_loadable(recipe: Recipe, src: Path) -> ModelConfig:
         raise RecipeError("teacher.load", str(src), "a teacher matching the recipe's model and data; it differs in "
                           + ", ".join(diff) + ": set model.* / data.* to the teacher's values")
     return loaded
+
+
+def check_hf_loadable(recipe: Recipe, src: Path) -> ModelConfig:
+    """The config of the Hugging Face checkpoint `teacher.load` names, its files checked against it from their
+    headers alone (every tensor there, in its shape, none unaccounted for); else a RecipeError."""
+    from pipeline.hf_import import HFImportError, check_checkpoint, model_config
+
+    try:
+        cfg = model_config(recipe.hf_teacher(), src / CONFIG)
+        check_checkpoint(src, cfg)
+    except HFImportError as err:
+        raise RecipeError("teacher.load", str(src), str(err)) from None
+    return cfg
+
+
+def check_hf_tokenizer(recipe: Recipe, src: Path, prepared: data_lib.PreparedData) -> None:
+    """The data's tokenizer is the checkpoint's (when it ships one): the teacher's logits index its vocabulary."""
+    if not (src / "tokenizer.json").is_file():
+        return  # none shipped: data.tokenizer is the user's word (and its size fits the embedding, `prepare`)
+    if data_lib.checkpoint_tokenizer(src).get_vocab() != prepared.tokenizer.get_vocab():
+        raise RecipeError("data.tokenizer", recipe.data.tokenizer, f"the teacher's own tokenizer ({src}): leave "
+                          "data.tokenizer out (it defaults to the teacher's) or point it there")
 
 
 def check_hardware(recipe: Recipe) -> None:
@@ -91,15 +124,17 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
             print(f"[teacher] already done: {run.stage(STAGE)} (pass --redo to train again)", flush=True)
         return run.stage(STAGE)
     check_hardware(recipe)
-    if recipe.hf_teacher() is not None:  # refused before anything is written
-        key = "teacher.load" if recipe.teacher.load else "teacher.architecture"
-        raise RecipeError(key, recipe.teacher.load or recipe.teacher.architecture,
-                          "a Hugging Face teacher is read by `moe-pipeline plan` and pipeline/hf_import.py so far; "
-                          "the teacher and distill stages on it are not built yet (issue 17)")
+    hf = recipe.hf_teacher() is not None
+    if hf and not recipe.teacher.load:  # refused before anything is written
+        raise RecipeError("teacher.architecture", recipe.teacher.architecture, "a shape for `plan` and the recipe's "
+                          "checks only: set teacher.load to a checkpoint of this architecture (a Hugging Face-family "
+                          "teacher is imported, not trained here)")
     src = Path(recipe.teacher.load) if recipe.teacher.load else None
-    cfg = check_loadable(recipe, src) if src else teacher_config(recipe)
+    cfg = check_hf_loadable(recipe, src) if hf else check_loadable(recipe, src) if src else teacher_config(recipe)
     prepared = prepare(recipe, ranks)  # data errors stop us here, before anything is written
-    if src and data_lib.load_tokenizer(src / TOKENIZER).get_vocab() != prepared.tokenizer.get_vocab():
+    if hf:
+        check_hf_tokenizer(recipe, src, prepared)
+    elif src and data_lib.load_tokenizer(src / TOKENIZER).get_vocab() != prepared.tokenizer.get_vocab():
         raise RecipeError("teacher.load", str(src), "a teacher whose tokenizer is the one data.* builds "
                           "(same data.tokenizer, data.vocab_size and data.train as when it was trained)")
     if ranks.rank == 0:
@@ -111,7 +146,19 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
     val = data_lib.PackedTokens(prepared.val, recipe.data.seq_len, prepared.eod_id)
     info: dict = {"inputs": {"recipe_sha256": run.recipe_sha256(), "data_cache": prepared.cache_dir.name}}
 
-    if src:
+    if hf:  # nothing trained or copied: the checkpoint is read where it is
+        model = load_hf_teacher(src, ranks.world, recipe.distributed.ep_size, DTYPES[recipe.teacher.train.precision],
+                                device=dist.device())
+        summary = {"loaded_from": str(src.resolve()), "format": cfg.family,
+                   "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
+                                        recipe.teacher.train.micro_batch_size, ranks)}
+        if ranks.rank == 0:
+            from pipeline.hf_import import checkpoint_files, name_map
+            from pipeline.weights import write_source
+
+            write_source(work, src, checkpoint_files(src), name_map(cfg), {"format": "huggingface",
+                                                                            "model_type": cfg.family})
+    elif src:
         model = load_frozen(src, ranks.world, recipe.distributed.ep_size, dist.device())
         summary = {"loaded_from": str(src.resolve()),
                    "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,

@@ -7,6 +7,10 @@ rank plus `model.safetensors.index.json` (Hugging Face's sharded layout). `load_
 model of any layout, reading only the tensors that rank owns, each straight from the file (no mmap).
 Given what verification saw of a package's files (`files`, export/package.py), it reads only files
 the index may name and that are unchanged since (else a FileChangedError names the file).
+
+A stage directory may instead hold `source.json`: its weights are another checkpoint's (a Hugging Face teacher,
+pipeline/hf_import.py), read in place through the name map it records (our global name -> the checkpoint's
+tensors), after checking the files are the ones whose sha256 it recorded. Nothing is copied.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.artifacts import (INDEX, WEIGHTS, FileChangedError, FileFacts, atomic_write_text, check_unchanged,
+from pipeline.artifacts import (INDEX, SOURCE, WEIGHTS, FileChangedError, FileFacts, atomic_write_text, check_unchanged,
                                  file_name_problem, open_regular)
 from pipeline.dist import barrier
 from pipeline.model import GPT, global_name, split_expert_key
@@ -163,7 +167,7 @@ def index_weight_map(raw: bytes, path: Path, files: dict[str, FileFacts] | None 
 
 
 def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None,
-                 files: dict[str, FileFacts] | None = None) -> None:
+                 files: dict[str, FileFacts] | None = None, lacks: str | None = None) -> None:
     """Fill `model` (any expert-parallel layout) from consolidated weights, reading only its own tensors.
 
     `rename` maps a global parameter name of `model` to the name it has in `src` (a student takes
@@ -174,12 +178,77 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None,
     its experts, distill/student.py). `files`: what verification saw of a
     package's files (export/package.py); a file that differs from it, before or after its tensors are
     read, is refused (FileChangedError). Without it, a file that changes while it is read is refused.
+    `rename` may give several stored names for one parameter: they fill equal slices of it along dim 0, in
+    order (a Hugging Face gate and up projection make our SwiGLU fc1). A stage directory with `source.json`
+    is read from the checkpoint it records, through its name map.
     """
     rename = rename or (lambda name: name)
+    src = Path(src)
+    if files is None and (src / SOURCE).is_file():
+        src, name_map = read_source(src)
+        inner = rename
+        rename = lambda name: _mapped(name_map, inner(name), src)
     wanted: dict[str, list[torch.Tensor]] = {}  # stored name -> the parameters it fills (a tied, sliced head: 2)
     for name, p in unique_params(model):
-        wanted.setdefault(rename(global_name(model, name, ep_rank_of)), []).append(p)
-    fill_tensors(src, wanted, files)
+        keys = rename(global_name(model, name, ep_rank_of))
+        if isinstance(keys, str):
+            wanted.setdefault(keys, []).append(p)
+            continue
+        if len(keys) > 1 and (hasattr(p, "shard") or hasattr(p, "pick")):
+            raise ValueError(f"{name}: made of {len(keys)} stored tensors, which cannot be read sliced or picked")
+        rows = p.shape[0] // len(keys)
+        for j, key in enumerate(keys):
+            wanted.setdefault(key, []).append(p if len(keys) == 1 else p.data.narrow(0, j * rows, rows))
+    fill_tensors(src, wanted, files, **({"lacks": lacks} if lacks else {}))
+
+
+def _mapped(name_map: dict[str, list[str]], name: str, src: Path) -> list[str]:
+    if name not in name_map:
+        raise ValueError(f"{SOURCE}'s name map has no entry for {name}: the model is not the recorded checkpoint's "
+                         f"({src}); run the teacher stage again (--redo)")
+    return name_map[name]
+
+
+def read_source(stage_dir: Path) -> tuple[Path, dict[str, list[str]]]:
+    """(the checkpoint directory, the name map) that `stage_dir/source.json` records, after checking each recorded
+    file is still there with its size, and, if its modification time moved, its sha256 (a ValueError names the
+    file and the fix)."""
+    from pipeline.artifacts import sha256_file
+
+    record = json.loads((Path(stage_dir) / SOURCE).read_text())
+    src = Path(record["path"])
+    for name, facts in record["files"].items():
+        path = src / name
+        redo = (f"the teacher stage ({stage_dir}) recorded it from {src}; restore the checkpoint or run the teacher "
+                "stage again with --redo")
+        try:
+            st = path.stat()
+        except OSError:
+            raise ValueError(f"{path}: missing: {redo}") from None
+        if st.st_size != facts["size"]:
+            raise ValueError(f"{path}: {st.st_size} bytes, {facts['size']} when recorded: {redo}")
+        if st.st_mtime_ns != facts["mtime_ns"] and sha256_file(path) != facts["sha256"]:
+            raise ValueError(f"{path}: its sha256 is not the one recorded: {redo}")
+    return src, record["name_map"]
+
+
+def write_source(stage_dir: Path, src: Path, names: list[str], name_map: dict[str, list[str]], info: dict) -> None:
+    """Record in `stage_dir/source.json` that its weights are the checkpoint in `src`: `names` (its files) with
+    their sizes, modification times and sha256 (progress shown), the name map, and `info`."""
+    from tqdm import tqdm
+
+    from pipeline.artifacts import atomic_write_text, sha256_file
+
+    src = Path(src).resolve()
+    files = {}
+    with tqdm(total=sum((src / n).stat().st_size for n in names), desc="sha256 of the teacher's files", unit="B",
+              unit_scale=True) as bar:
+        for n in names:
+            st = (src / n).stat()
+            files[n] = {"sha256": sha256_file(src / n), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+            bar.update(st.st_size)
+    atomic_write_text(Path(stage_dir) / SOURCE, json.dumps({**info, "path": str(src), "files": files,
+                                                             "name_map": name_map}, indent=1))
 
 
 def fill_tensors(src: Path, wanted: dict[str, list[torch.Tensor]], files: dict[str, FileFacts] | None = None,

@@ -15,38 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 128}
-
-
-def family_model(family: str, **kw):
-    """A small random Hugging Face model of `family` (fp32, eval)."""
-    T = transformers
-    if family == "mixtral":
-        cfg = T.MixtralConfig(**COMMON, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **kw)
-        cls = T.MixtralForCausalLM
-    elif family == "qwen2_moe":  # layer 0 dense; a shared expert with its sigmoid gate; unnormalised top-k
-        cfg = T.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-                               mlp_only_layers=[0], **kw)
-        cls = T.Qwen2MoeForCausalLM
-    elif family == "qwen3_moe":  # per-head q/k norm; head_dim 32 != 64 / 4; MoE on layers 1 (sparse step 2)
-        cfg = T.Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-                               num_experts_per_tok=2, head_dim=32, norm_topk_prob=True, decoder_sparse_step=2, **kw)
-        cls = T.Qwen3MoeForCausalLM
-    else:  # olmoe: q/k norm over the whole projection; unnormalised top-k
-        cfg = T.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, num_experts_per_tok=2, eos_token_id=0,
-                            pad_token_id=1, **kw)
-        cls = T.OlmoeForCausalLM
-    torch.manual_seed(0)
-    model = cls(cfg).float().eval()
-    with torch.no_grad():  # routers and norms away from their initial values, so that they matter
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith("gate.weight"):
-                p.normal_(0, 0.5)
-    return model
+from hf_checkpoints import family_model  # noqa: E402  (small random checkpoints of each family)
 
 
 def imported(src):

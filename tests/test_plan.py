@@ -145,9 +145,9 @@ def test_a_hugging_face_teacher_and_a_model_section_must_agree():
         load_recipe(ROOT / "recipes" / "1.3b.yaml", [*base, "model=null", "data.seq_len=8192"], world_size=8)
 
 
-def test_the_teacher_stage_refuses_a_hugging_face_teacher_before_writing_anything(tmp_path):
+def test_the_teacher_stage_refuses_an_architecture_without_weights_before_writing_anything(tmp_path):
     proc = cli("teacher", "recipes/tiny.yaml", "--run-dir", str(tmp_path / "run"), "--set",
                "teacher.architecture=recipes/hf/olmoe.json", "--set", "model=null", "--set", "student.layers=14",
                check=False)
-    assert proc.returncode == 2 and "teacher.architecture" in proc.stderr and "not built yet" in proc.stderr
+    assert proc.returncode == 2 and "teacher.architecture" in proc.stderr and "set teacher.load" in proc.stderr
     assert not (tmp_path / "run").exists()

@@ -36,7 +36,8 @@ def test_recipes_folder_has_the_three_recipes():
 def test_every_shipped_recipe_loads_builds_its_deepspeed_config_and_plans(path, world, capsys, monkeypatch):
     recipe = load_recipe(path, world_size=world)
     assert recipe.name == path.stem
-    assert len(recipe.model.experts) == recipe.model.layers // recipe.model.moe_every
+    layers, moe_layers, experts, _ = recipe.teacher_layout()
+    assert len(experts) == len(moe_layers) and (recipe.model is None) == (recipe.hf_teacher() is not None)
     for train in (recipe.teacher.train, recipe.student.train):
         ds = json.loads(json.dumps(deepspeed_config(train, world)))  # plain JSON, as DeepSpeed reads it
         assert ds["train_batch_size"] == train.global_batch_size
@@ -51,8 +52,41 @@ def test_every_shipped_recipe_loads_builds_its_deepspeed_config_and_plans(path, 
     teacher, student = plan["teacher"], plan["student"]
     assert 0 < student["params_total"] < teacher["params_total"]
     assert 0 < student["params_active_per_token"] <= teacher["params_active_per_token"]
-    assert (teacher["layers"], student["layers"]) == (recipe.model.layers, recipe.student.layers)
+    assert (teacher["layers"], student["layers"]) == (layers, recipe.student.layers)
     assert student["experts"] == recipe.student_experts()
+
+
+FAMILY_RECIPES = {"mixtral-8x7b-mos": ("mixtral", 32, 28), "qwen1.5-moe-a2.7b-mos": ("qwen2_moe", 24, 21),
+                  "qwen3-30b-a3b-mos": ("qwen3_moe", 48, 42), "olmoe-1b-7b-mos": ("olmoe", 16, 14)}
+
+
+def test_a_recipe_per_hugging_face_family_drops_an_eighth_of_the_layers_and_takes_the_teachers_tokenizer(tmp_path):
+    """Each names its published architecture (plan and these checks, no weights), leaves data.tokenizer to default
+    to the checkpoint's once teacher.load is set, and keeps 7/8 of the layers (the paper's 24 -> 21)."""
+    import shutil
+
+    from pipeline.recipe import load_stored_recipe
+
+    for name, (family, teacher_layers, student_layers) in FAMILY_RECIPES.items():
+        r = load_recipe(ROOT / "recipes" / f"{name}.yaml", world_size=64)
+        assert r.teacher.architecture == f"recipes/hf/{family}.json" and r.teacher.load is None and r.model is None
+        assert r.hf_teacher()["model_type"] == family
+        assert (r.teacher_layout()[0], r.student.layers) == (teacher_layers, student_layers)
+        assert r.data.tokenizer == "bpe" and r.student.train.precision == "bf16"
+    # teacher.load set: its tokenizer is the data's; a recipe stored by a run still loads once the checkpoint is gone
+    ckpt = tmp_path / "olmoe"
+    ckpt.mkdir()
+    shutil.copy(ROOT / "recipes" / "hf" / "olmoe.json", ckpt / "config.json")
+    (ckpt / "tokenizer.json").write_text("{}")
+    r = load_recipe(ROOT / "recipes" / "olmoe-1b-7b-mos.yaml", [f"teacher.load={ckpt}"], world_size=64)
+    assert r.data.tokenizer == str(ckpt) and r.hf_teacher()["model_type"] == "olmoe"
+    assert load_recipe(ROOT / "recipes" / "olmoe-1b-7b-mos.yaml", [f"teacher.load={ckpt}", "data.tokenizer=gpt2"],
+                       world_size=64).data.tokenizer == "gpt2"
+    (tmp_path / "recipe.yaml").write_text(dump_recipe(r))
+    shutil.rmtree(ckpt)
+    assert load_stored_recipe(tmp_path / "recipe.yaml").data.tokenizer == str(ckpt)
+    with pytest.raises(RecipeError, match="data.tokenizer = .*a directory with a Hugging Face tokenizer.json"):
+        load_recipe(ROOT / "recipes" / "tiny.yaml", [f"data.tokenizer={ckpt}"])
 
 
 def test_paper_recipes_follow_the_paper():

@@ -1,0 +1,71 @@
+"""Small random Hugging Face MoE checkpoints of each supported family, made offline with transformers' own config and
+model classes (`save_pretrained`: the Hub's tensor names), for tests/test_hf_import.py, tests/test_hf_distill.py
+and benchmarks/hf_parity.py. `make_checkpoints` adds a byte-level BPE tokenizer trained on a few bundled documents
+(saved beside each checkpoint, as a downloaded one's) and those documents as a .txt corpus.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+import transformers
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+VOCAB = 512  # make_checkpoints' tokenizer and models
+
+COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 128}
+
+
+def family_model(family: str, **kw):
+    """A small random Hugging Face model of `family` (fp32, eval)."""
+    T = transformers
+    if family == "mixtral":
+        cfg, cls = dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2), T.MixtralConfig
+    elif family == "qwen2_moe":  # layer 0 dense; a shared expert with its sigmoid gate; unnormalised top-k
+        cfg, cls = dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                        num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0]), T.Qwen2MoeConfig
+    elif family == "qwen3_moe":  # per-head q/k norm; head_dim 32 != 64 / 4; MoE on layers 1 (sparse step 2)
+        cfg, cls = dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                        head_dim=32, norm_topk_prob=True, decoder_sparse_step=2), T.Qwen3MoeConfig
+    else:  # olmoe: q/k norm over the whole projection; unnormalised top-k
+        cfg, cls = dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2, eos_token_id=0,
+                        pad_token_id=1), T.OlmoeConfig
+    cfg = cls(**{**COMMON, **cfg, **kw})
+    cls = getattr(T, cls.__name__.replace("Config", "ForCausalLM"))
+    torch.manual_seed(0)
+    model = cls(cfg).float().eval()
+    with torch.no_grad():  # routers and norms away from their initial values, so that they matter
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("gate.weight"):
+                p.normal_(0, 0.5)
+    return model
+
+
+
+def make_checkpoints(root: Path, families=FAMILIES) -> dict[str, Path | str]:
+    """{family: checkpoint dir with a VOCAB-entry tokenizer}, and "corpus": a glob of the 20 .txt documents."""
+    from pipeline import data as data_lib
+
+    class Bundled:  # the data section's fields that iter_documents reads
+        train, text_field = "bundled", "text"
+
+    root = Path(root)
+    docs = [data_lib.Document(d.id, d.text[:6000])
+            for d in itertools.islice(data_lib.iter_documents(Bundled), 0, 200, 5)][:20]
+    (root / "corpus").mkdir(parents=True, exist_ok=True)
+    for i, d in enumerate(docs):
+        (root / "corpus" / f"doc{i:02d}.txt").write_text(d.text)
+    tok = data_lib.train_bpe_tokenizer(docs, VOCAB, 32)
+    out: dict[str, Path | str] = {}
+    for family in families:
+        model = family_model(family, vocab_size=VOCAB, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+        model.save_pretrained(root / family)
+        tok.save_pretrained(str(root / family))
+        out[family] = root / family
+    out["corpus"] = f"[{root / 'corpus'}/*.txt]"
+    return out

@@ -1,0 +1,192 @@
+"""Hugging Face teachers through the stages: `moe-pipeline distill` on a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE
+checkpoint, then `export --format hf` back into the family, loaded by plain transformers.
+
+The checkpoints are made here, offline (tests/hf_checkpoints.py): small random models of transformers' own classes,
+`save_pretrained`, with a byte-level BPE tokenizer trained on a few bundled documents saved beside them (the
+checkpoint's tokenizer, which `data.tokenizer` defaults to). The corpus is those documents as .txt files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, child_env, cli, sets
+from hf_checkpoints import VOCAB
+
+transformers = pytest.importorskip("transformers")
+
+RECIPES = {"mixtral": "recipes/mixtral-8x7b-mos.yaml", "qwen2_moe": "recipes/qwen1.5-moe-a2.7b-mos.yaml",
+           "qwen3_moe": "recipes/qwen3-30b-a3b-mos.yaml", "olmoe": "recipes/olmoe-1b-7b-mos.yaml"}
+
+# the family recipes, cut to seconds: 3-layer teachers -> 2-layer students, fp32, 1 rank
+SMALL = ["data.seq_len=32", "data.validation_fraction=0.2", "student.layers=2", "student.train.steps=6",
+         "student.train.micro_batch_size=2", "student.train.global_batch_size=4", "student.train.warmup_steps=1",
+         "student.train.log_every=2", "student.train.eval_every=6", "student.train.checkpoint_every=2",
+         "student.train.eval_batches=2", "student.train.precision=fp32", "student.train.zero_stage=0",
+         "teacher.train.precision=fp32", "teacher.train.eval_batches=2", "teacher.train.micro_batch_size=2",
+         "teacher.train.global_batch_size=2", "distributed.nproc=1", "distributed.ep_size=null", "kd.stop_at=50%"]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """{family: checkpoint dir}, and the corpus glob, for the session."""
+    from hf_checkpoints import make_checkpoints
+
+    return make_checkpoints(tmp_path_factory.mktemp("hf_teachers"))
+
+
+def family_sets(checkpoints, family, *more):
+    return sets(f"teacher.load={checkpoints[family]}", f"data.train={checkpoints['corpus']}", *SMALL, *more)
+
+
+def student_logits(stage, ids):
+    from pipeline.build import load_stage_model
+
+    with torch.no_grad():
+        return load_stage_model(stage)(ids).logits
+
+
+def main(*args: str) -> tuple[int, str]:
+    """`moe-pipeline ARGS` in this process (the CLI's own entry point): (exit status, what it printed to stderr)."""
+    import contextlib
+    import io
+
+    from pipeline.cli import main as cli_main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli_main(list(args))
+    return rc, err.getvalue()
+
+
+def check_native_export(run, family):
+    """`export RUN --format hf`: the family's class with the student's 2 layers and its logits."""
+    assert main("export", str(run), "--format", "hf")[0] == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(run / "hf", dtype=torch.float32).eval()
+    assert type(loaded).__name__ == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                     "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
+    assert loaded.config.num_hidden_layers == 2
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (loaded(ids).logits - student_logits(run / "student", ids)).abs().max().item()
+    assert diff < 1e-4, f"{family}: max |logit diff| of the native export {diff}"
+    tok = transformers.AutoTokenizer.from_pretrained(run / "hf")
+    assert tok.eos_token == "<|endoftext|>" and len(tok) == VOCAB
+    manifest = json.loads((run / "hf" / "manifest.json").read_text())
+    assert manifest["format"] == f"hf-{family}" and "model.safetensors" in manifest["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, nproc", [("mixtral", 1), ("qwen3_moe", 1), ("olmoe", 2)])
+def test_distill_on_a_hugging_face_teacher_then_export_it_in_its_family(family, nproc, checkpoints, tmp_path):
+    """OLMoE at 2 ranks: teacher and student expert parallel (EP 2), its unnormalised top-k inside DeepSpeed's MoE."""
+    run = tmp_path / family
+    more = ["distributed.nproc=2", "distributed.ep_size=2", "teacher.train.global_batch_size=4"] if nproc == 2 else []
+    cli("distill", RECIPES[family], "--run-dir", str(run), *family_sets(checkpoints, family, *more))
+    teacher = run / "teacher"
+    # nothing copied: the teacher stage records the checkpoint, its files' sha256 and the name map
+    assert not list(teacher.glob("*.safetensors"))
+    source = json.loads((teacher / "source.json").read_text())
+    assert source["path"] == str(checkpoints[family]) and source["model_type"] == family
+    for name, facts in source["files"].items():
+        assert facts["sha256"] == hashlib.sha256((checkpoints[family] / name).read_bytes()).hexdigest()
+    assert "model.embed_tokens.weight" in source["name_map"]["wte.weight"]
+    recipe = (run / "recipe.yaml").read_text()
+    assert f"tokenizer: {checkpoints[family]}" in recipe  # data.tokenizer defaulted to the teacher's
+    done = json.loads((run / "student" / "DONE.json").read_text())
+    assert len(done["kept_teacher_layers"]) == 2 and done["world_size"] == nproc
+    check_native_export(run, family)
+
+
+@pytest.mark.slow
+def test_a_qwen2_moe_distill_resumes_after_sigkill_to_the_same_weights(checkpoints, tmp_path):
+    """A shared expert, a dense layer and unnormalised top-k: killed mid-student, resumed, the same weights as an
+    uninterrupted run; exported in its family."""
+    from safetensors.torch import load_file
+
+    more = family_sets(checkpoints, "qwen2_moe")
+    straight = tmp_path / "straight"
+    cli("distill", RECIPES["qwen2_moe"], "--run-dir", str(straight), *more)
+    killed = tmp_path / "killed"
+    args = [sys.executable, "-m", "pipeline.cli", "distill", RECIPES["qwen2_moe"], "--run-dir", str(killed), *more]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+    latest = killed / "student.partial" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "student").exists()
+    out = cli("distill", RECIPES["qwen2_moe"], "--run-dir", str(killed), *more)
+    assert "resumed from" in out.stdout + out.stderr
+    resumed, uninterrupted = load_file(killed / "student" / "model.safetensors"), load_file(straight / "student" / "model.safetensors")
+    assert resumed.keys() == uninterrupted.keys()
+    for k in uninterrupted:
+        assert torch.equal(resumed[k], uninterrupted[k]), f"{k} differs after resume"
+    check_native_export(straight, "qwen2_moe")
+
+
+def _corrupt(checkpoints, tmp_path, name, change):
+    """A copy of the mixtral checkpoint with `change(dir)` applied."""
+    bad = tmp_path / name
+    shutil.copytree(checkpoints["mixtral"], bad)
+    change(bad)
+    return bad
+
+
+def _refused(checkpoints, src, tmp_path, *more):
+    run = tmp_path / f"run-{getattr(src, 'name', 'hub')}"
+    rc, err = main("teacher", RECIPES["mixtral"], "--run-dir", str(run),
+                   *sets(f"teacher.load={src}", f"data.train={checkpoints['corpus']}", *SMALL, *more))
+    assert rc == 2, err[-2000:]
+    assert not run.exists(), "a refused teacher wrote its run directory"
+    return err
+
+
+def test_bad_hugging_face_teachers_exit_2_naming_the_fault_and_write_nothing(checkpoints, tmp_path):
+    from hf_checkpoints import family_model
+
+    def llama(d):
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+
+    err = _refused(checkpoints, _corrupt(checkpoints, tmp_path, "llama", llama), tmp_path)
+    assert "model_type 'llama' is not supported; supported families: mixtral, qwen2_moe, qwen3_moe, olmoe" in err
+
+    def sharded_minus_one(d):
+        (d / "model.safetensors").unlink()
+        family_model("mixtral", vocab_size=VOCAB).save_pretrained(d, max_shard_size="100KB")
+        index = json.loads((d / "model.safetensors.index.json").read_text())
+        (d / sorted(set(index["weight_map"].values()))[-1]).unlink()
+
+    err = _refused(checkpoints, _corrupt(checkpoints, tmp_path, "shard", sharded_minus_one), tmp_path)
+    assert "missing: the index names this shard" in err and "teacher.load" in err
+
+    def wider(d):
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+
+    err = _refused(checkpoints, _corrupt(checkpoints, tmp_path, "shape", wider), tmp_path)
+    assert "has shape (96, 64); config.json makes it (128, 64)" in err
+
+    err = _refused(checkpoints, "mistralai/Mixtral-8x7B-v0.1", tmp_path)
+    assert "nothing is downloaded here" in err and "huggingface-cli download" in err
+
+    err = _refused(checkpoints, checkpoints["mixtral"], tmp_path, "data.tokenizer=bpe", "data.vocab_size=300")
+    assert "data.tokenizer" in err and "the teacher's own tokenizer" in err
+
+
+def test_export_format_hf_of_a_pr_moe_run_exits_2_naming_our_package(small_run, tmp_path):
+    rc, err = main("export", str(small_run), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert rc == 2 and "our package" in err and "pr-moe" in err
+    assert not (tmp_path / "hf").exists()
