@@ -27,15 +27,6 @@ from common import ROOT, child_env, cli_command
 sys.path.insert(1, str(ROOT))
 sys.path.insert(2, str(ROOT / "tests"))
 
-RECIPES = {"mixtral": "recipes/mixtral-8x7b-mos.yaml", "qwen2_moe": "recipes/qwen1.5-moe-a2.7b-mos.yaml",
-           "qwen3_moe": "recipes/qwen3-30b-a3b-mos.yaml", "olmoe": "recipes/olmoe-1b-7b-mos.yaml"}
-# the family recipes cut to seconds (3-layer teachers -> 2-layer students, fp32, 1 rank)
-SMALL = ["data.seq_len=32", "data.validation_fraction=0.2", "student.layers=2", "student.train.steps=6",
-         "student.train.micro_batch_size=2", "student.train.global_batch_size=4", "student.train.warmup_steps=1",
-         "student.train.eval_every=6", "student.train.checkpoint_every=6", "student.train.eval_batches=2",
-         "student.train.precision=fp32", "student.train.zero_stage=0", "teacher.train.precision=fp32",
-         "teacher.train.eval_batches=2", "teacher.train.micro_batch_size=2", "teacher.train.global_batch_size=2",
-         "distributed.nproc=1", "distributed.ep_size=null"]
 COLUMNS = ("teacher import", "EP 1 vs EP 2", "student native export")
 
 
@@ -49,7 +40,7 @@ def measure(work: Path) -> dict[str, dict[str, float]]:
     import torch
     import transformers
 
-    from hf_checkpoints import FAMILIES, VOCAB, make_checkpoints
+    from hf_checkpoints import FAMILIES, RECIPES, SMALL, VOCAB, make_checkpoints
     from pipeline.build import load_hf_teacher, load_stage_model
     from pipeline.dist import free_port
 

@@ -78,11 +78,16 @@ def plan(recipe: Recipe, world: int) -> dict:
     method = "paper" if recipe.student.layer_selection == "importance" else recipe.student.layer_selection
     kept = select_layers(teacher, recipe.student.layers, recipe.moe_layer_count(recipe.student.layers), method)
     imported = recipe.hf_teacher() is not None  # frozen: weights in the student's precision
+    student = describe(student_config(teacher, kept, recipe.student.experts), recipe.student.train, world, ep,
+                       seq_len=recipe.data.seq_len)
+    # distillation holds the frozen teacher (weights only, the student's precision) on the same ranks
+    frozen = memory_per_rank(teacher, [default_ep_size(e, world, ep) for e in teacher.experts], recipe.student.train,
+                             world, frozen=True)
+    student["memory_per_rank_with_teacher_bytes"] = student["memory_per_rank_bytes"] + frozen["total"]
     return {
         "teacher": describe(teacher, recipe.student.train if imported else recipe.teacher.train, world, ep, imported,
                             recipe.data.seq_len),
-        "student": describe(student_config(teacher, kept, recipe.student.experts), recipe.student.train, world, ep,
-                            seq_len=recipe.data.seq_len),
+        "student": student,
     }
 
 
@@ -94,4 +99,7 @@ def format_plan(result: dict, world: int) -> str:
         lines.append(f"  memory per rank {d['memory_per_rank_bytes'] / 2**30:.1f} GiB "
                      + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in d["memory_per_rank_breakdown"].items())
                      + f"; {d['tokens_per_step']:,} tokens a step x {d['total_steps']:,} steps")
+        if "memory_per_rank_with_teacher_bytes" in d:
+            lines.append(f"  with the frozen KD teacher on the same ranks: "
+                         f"{d['memory_per_rank_with_teacher_bytes'] / 2**30:.1f} GiB per rank")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.model import GPT, ModelConfig, global_name
+from pipeline.model import GPT, ModelConfig
 
 SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 CONFIG = "config.json"

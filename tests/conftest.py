@@ -77,6 +77,23 @@ def cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.Comp
     return proc
 
 
+def killed_at_checkpoint(*args: str, latest: Path) -> None:
+    """Run `moe-pipeline ARGS` and SIGKILL it (the launcher and every rank) once DeepSpeed's `latest` file shows a
+    checkpoint: a run killed mid-stage, for the resume tests."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=child_env(), start_new_session=True)
+    deadline = time.time() + 300
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+
+
 def sets(*items: str) -> list[str]:
     out = []
     for item in items:

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SMALL_RUN, child_env, cli, sets
+from conftest import ROOT, SMALL_RUN, cli, killed_at_checkpoint, sets
 
 pytestmark = pytest.mark.slow
 
@@ -86,17 +81,8 @@ def test_two_rank_distill_finishes_and_resumes_after_sigkill(tmp_path):
     killed.mkdir()
     shutil.copy(straight / "recipe.yaml", killed / "recipe.yaml")
     shutil.copytree(straight / "teacher", killed / "teacher")
-    args = [sys.executable, "-m", "pipeline.cli", "distill", "recipes/tiny.yaml", "--nproc", "2",
-            "--run-dir", str(killed), *sets(*RUN)]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=child_env(), start_new_session=True)
-    latest = killed / "student.partial" / "checkpoints" / "latest"
-    deadline = time.time() + 300
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at_checkpoint("distill", "recipes/tiny.yaml", "--nproc", "2", "--run-dir", str(killed), *sets(*RUN),
+                         latest=killed / "student.partial" / "checkpoints" / "latest")
     assert not (killed / "student").exists()
 
     out = cli("distill", "recipes/tiny.yaml", "--nproc", "2", "--run-dir", str(killed), *sets(*RUN))

@@ -11,30 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
-from conftest import ROOT, child_env, cli, sets
-from hf_checkpoints import VOCAB
+from conftest import cli, killed_at_checkpoint, sets
+from hf_checkpoints import RECIPES, SMALL, VOCAB
 
 transformers = pytest.importorskip("transformers")
-
-RECIPES = {"mixtral": "recipes/mixtral-8x7b-mos.yaml", "qwen2_moe": "recipes/qwen1.5-moe-a2.7b-mos.yaml",
-           "qwen3_moe": "recipes/qwen3-30b-a3b-mos.yaml", "olmoe": "recipes/olmoe-1b-7b-mos.yaml"}
-
-# the family recipes, cut to seconds: 3-layer teachers -> 2-layer students, fp32, 1 rank
-SMALL = ["data.seq_len=32", "data.validation_fraction=0.2", "student.layers=2", "student.train.steps=6",
-         "student.train.micro_batch_size=2", "student.train.global_batch_size=4", "student.train.warmup_steps=1",
-         "student.train.log_every=2", "student.train.eval_every=6", "student.train.checkpoint_every=2",
-         "student.train.eval_batches=2", "student.train.precision=fp32", "student.train.zero_stage=0",
-         "teacher.train.precision=fp32", "teacher.train.eval_batches=2", "teacher.train.micro_batch_size=2",
-         "teacher.train.global_batch_size=2", "distributed.nproc=1", "distributed.ep_size=null", "kd.stop_at=50%"]
-
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
@@ -75,6 +59,8 @@ def check_native_export(run, family):
     assert type(loaded).__name__ == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                      "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
     assert loaded.config.num_hidden_layers == 2
+    experts = getattr(loaded.config, "num_local_experts", None) or loaded.config.num_experts
+    assert experts == (2 if family == "mixtral" else 4)
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         diff = (loaded(ids).logits - student_logits(run / "student", ids)).abs().max().item()
@@ -88,9 +74,13 @@ def check_native_export(run, family):
 @pytest.mark.slow
 @pytest.mark.parametrize("family, nproc", [("mixtral", 1), ("qwen3_moe", 1), ("olmoe", 2)])
 def test_distill_on_a_hugging_face_teacher_then_export_it_in_its_family(family, nproc, checkpoints, tmp_path):
-    """OLMoE at 2 ranks: teacher and student expert parallel (EP 2), its unnormalised top-k inside DeepSpeed's MoE."""
+    """OLMoE at 2 ranks: teacher and student expert parallel (EP 2), its unnormalised top-k inside DeepSpeed's MoE.
+    Mixtral's student is chosen by block importance and pruned to 2 of 4 experts by saliency: one expert count in
+    every layer still, so its family expresses it."""
     run = tmp_path / family
     more = ["distributed.nproc=2", "distributed.ep_size=2", "teacher.train.global_batch_size=4"] if nproc == 2 else []
+    if family == "mixtral":
+        more = ["student.layer_selection=importance", "student.experts=[2,2]", "student.expert_selection=saliency"]
     cli("distill", RECIPES[family], "--run-dir", str(run), *family_sets(checkpoints, family, *more))
     teacher = run / "teacher"
     # nothing copied: the teacher stage records the checkpoint, its files' sha256 and the name map
@@ -104,6 +94,10 @@ def test_distill_on_a_hugging_face_teacher_then_export_it_in_its_family(family, 
     assert f"tokenizer: {checkpoints[family]}" in recipe  # data.tokenizer defaulted to the teacher's
     done = json.loads((run / "student" / "DONE.json").read_text())
     assert len(done["kept_teacher_layers"]) == 2 and done["world_size"] == nproc
+    if family == "mixtral":
+        selection = json.loads((run / "student" / "selection.json").read_text())
+        assert selection["experts"] == [2, 2] and all(len(ids) == 2 for ids in selection["kept_experts"].values())
+        assert selection["scores"] is not None  # importance scored every teacher block
     check_native_export(run, family)
 
 
@@ -117,15 +111,8 @@ def test_a_qwen2_moe_distill_resumes_after_sigkill_to_the_same_weights(checkpoin
     straight = tmp_path / "straight"
     cli("distill", RECIPES["qwen2_moe"], "--run-dir", str(straight), *more)
     killed = tmp_path / "killed"
-    args = [sys.executable, "-m", "pipeline.cli", "distill", RECIPES["qwen2_moe"], "--run-dir", str(killed), *more]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    latest = killed / "student.partial" / "checkpoints" / "latest"
-    deadline = time.time() + 300
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at_checkpoint("distill", RECIPES["qwen2_moe"], "--run-dir", str(killed), *more,
+                         latest=killed / "student.partial" / "checkpoints" / "latest")
     assert not (killed / "student").exists()
     out = cli("distill", RECIPES["qwen2_moe"], "--run-dir", str(killed), *more)
     assert "resumed from" in out.stdout + out.stderr

@@ -127,6 +127,10 @@ def test_plan_reads_a_hugging_face_teacher_from_its_config_alone(family):
     assert abs(t["params_total"] - total) < 0.005e9
     assert s["layers"] == layers and len(s["experts"]) == layers  # every published layer is an MoE layer
     assert s["params_total"] < t["params_total"] and t["ep_size"] == [ep] * t["layers"]
+    # imported, not trained: the teacher's memory is its weights in the student's precision, held beside the student
+    assert t["total_steps"] == 0 and t["memory_per_rank_breakdown"]["optimizer"] == 0
+    assert s["memory_per_rank_with_teacher_bytes"] == s["memory_per_rank_bytes"] + t["memory_per_rank_bytes"]
+    assert t["tokens_per_step"] == s["tokens_per_step"] == 512 * 4096  # the data's sequence, not the model's context
 
 
 def test_a_hugging_face_teacher_and_a_model_section_must_agree():

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SMALL, child_env, cli, sets
+from conftest import SMALL, cli, killed_at_checkpoint, sets
 
 pytestmark = pytest.mark.slow
 
@@ -86,15 +81,8 @@ def test_teacher_load_of_another_architecture_is_refused(finished, tmp_path):
 
 def test_sigkill_then_rerun_resumes_to_the_same_weights(finished, tmp_path):
     run = tmp_path / "killed"
-    args = [sys.executable, "-m", "pipeline.cli", "teacher", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN)]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    latest = run / "teacher.partial" / "checkpoints" / "latest"
-    deadline = time.time() + 300
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at_checkpoint("teacher", "recipes/tiny.yaml", "--run-dir", str(run), *sets(*RUN),
+                         latest=run / "teacher.partial" / "checkpoints" / "latest")
     assert not (run / "teacher").exists() and (run / "teacher.partial").exists()
 
     other = cli("teacher", "recipes/tiny.yaml", "--run-dir", str(run), "--nproc", "2", *sets(*RUN), check=False)
