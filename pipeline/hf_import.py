@@ -222,9 +222,14 @@ def check_checkpoint(src: Path, cfg: ModelConfig) -> None:
         except ValueError as err:
             raise HFImportError(str(err)) from None
         for key, info in header.items():
-            if where.get(key) == f and tuple(info["shape"]) != want[key]:
+            if where.get(key) != f:
+                continue
+            if tuple(info["shape"]) != want[key]:
                 raise HFImportError(f"{src / f}: {key} has shape {tuple(info['shape'])}; {CONFIG} makes it "
                                     f"{want[key]}: the config and the weights disagree")
+            if info["dtype"] not in ("F32", "BF16", "F16"):
+                raise HFImportError(f"{src / f}: {key} is {info['dtype']}; these are read as F32, BF16 or F16 "
+                                    "(dequantize a quantized checkpoint first)")
 
 
 _LACKS = ("with the Hub's tensor names (a shard missing, or saved with save_original_format=False: save it "

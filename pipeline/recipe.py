@@ -338,14 +338,15 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _teacher_is_described(self, info: ValidationInfo) -> Self:
         stored = (info.context or {}).get("stored")
-        if self.teacher.load and not stored and not Path(self.teacher.load).is_dir():  # a Hub name, say
+        raw = self.hf_teacher()
+        if raw is None and self.model is None and self.teacher.load and not stored \
+                and not Path(self.teacher.load).is_dir():  # no shape to check against: a Hub name, say
             from pipeline.hf_import import HFImportError, read_hf_config
 
             try:
                 read_hf_config(self.teacher.load)
             except HFImportError as err:
                 raise RecipeError("teacher.load", self.teacher.load, str(err).split(": ", 1)[1]) from None
-        raw = self.hf_teacher()
         if raw is None and self.model is None and not (self.teacher.load and stored):
             raise RecipeError("model", None, "required: the PR-MoE teacher's shape; it may be left out only when "
                               "teacher.load or teacher.architecture names a Hugging Face checkpoint's config.json")

@@ -97,13 +97,23 @@ def check_hf_loadable(recipe: Recipe, src: Path) -> ModelConfig:
     return cfg
 
 
-def check_hf_tokenizer(recipe: Recipe, src: Path, prepared: data_lib.PreparedData) -> None:
-    """The data's tokenizer is the checkpoint's (when it ships one): the teacher's logits index its vocabulary."""
+def check_hf_tokenizer(recipe: Recipe, src: Path) -> None:
+    """The data's tokenizer is the checkpoint's (the teacher's logits index its vocabulary), checked before any data
+    is prepared: a BPE trained on the data never is; GPT-2's or a directory's must equal the one the checkpoint
+    ships (one it does not ship is the user's word)."""
+    tok = recipe.data.tokenizer
+    fix = ("leave data.tokenizer out (it defaults to the teacher's tokenizer.json) or point it at a directory with "
+           "the teacher's tokenizer.json")
+    if tok == "bpe":
+        raise RecipeError("data.tokenizer", tok, f"the teacher's own tokenizer, not one trained on the data: {fix}")
     if not (src / "tokenizer.json").is_file():
-        return  # none shipped: data.tokenizer is the user's word (and its size fits the embedding, `prepare`)
-    if data_lib.checkpoint_tokenizer(src).get_vocab() != prepared.tokenizer.get_vocab():
-        raise RecipeError("data.tokenizer", recipe.data.tokenizer, f"the teacher's own tokenizer ({src}): leave "
-                          "data.tokenizer out (it defaults to the teacher's) or point it there")
+        return
+    try:
+        mine = data_lib.gpt2_tokenizer() if tok == "gpt2" else data_lib.checkpoint_tokenizer(Path(tok))
+    except ValueError as err:
+        raise RecipeError.from_message(str(err)) from None
+    if mine.get_vocab() != data_lib.checkpoint_tokenizer(src).get_vocab():
+        raise RecipeError("data.tokenizer", tok, f"the teacher's own tokenizer ({src}): {fix}")
 
 
 def check_hardware(recipe: Recipe) -> None:
@@ -131,10 +141,10 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
                           "teacher is imported, not trained here)")
     src = Path(recipe.teacher.load) if recipe.teacher.load else None
     cfg = check_hf_loadable(recipe, src) if hf else check_loadable(recipe, src) if src else teacher_config(recipe)
-    prepared = prepare(recipe, ranks)  # data errors stop us here, before anything is written
     if hf:
-        check_hf_tokenizer(recipe, src, prepared)
-    elif src and data_lib.load_tokenizer(src / TOKENIZER).get_vocab() != prepared.tokenizer.get_vocab():
+        check_hf_tokenizer(recipe, src)
+    prepared = prepare(recipe, ranks)  # data errors stop us here, before anything is written
+    if src and not hf and data_lib.load_tokenizer(src / TOKENIZER).get_vocab() != prepared.tokenizer.get_vocab():
         raise RecipeError("teacher.load", str(src), "a teacher whose tokenizer is the one data.* builds "
                           "(same data.tokenizer, data.vocab_size and data.train as when it was trained)")
     if ranks.rank == 0:
@@ -152,12 +162,13 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
         summary = {"loaded_from": str(src.resolve()), "format": cfg.family,
                    "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
                                         recipe.teacher.train.micro_batch_size, ranks)}
-        if ranks.rank == 0:
-            from pipeline.hf_import import checkpoint_files, name_map
-            from pipeline.weights import write_source
+        from pipeline.hf_import import checkpoint_files, name_map
+        from pipeline.weights import file_facts, write_source
 
-            write_source(work, src, checkpoint_files(src), name_map(cfg), {"format": "huggingface",
-                                                                            "model_type": cfg.family})
+        names = checkpoint_files(src)  # each rank hashes its share of the files
+        files = {k: v for part in dist.gather_json(file_facts(src, names[ranks.rank::ranks.world])) for k, v in part.items()}
+        if ranks.rank == 0:
+            write_source(work, src, files, name_map(cfg), {"format": "huggingface", "model_type": cfg.family})
     elif src:
         model = load_frozen(src, ranks.world, recipe.distributed.ep_size, dist.device())
         summary = {"loaded_from": str(src.resolve()),

@@ -211,44 +211,49 @@ def _mapped(name_map: dict[str, list[str]], name: str, src: Path) -> list[str]:
 
 def read_source(stage_dir: Path) -> tuple[Path, dict[str, list[str]]]:
     """(the checkpoint directory, the name map) that `stage_dir/source.json` records, after checking each recorded
-    file is still there with its size, and, if its modification time moved, its sha256 (a ValueError names the
-    file and the fix)."""
-    from pipeline.artifacts import sha256_file
-
+    file is still there with the size and modification time it had when its sha256 was taken (a ValueError names
+    the file and the fix). Hashing is the teacher stage's, once: a load never re-reads the whole checkpoint."""
     record = json.loads((Path(stage_dir) / SOURCE).read_text())
     src = Path(record["path"])
+    redo = (f"the teacher stage ({stage_dir}) recorded it from {src} with its sha256; restore that file, or record "
+            "the checkpoint again: `moe-pipeline teacher RECIPE --redo`")
     for name, facts in record["files"].items():
         path = src / name
-        redo = (f"the teacher stage ({stage_dir}) recorded it from {src}; restore the checkpoint or run the teacher "
-                "stage again with --redo")
         try:
             st = path.stat()
         except OSError:
             raise ValueError(f"{path}: missing: {redo}") from None
-        if st.st_size != facts["size"]:
-            raise ValueError(f"{path}: {st.st_size} bytes, {facts['size']} when recorded: {redo}")
-        if st.st_mtime_ns != facts["mtime_ns"] and sha256_file(path) != facts["sha256"]:
-            raise ValueError(f"{path}: its sha256 is not the one recorded: {redo}")
+        if (st.st_size, st.st_mtime_ns) != (facts["size"], facts["mtime_ns"]):
+            what = (f"{st.st_size} bytes, {facts['size']} when recorded" if st.st_size != facts["size"]
+                    else "modified since it was recorded")
+            raise ValueError(f"{path}: {what}: {redo}")
     return src, record["name_map"]
 
 
-def write_source(stage_dir: Path, src: Path, names: list[str], name_map: dict[str, list[str]], info: dict) -> None:
-    """Record in `stage_dir/source.json` that its weights are the checkpoint in `src`: `names` (its files) with
-    their sizes, modification times and sha256 (progress shown), the name map, and `info`."""
+def file_facts(src: Path, names: list[str]) -> dict[str, dict]:
+    """{name: sha256, size, modification time} of the files `names` in `src`, with a progress bar."""
     from tqdm import tqdm
 
-    from pipeline.artifacts import atomic_write_text, sha256_file
+    from pipeline.artifacts import sha256_file
 
-    src = Path(src).resolve()
-    files = {}
-    with tqdm(total=sum((src / n).stat().st_size for n in names), desc="sha256 of the teacher's files", unit="B",
-              unit_scale=True) as bar:
+    out = {}
+    with tqdm(total=sum((Path(src) / n).stat().st_size for n in names), desc="sha256 of the teacher's files",
+              unit="B", unit_scale=True) as bar:
         for n in names:
-            st = (src / n).stat()
-            files[n] = {"sha256": sha256_file(src / n), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+            st = (Path(src) / n).stat()
+            out[n] = {"sha256": sha256_file(Path(src) / n), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
             bar.update(st.st_size)
-    atomic_write_text(Path(stage_dir) / SOURCE, json.dumps({**info, "path": str(src), "files": files,
-                                                             "name_map": name_map}, indent=1))
+    return out
+
+
+def write_source(stage_dir: Path, src: Path, files: dict[str, dict], name_map: dict[str, list[str]],
+                 info: dict) -> None:
+    """Record in `stage_dir/source.json` that its weights are the checkpoint in `src`: its `files` (`file_facts`),
+    the name map, and `info`."""
+    from pipeline.artifacts import atomic_write_text
+
+    atomic_write_text(Path(stage_dir) / SOURCE, json.dumps({**info, "path": str(Path(src).resolve()),
+                                                             "files": files, "name_map": name_map}, indent=1))
 
 
 def fill_tensors(src: Path, wanted: dict[str, list[torch.Tensor]], files: dict[str, FileFacts] | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 
 import pytest
@@ -53,8 +54,11 @@ def main(*args: str) -> tuple[int, str]:
 
 
 def check_native_export(run, family):
-    """`export RUN --format hf`: the family's class with the student's 2 layers and its logits."""
-    assert main("export", str(run), "--format", "hf")[0] == 0
+    """`export RUN --format hf`: the family's class with the student's 2 layers and its logits (fp32 here; bf16 by
+    default, as these families ship)."""
+    assert main("export", str(run), "--format", "hf", "--out", str(run / "hf-bf16"))[0] == 0
+    assert json.loads((run / "hf-bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert main("export", str(run), "--format", "hf", "--dtype", "fp32")[0] == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(run / "hf", dtype=torch.float32).eval()
     assert type(loaded).__name__ == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                      "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
@@ -99,6 +103,16 @@ def test_distill_on_a_hugging_face_teacher_then_export_it_in_its_family(family, 
         assert selection["experts"] == [2, 2] and all(len(ids) == 2 for ids in selection["kept_experts"].values())
         assert selection["scores"] is not None  # importance scored every teacher block
     check_native_export(run, family)
+    if family == "qwen3_moe":  # the teacher itself exports from the checkpoint, until a recorded file changes
+        assert main("export", str(run), "--stage", "teacher", "--out", str(tmp_path / "teacher-pkg"))[0] == 0
+        shard = checkpoints[family] / "model.safetensors"
+        st = shard.stat()
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+        try:
+            rc, err = main("export", str(run), "--stage", "teacher", "--out", str(tmp_path / "again"))
+        finally:
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert rc == 2 and "modified since it was recorded" in err and "teacher RECIPE --redo" in err
 
 
 @pytest.mark.slow
@@ -169,8 +183,25 @@ def test_bad_hugging_face_teachers_exit_2_naming_the_fault_and_write_nothing(che
     err = _refused(checkpoints, "mistralai/Mixtral-8x7B-v0.1", tmp_path)
     assert "nothing is downloaded here" in err and "huggingface-cli download" in err
 
-    err = _refused(checkpoints, checkpoints["mixtral"], tmp_path, "data.tokenizer=bpe", "data.vocab_size=300")
-    assert "data.tokenizer" in err and "the teacher's own tokenizer" in err
+    for tokenizer in ("bpe", "gpt2"):  # trained on the data, or another vocabulary: refused before any data is made
+        err = _refused(checkpoints, checkpoints["mixtral"], tmp_path, f"data.tokenizer={tokenizer}")
+        assert f"data.tokenizer = '{tokenizer}': the teacher's own tokenizer" in err
+
+    def without_tokenizer(d):
+        (d / "tokenizer.json").unlink()
+
+    err = _refused(checkpoints, _corrupt(checkpoints, tmp_path, "notok", without_tokenizer), tmp_path)
+    assert "data.tokenizer = 'bpe': the teacher's own tokenizer, not one trained on the data" in err
+
+    def quantized(d):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(d / "model.safetensors")
+        tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"].to(torch.int8)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+    err = _refused(checkpoints, _corrupt(checkpoints, tmp_path, "int8", quantized), tmp_path)
+    assert "q_proj.weight is I8; these are read as F32, BF16 or F16" in err
 
 
 def test_export_format_hf_of_a_pr_moe_run_exits_2_naming_our_package(small_run, tmp_path):
