@@ -246,6 +246,36 @@ def test_load_tokenizer_names_missing_file(tmp_path):
 # --------------------------------------------------------------------------- cache
 
 
+def test_a_checkpoints_tokenizer_frames_each_document_as_its_pretraining_did(tmp_path, small_corpus):
+    """data.tokenizer a directory (a Hugging Face teacher's tokenizer.json): its BOS starts each document when its
+    post-processor adds one (Llama, Mixtral), its end-of-sequence token ends it, once; the cache is keyed by the
+    files' contents, not their path."""
+    import shutil
+
+    from tokenizers import processors
+
+    docs = D.load_documents(make_cfg(train=str(small_corpus / "*.txt")))
+    tok = D.train_bpe_tokenizer(docs, 400, 64)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = tok.convert_tokens_to_ids("<s>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save_pretrained(str(tmp_path / "ckpt"))
+    cfg = make_cfg(train=str(small_corpus / "*.txt"), validation_fraction=0.2, tokenizer=str(tmp_path / "ckpt"))
+    data = D.prepare_data(cfg, tmp_path / "cache")
+    assert data.eod_id == tok.eos_token_id == 0 and data.vocab_size == 401
+    for name, tokens in (("train", data.train), ("val", data.val)):
+        ids = np.asarray(tokens)
+        docs_here = data.meta["splits"][name]["documents"]
+        assert ids[0] == bos and int((ids == bos).sum()) == int((ids == 0).sum()) == docs_here
+        assert (ids[1:][ids[:-1] == 0] == bos).all()  # every document after the first starts with BOS
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "moved")
+    again = D.prepare_data(make_cfg(**{**vars(cfg), "tokenizer": str(tmp_path / "moved")}), tmp_path / "cache")
+    assert again.cache_dir == data.cache_dir
+    shutil.rmtree(tmp_path / "moved")
+    with pytest.raises(ValueError, match="data.tokenizer=.*no tokenizer.json there"):
+        D.prepare_data(make_cfg(**{**vars(cfg), "tokenizer": str(tmp_path / "moved")}), tmp_path / "cache")
+
+
 def test_prepare_data_builds_then_reuses_cache(tmp_path, small_corpus):
     cfg = make_cfg(train=str(small_corpus / "*.txt"), validation_fraction=0.2)
     cache = tmp_path / "cache"
