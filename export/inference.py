@@ -75,6 +75,11 @@ class Layout:
 def plan_layout(cfg: ModelConfig, world: int, ep_size: int | None = None, tp_size: int | None = None) -> Layout:
     """Check that `cfg` can run on `world` ranks with these degrees; a ValueError names the flag and the fix."""
     tp = tp_size or 1
+    elsewhere = (f"this {cfg.family} model (SwiGLU experts with fc1 = [gate; up], grouped-query attention) serves "
+                 f"expert parallel: --ep-size {world} on {world} rank(s), with --placement if you like; for tensor "
+                 "parallelism export it with `moe-pipeline export RUN --format hf` and serve that with vLLM or SGLang")
+    if tp > 1 and cfg.family != "pr-moe":
+        raise ValueError(f"--tp-size {tp}: tensor slicing is built for the PR-MoE GPT; {elsewhere}")
     if tp not in (1, world):
         raise ValueError(f"--tp-size {tp} with {world} rank(s): DeepSpeed's inference engine slices the dense part "
                          f"over one group of all ranks; use --tp-size {world} (or 1, or --nproc {tp})")
@@ -90,6 +95,9 @@ def plan_layout(cfg: ModelConfig, world: int, ep_size: int | None = None, tp_siz
             raise ValueError(f"--ep-size {ep_size}: must divide every MoE layer's experts {list(cfg.experts)} and "
                              f"the {world} rank(s); choose a common divisor") from None
         slices = world // ep
+        if slices > 1 and cfg.family != "pr-moe":
+            raise ValueError(f"--ep-size {ep} on {world} ranks would slice each expert {slices} ways, which is built "
+                             f"for the PR-MoE GPT's GeLU experts; {elsewhere}")
         if cfg.ffn_mult * cfg.hidden % slices:
             raise ValueError(f"--ep-size {ep}: {slices} ranks would slice each expert's FFN of "
                              f"{cfg.ffn_mult * cfg.hidden}, which they do not divide; choose another --ep-size")

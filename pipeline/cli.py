@@ -177,7 +177,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "and every rank then runs the same sequences (one data-parallel group)")
     p.add_argument("--tp-size", type=_positive_int, default=quiet,
                    help="tensor-slice attention and the dense MLPs over all ranks (DeepSpeed AutoTP): 1 or --nproc; "
-                        "every rank then runs the same sequences (one data-parallel group, no DP x TP)")
+                        "every rank then runs the same sequences (one data-parallel group, no DP x TP); PR-MoE "
+                        "models only (a Mixtral/Qwen/OLMoE student: --ep-size, or its --format hf export in vLLM)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=quiet, help="default: the package's")
     p.add_argument("--placement", choices=["none", "reactive", "predictive"], default=quiet,
                    help="place experts by a replica table (export/serve/placement.py): none, reactive (from observed "

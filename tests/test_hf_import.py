@@ -267,3 +267,17 @@ def test_the_serving_engine_decodes_an_imported_gqa_teacher_as_our_model_does(tm
                 tok = ours(tok, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
                 want.append(tok.item())
         assert req.generated == want
+
+
+def test_slicing_layouts_built_for_the_pr_moe_refuse_these_families_naming_expert_parallel(tmp_path):
+    """Tensor and expert slicing split fc1 by rows and heads evenly: wrong for SwiGLU's [gate; up] and grouped-query
+    attention, so `serve`/`eval` refuse them (exit 2 from the CLI) and name the layouts that work."""
+    from export.inference import plan_layout
+
+    cfg = imported_config("qwen3_moe", tmp_path)
+    with pytest.raises(ValueError, match=r"--tp-size 2: tensor slicing is built for the PR-MoE GPT; this qwen3_moe "
+                                         r"model .* serves expert parallel: --ep-size 2 .*--format hf"):
+        plan_layout(cfg, 2, tp_size=2)
+    with pytest.raises(ValueError, match=r"--ep-size 1 on 2 ranks would slice each expert 2 ways"):
+        plan_layout(cfg, 2, ep_size=1)
+    assert plan_layout(cfg, 2).ep == (2,) and plan_layout(cfg, 1).tp == 1
