@@ -205,10 +205,7 @@ def check_checkpoint(src: Path, cfg: ModelConfig) -> None:
     except (FileNotFoundError, ValueError) as err:
         raise HFImportError(f"{src}: {err}") from None
     want = expected_shapes(cfg)
-    unused = sorted(set(where) - set(want))
-    if unused:  # the config does not describe these weights (a q/k norm, a bias, a shared expert it lacks)
-        raise HFImportError(f"{src}: {len(unused)} tensor(s) that {CONFIG} does not account for, e.g. {unused[0]}: "
-                            f"the config and the weights disagree")
+    _check_accounted(src, where, want)
     missing = sorted(set(want) - set(where))
     if missing:
         raise HFImportError(f"{src} lacks {len(missing)} tensor(s) of a {cfg.family} checkpoint, e.g. {missing[0]}: "
@@ -232,6 +229,15 @@ def check_checkpoint(src: Path, cfg: ModelConfig) -> None:
                                     "(dequantize a quantized checkpoint first)")
 
 
+def _check_accounted(src: Path, stored, wanted) -> None:
+    """Every stored tensor name is one the config implies: else the config does not describe these weights (a q/k
+    norm, a bias, a shared expert it lacks)."""
+    unused = sorted(set(stored) - set(wanted))
+    if unused:
+        raise HFImportError(f"{src}: {len(unused)} tensor(s) that {CONFIG} does not account for, e.g. {unused[0]}: "
+                            f"the config and the weights disagree")
+
+
 _LACKS = ("with the Hub's tensor names (a shard missing, or saved with save_original_format=False: save it "
           "again with the default)")
 
@@ -242,10 +248,7 @@ def load_hf_weights(model: GPT, src: Path, ep_rank_of=None, files=None) -> None:
     from pipeline.weights import ep_rank_of as default_ep_rank_of
     from pipeline.weights import load_weights, weight_files
 
-    unused = sorted(set(weight_files(src, files)) - set(checkpoint_names(model.cfg)))
-    if unused:  # the config does not describe these weights (a q/k norm, a bias, a shared expert it lacks)
-        raise HFImportError(f"{src}: {len(unused)} tensor(s) that {CONFIG} does not account for, e.g. {unused[0]}: "
-                            f"the config and the weights disagree")
+    _check_accounted(src, weight_files(src, files), checkpoint_names(model.cfg))
     load_weights(model, src, ep_rank_of or default_ep_rank_of, rename=lambda name: hf_sources(model.cfg, name),
                  files=files, lacks=f"not a complete {model.cfg.family} checkpoint {_LACKS}")
 

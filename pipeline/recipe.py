@@ -464,13 +464,12 @@ def _hf_config(path: str, stamp: int | None, key: str, value: str) -> dict | Non
 
 
 def _is_hf_checkpoint(path: Path) -> bool:
-    import json
-
+    """Whether `path` holds a Hugging Face checkpoint's config.json (read once: `Recipe.hf_teacher` reads it cached)."""
     try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+        stamp = (path / "config.json").stat().st_mtime_ns
+    except OSError:
         return False
-    return isinstance(raw, dict) and "model_type" in raw
+    return _hf_config(str(path / "config.json"), stamp, "teacher.load", str(path)) is not None
 
 
 @functools.lru_cache(maxsize=16)
