@@ -54,16 +54,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.artifacts import (CONFIG, DONE, DTYPE_ALIASES, DTYPE_NAMES, DTYPE_OF_NAME, DTYPES, INDEX, MANIFEST,
-                                 RECIPE_FILE, SOURCE, TOKENIZER, WEIGHTS, FileChangedError, FileFacts, check_unchanged,
+                                 RECIPE_FILE, TOKENIZER, WEIGHTS, FileChangedError, FileFacts, check_unchanged,
                                  file_name_problem, open_regular, read_json, read_model_config, sha256_file)
 from pipeline.build import load_stage_model, meta_counts, meta_model
 from pipeline.data import TOKENIZER_FILES
 from pipeline.model import ModelConfig
-from pipeline.weights import SAFETENSORS_DTYPES, index_weight_map, read_header, weight_files
+from pipeline.weights import SAFETENSORS_DTYPES, index_weight_map, read_header
 
 FORMAT_VERSION = 1
 GENERATION_CONFIG = "generation_config.json"
@@ -297,21 +296,14 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
     try:
         # weights: every tensor the config implies, read from the stage (any layout), converted
         expected = expected_tensors(cfg, torch_dtype)
-        if (stage_dir / SOURCE).is_file():  # a Hugging Face teacher, read in place through its name map
-            from pipeline.weights import unique_params
+        # the stage's model, whatever its layout (shards of several ranks, or a Hugging Face teacher's checkpoint
+        # read in place through its source.json), in the package's dtypes: its tensors are the package's
+        from pipeline.weights import unique_params
 
-            tensors = {k: p for k, p in unique_params(load_stage_model(stage_dir, torch_dtype)) if k in expected}
-        else:
-            where = weight_files(stage_dir)
-            missing = sorted(set(expected) - set(where))
-            if missing:
-                raise ValueError(f"{stage_dir}: {len(missing)} tensor(s) missing, e.g. {missing[0]}")
-            tensors = {}
-            for f in sorted(set(where[k] for k in expected)):
-                with safe_open(stage_dir / f, framework="pt") as sf:
-                    for key in sf.keys():
-                        if key in expected:
-                            tensors[key] = sf.get_tensor(key).to(expected[key][1]).contiguous()
+        tensors = {k: p for k, p in unique_params(load_stage_model(stage_dir, torch_dtype)) if k in expected}
+        missing = sorted(set(expected) - set(tensors))
+        if missing:
+            raise ValueError(f"{stage_dir}: {len(missing)} tensor(s) missing, e.g. {missing[0]}")
         weight_names = _write_shards(tensors, tmp, max_shard_bytes, meta)
         del tensors
 

@@ -78,7 +78,7 @@ def build_model(cfg: ModelConfig, world: int = 1, ep_size: int | None = None, im
 
 
 def load_frozen(stage_dir: Path, world: int, ep_size: int | None, device: torch.device,
-                dtype: torch.dtype = torch.float32) -> GPT:
+                dtype: torch.dtype = torch.float32, impl: str = "deepspeed") -> GPT:
     """A finished stage's model, expert parallel over the `world` ranks (each reads only its own experts),
     on `device` in `dtype` (the MoE gates fp32), in eval mode without gradients: the frozen KD teacher, a loaded
     teacher. Built on the meta device and allocated on `device` directly: no initialisation, no full copy on the
@@ -86,19 +86,14 @@ def load_frozen(stage_dir: Path, world: int, ep_size: int | None, device: torch.
     ranks."""
     from pipeline.weights import load_weights
 
-    model = _allocated(build_model(read_model_config(stage_dir), world, ep_size, meta=True), dtype, device)
+    model = _allocated(build_model(read_model_config(stage_dir), world, ep_size, impl=impl, meta=True), dtype, device)
     load_weights(model, stage_dir)
     return model.eval().requires_grad_(False)
 
 
 def load_stage_model(stage_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> GPT:
-    """A finished stage's model on one rank, every expert local (the reference MoE), in `dtype` with fp32 gates, eval
-    mode, no gradients: what export writes out. A stage recording a Hugging Face checkpoint reads it in place."""
-    from pipeline.weights import load_weights
-
-    model = _allocated(build_model(read_model_config(stage_dir), impl="reference", meta=True), dtype, device)
-    load_weights(model, stage_dir)
-    return model.eval().requires_grad_(False)
+    """`load_frozen` on one rank with every expert local (the reference MoE): what export writes out."""
+    return load_frozen(stage_dir, 1, None, device, dtype, impl="reference")
 
 
 def _allocated(model: GPT, dtype: torch.dtype, device: torch.device | str) -> GPT:

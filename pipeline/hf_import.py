@@ -157,18 +157,15 @@ def hf_sources(cfg: ModelConfig, name: str) -> list[str]:
     raise HFImportError(f"{name}: no {cfg.family} tensor maps to it")
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of `cfg` has (all experts of every layer), with its shape."""
-    from pipeline.weights import unique_params
+def name_map(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our global parameter name -> the checkpoint tensors that make it (a teacher stage records it)."""
+    return {name: keys for name, _, keys in _sources(cfg)}
 
-    with torch.device("meta"):
-        model = GPT(cfg)
-    out = {}
-    for name, p in unique_params(model):
-        keys = hf_sources(cfg, name)
-        for key in keys:
-            out[key] = (p.shape[0] // len(keys), *p.shape[1:])
-    return out
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` has (all experts of every layer), with its shape: one of our parameter's,
+    or its share of rows when several tensors make it."""
+    return {key: (shape[0] // len(keys), *shape[1:]) for _, shape, keys in _sources(cfg) for key in keys}
 
 
 def checkpoint_names(cfg: ModelConfig) -> set[str]:
@@ -176,13 +173,15 @@ def checkpoint_names(cfg: ModelConfig) -> set[str]:
     return set(expected_shapes(cfg))
 
 
-def name_map(cfg: ModelConfig) -> dict[str, list[str]]:
-    """Our global parameter name -> the checkpoint tensors that make it (a teacher stage records it)."""
+def _sources(cfg: ModelConfig):
+    """(our global name, its shape, the checkpoint tensors that make it) for every parameter of `cfg`'s model, all
+    experts local, built on the meta device."""
     from pipeline.weights import unique_params
 
     with torch.device("meta"):
         model = GPT(cfg)
-    return {name: hf_sources(cfg, name) for name, _ in unique_params(model)}
+    for name, p in unique_params(model):
+        yield name, tuple(p.shape), hf_sources(cfg, name)
 
 
 def checkpoint_files(src: Path) -> list[str]:

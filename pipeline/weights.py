@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.artifacts import (INDEX, SOURCE, WEIGHTS, FileChangedError, FileFacts, atomic_write_text, check_unchanged,
-                                 file_name_problem, open_regular)
+                                 file_name_problem, open_regular, sha256_file)
 from pipeline.dist import barrier
 from pipeline.model import GPT, global_name, split_expert_key
 
@@ -166,8 +166,11 @@ def index_weight_map(raw: bytes, path: Path, files: dict[str, FileFacts] | None 
     return weight_map
 
 
+LACKS = "the weights belong to a different architecture (check config.json)"  # a missing tensor's fix, by default
+
+
 def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None,
-                 files: dict[str, FileFacts] | None = None, lacks: str | None = None) -> None:
+                 files: dict[str, FileFacts] | None = None, lacks: str = LACKS) -> None:
     """Fill `model` (any expert-parallel layout) from consolidated weights, reading only its own tensors.
 
     `rename` maps a global parameter name of `model` to the name it has in `src` (a student takes
@@ -199,7 +202,7 @@ def load_weights(model: GPT, src: Path, ep_rank_of=ep_rank_of, rename=None,
         rows = p.shape[0] // len(keys)
         for j, key in enumerate(keys):
             wanted.setdefault(key, []).append(p if len(keys) == 1 else p.data.narrow(0, j * rows, rows))
-    fill_tensors(src, wanted, files, **({"lacks": lacks} if lacks else {}))
+    fill_tensors(src, wanted, files, lacks)
 
 
 def _mapped(name_map: dict[str, list[str]], name: str, src: Path) -> list[str]:
@@ -234,8 +237,6 @@ def file_facts(src: Path, names: list[str]) -> dict[str, dict]:
     """{name: sha256, size, modification time} of the files `names` in `src`, with a progress bar."""
     from tqdm import tqdm
 
-    from pipeline.artifacts import sha256_file
-
     out = {}
     with tqdm(total=sum((Path(src) / n).stat().st_size for n in names), desc="sha256 of the teacher's files",
               unit="B", unit_scale=True) as bar:
@@ -250,14 +251,12 @@ def write_source(stage_dir: Path, src: Path, files: dict[str, dict], name_map: d
                  info: dict) -> None:
     """Record in `stage_dir/source.json` that its weights are the checkpoint in `src`: its `files` (`file_facts`),
     the name map, and `info`."""
-    from pipeline.artifacts import atomic_write_text
-
     atomic_write_text(Path(stage_dir) / SOURCE, json.dumps({**info, "path": str(Path(src).resolve()),
                                                              "files": files, "name_map": name_map}, indent=1))
 
 
 def fill_tensors(src: Path, wanted: dict[str, list[torch.Tensor]], files: dict[str, FileFacts] | None = None,
-                 lacks: str = "the weights belong to a different architecture (check config.json)") -> None:
+                 lacks: str = LACKS) -> None:
     """Read each stored tensor `wanted` names into the tensors listed for it (parameters, or contiguous views of
     them: a Hugging Face gate and up projection fill the two halves of one fc1), file by file in file order, one
     tensor in flight. `lacks`: the fix a missing tensor's error gives."""
