@@ -141,6 +141,9 @@ class Cache(Protocol):
         context check and by every layer; it does not change during the forward;
       * `update(layer, k, v)`: store the layer's new keys/values [B, H, T, D], return all keys/values
         the new queries attend to [B, H, keys, D];
+      * `attend(layer, q, k, v)`: store them and return the attention output [B, H, T, D] itself, where
+        the cache has a kernel for this forward (the serving runtime's, for one new token a row on the
+        CPU); None (the default): `update`, then scaled_dot_product_attention here;
       * `positions(T)`: [B, T] position ids when rows have their own lengths, else None (every row
         continues at `length`);
       * `attention_mask(T)`: [B, 1, T, keys] bool when rows have their own lengths, else None
@@ -157,6 +160,9 @@ class Cache(Protocol):
     length: int
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        return None
 
     def positions(self, T: int) -> torch.Tensor | None:
         return None
@@ -271,20 +277,22 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         gqa = q.shape[1] != k.shape[1]
-        past, mask = 0, None
-        if cache is not None:
-            past = cache.length
-            k, v = cache.update(layer, k, v)  # [B, H, past+T, C/H]
-            mask = cache.attention_mask(T)  # [B, 1, T, keys] when rows have their own lengths (serving), else None
-        if mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
-                                               dropout_p=self.dropout if self.training else 0.0)
-        else:
-            # new query i (absolute position past+i) sees keys 0..past+i
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = cache.attend(layer, q, k, v) if cache is not None else None  # the cache's own kernel, if it has one
+        if y is None:
+            past, mask = 0, None
+            if cache is not None:
+                past = cache.length
+                k, v = cache.update(layer, k, v)  # [B, H, past+T, C/H]
+                mask = cache.attention_mask(T)  # [B, 1, T, keys]: rows with their own lengths (serving), else None
+            if mask is not None:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            elif past == 0:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
+                                                   dropout_p=self.dropout if self.training else 0.0)
+            else:
+                # new query i (absolute position past+i) sees keys 0..past+i
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, y.shape[1] * D)  # [B, H, T, D] -> [B, T, H*D] (/tp under tensor slicing)
         return self.out_proj(y)
 

@@ -1,4 +1,5 @@
-"""export/serve/linears.py: CPU serving linears (the few-row GEMV kernel, oneDNN) give the model's own outputs."""
+"""export/serve/linears.py: CPU serving linears (the few-row GEMV kernel, oneDNN) and the decode attention kernel
+give the model's own outputs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def test_the_gemv_kernel_builds_here_and_equals_f_linear():
     gemv = kernel()
     assert gemv is not None, "the GEMV kernel did not build on this machine (see the warning)"
     check_kernel(gemv)
+    check_attention(gemv)
 
 
 def test_the_gemv_kernel_avx2_build_equals_f_linear():
@@ -27,6 +29,7 @@ def test_the_gemv_kernel_avx2_build_equals_f_linear():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU runs neither variant")
     check_kernel(build("AVX2"))
+    check_attention(build("AVX2"))
 
 
 def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear():
@@ -37,6 +40,7 @@ def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear(
     if cpu_isa() != "AVX512_BF16":
         pytest.skip("this CPU has no AVX512_BF16: the default build is already the plain AVX-512 one")
     check_kernel(build("AVX512"))
+    check_attention(build("AVX512"))
 
 
 def check_kernel(gemv):
@@ -57,6 +61,66 @@ def check_kernel(gemv):
         gemv.linear(torch.randn(5, 16), torch.randn(8, 16), None)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         gemv.linear(torch.randn(1, 16).double(), torch.randn(8, 16).double(), None)
+
+
+def check_attention(kernel):
+    """decode_attention against scaled_dot_product_attention in fp32 on the same cache rows: one row and several
+    (in any cache order), grouped-query heads, a head size off the vector width, keys past a vector's multiple,
+    a full cache; the new key and value land at the row's position and nothing else in the cache changes."""
+    torch.manual_seed(0)
+    for dtype, tol in [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)]:
+        for B, H, Hkv, D, L, starts in [(1, 16, 16, 64, 64, [9]), (3, 8, 2, 128, 40, [0, 17, 39]),
+                                          (2, 4, 4, 17, 33, [32, 5]), (1, 4, 1, 64, 600, [599])]:
+            K, V = torch.randn(B + 2, Hkv, L, D).to(dtype), torch.randn(B + 2, Hkv, L, D).to(dtype)
+            rows = list(range(B + 1, 0, -1))[:B]
+            q, k, v = (torch.randn(B, h, D).to(dtype) for h in (H, Hkv, Hkv))
+            K2, V2 = K.clone(), V.clone()
+            y = kernel.decode_attention(q, k, v, K2, V2, rows, starts)
+            assert y.dtype == dtype and y.shape == (B, H, D)
+            for b, (r, p) in enumerate(zip(rows, starts)):
+                K[r, :, p], V[r, :, p] = k[b], v[b]
+                ref = F.scaled_dot_product_attention(q[b][None, :, None].float(), K[r:r + 1, :, :p + 1].float(),
+                                                     V[r:r + 1, :, :p + 1].float(), enable_gqa=H != Hkv)
+                torch.testing.assert_close(y[b].float(), ref[0, :, 0], atol=tol, rtol=tol)
+            assert torch.equal(K, K2) and torch.equal(V, V2)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel.decode_attention(*(torch.randn(1, 2, 8) for _ in range(3)), torch.zeros(1, 2, 4, 8),
+                                torch.zeros(1, 2, 4, 8), [0], [4])
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        kernel.decode_attention(*(torch.randn(1, 2, 8).double() for _ in range(3)),
+                                torch.zeros(1, 2, 4, 8).double(), torch.zeros(1, 2, 4, 8).double(), [0], [1])
+
+
+def test_the_serving_cache_attends_with_the_kernel_and_gives_the_model_s_tokens():
+    """SlotCache.attend on the CPU: the decode kernel for one new token a row (rows of different lengths decoding
+    together), None for a prompt (SDPA then); a greedy decode through it equals one through SDPA's path."""
+    from export.serve.engine import SlotCache
+    from pipeline.model import GPT, KVCache
+
+    cfg = model_config(layers=2, hidden=64, heads=4, experts=(4,), moe_layers=(1,))
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    cache = SlotCache(cfg, slots=3, max_len=32)
+    assert cache._kernel is not None
+    prompts = [torch.randint(0, cfg.vocab_size, (1, n)) for n in (5, 9)]
+    with torch.no_grad():
+        firsts, refs = [], []
+        for slot, p in zip((2, 0), prompts):
+            cache.select([slot])
+            assert cache.attend(0, *(torch.zeros(1, cfg.heads, p.shape[1], cfg.head_size) for _ in range(3))) is None
+            firsts.append(model(p, cache=cache).logits[0, -1].argmax().item())
+            ref_cache = KVCache(cfg, batch=1, max_len=32)
+            model(p, cache=ref_cache)
+            refs.append((ref_cache, [firsts[-1]]))
+        toks = [[t] for t in firsts]
+        for _ in range(6):  # both rows decode together: one new token each, different lengths
+            cache.select([2, 0])
+            logits = model(torch.tensor([[t[-1]] for t in toks]), cache=cache).logits[:, -1]
+            for t, row in zip(toks, logits):
+                t.append(row.argmax().item())
+            for ref_cache, ref in refs:  # the model's own cache and SDPA, one row at a time
+                ref.append(model(torch.tensor([[ref[-1]]]), cache=ref_cache).logits[0, -1].argmax().item())
+    assert toks == [ref for _, ref in refs]
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -145,24 +145,31 @@ def test_streamed_text_never_shows_what_a_later_token_changes():
     """Byte-level BPE decodes a multibyte character split over tokens as "\ufffd" first, and a stop string's first
     characters are cut once it completes: `stable_text` holds both back, so every streamed prefix is a
     prefix of the final text."""
-    from export.serve.engine import Request, SamplingParams
+    from export.serve.engine import Detokenizer, Request, SamplingParams
     from pipeline.data import gpt2_tokenizer
 
     tok = gpt2_tokenizer(64)
     text = "Sing, O muse \U0001d11e of the wrath of Achilles"  # a 4-byte character: several byte tokens
     ids = tok.encode(text)
     assert "\ufffd" in "".join(tok.decode(ids[:k]) for k in range(1, len(ids)))  # it really is split
-    for stop in (["wrath"], ["of the w", "zzz"], []):
-        req = Request(0, [0], SamplingParams(max_tokens=len(ids), stop=stop))
-        shown = []
-        for t in ids:
-            if req.finished:
-                break
-            req.append(t, None, None, None, tok.decode)
-            shown.append(req.stable_text())
-        assert all(req.text.startswith(s) for s in shown), (stop, shown)
-        assert all("\ufffd" not in s for s in shown[:-1])
-        assert req.text == (text[:text.index(stop[0])] if stop else text)
+    streaming, whole = Detokenizer(tok), Detokenizer(tok)
+    whole.backend = None  # as for a tokenizer that cleans up spaces: the whole text decoded every token
+    assert streaming.backend is not None
+    for detokenize in (streaming, whole):
+        for stop in (["wrath"], ["of the w", "zzz"], []):
+            req = Request(0, [0], SamplingParams(max_tokens=len(ids), stop=stop))
+            shown, texts = [], []
+            for k, t in enumerate(ids, 1):
+                if req.finished:
+                    break
+                req.append(t, None, None, None, detokenize)
+                shown.append(req.stable_text())
+                texts.append((req.text, tok.decode(ids[:k])))
+            assert all(req.text.startswith(s) for s in shown), (stop, shown)
+            assert all("\ufffd" not in s for s in shown[:-1])
+            assert req.text == (text[:text.index(stop[0])] if stop else text)
+            # the running text is the tokenizer's decode of the tokens so far, less a character still split
+            assert all(full.startswith(got) and not full[len(got):].strip("\ufffd") for got, full in texts[:-1])
 
 
 def test_a_prompt_that_cannot_be_scored_fails_alone_after_its_forward(engine):

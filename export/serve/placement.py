@@ -41,6 +41,7 @@ misses are counted.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -148,7 +149,7 @@ def route_pairs(counts: list[list[int]], holders: list[list[int]], ep: int) -> l
     the same sends from the same gathered counts."""
     world, E = len(counts), len(holders)
     send = [[[0] * E for _ in range(ep)] for _ in range(world)]
-    demand = [float(sum(row[e] for row in counts)) for e in range(E)]
+    demand = [float(sum(col)) for col in zip(*counts)]
     single = all(len(h) == 1 for h in holders)
     parts = [[(holders[e][0], demand[e])] for e in range(E)] if single else split_load(demand, holders, ep, integer=True)
     for e in range(E):
@@ -407,24 +408,21 @@ class Placement:
         each), computed wherever the table sends them; and the tokens per expert over all ranks [E]. Collective
         on several ranks: an all-gather of the counts, then an all-to-all there and back."""
         E, world, me = len(per_expert), self.ep, self.rank
-        if world == 1:
-            counts = [per_expert]
-        else:
-            from pipeline import dist
+        if world == 1:  # every expert here: nothing to route or send
+            self._loads[layer] = [len(xs)]
+            self.observe(layer, self._loads[layer])
+            return self._run_experts(layer, xs, [per_expert]), torch.tensor(per_expert, dtype=torch.long)
+        from pipeline import dist
 
-            t0 = time.perf_counter()
-            gather = dist.gather_rows if self.transport == "all-reduce" else dist.gather_numbers
-            counts = [[int(c) for c in row] for row in gather(per_expert)]  # [rank][expert]
-            self.stats.exchange_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        gather = dist.gather_rows if self.transport == "all-reduce" else dist.gather_numbers
+        counts = [[int(c) for c in row] for row in gather(per_expert)]  # [rank][expert]
+        self.stats.exchange_s += time.perf_counter() - t0
         send = route_pairs(counts, self.table[layer], world)  # [src][dst][expert] pairs
         loads = [sum(sum(send[s][h]) for s in range(world)) for h in range(world)]
         self._loads[layer] = loads
         self.observe(layer, loads)
-        total = torch.tensor([sum(row[e] for row in counts) for e in range(E)], dtype=torch.long)
-        if world == 1:
-            return self._run_experts(layer, xs, [list(per_expert)]), total
-        from pipeline import dist
-
+        total = torch.tensor([sum(col) for col in zip(*counts)], dtype=torch.long)
         # my pairs are grouped by expert; within an expert they go to its holders in order: the send order is
         # (destination, expert), the order the receiver expects
         starts = [0] * E
@@ -494,17 +492,10 @@ class Placement:
         tokens of each expert e in order; outputs in the same order."""
         t0 = time.perf_counter()
         E = len(sizes[0])
-        offsets, pos = [], 0
-        for row in sizes:
-            offsets.append([])
-            for n in row:
-                offsets[-1].append(pos)
-                pos += n
+        offset = [0, *itertools.accumulate(n for row in sizes for n in row)]  # of source s's expert e: s * E + e
         out = torch.empty_like(got)
-        for e in range(E):
-            parts = [(offsets[s][e], sizes[s][e]) for s in range(len(sizes)) if sizes[s][e]]
-            if not parts:
-                continue
+        for e in [e for e, n in enumerate(map(sum, zip(*sizes))) if n]:  # the experts that received tokens
+            parts = [(offset[s * E + e], sizes[s][e]) for s in range(len(sizes)) if sizes[s][e]]
             idx = parts[0] if len(parts) == 1 else None
             if idx is not None:
                 rows = got[idx[0]:idx[0] + idx[1]]

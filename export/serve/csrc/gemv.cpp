@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -29,6 +30,15 @@ static inline vf vload(const c10::BFloat16* p) {
 }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline float vmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vf vset(float a) { return _mm512_set1_ps(a); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vmaxv(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vpow2(vf n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VW 8
 #define GROUP 2
@@ -44,6 +54,19 @@ static inline float vsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+static inline float vmax(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+static inline vf vset(float a) { return _mm256_set1_ps(a); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vmaxv(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vpow2(vf n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 #else
 #error "export/serve/csrc/gemv.cpp needs AVX-512 or AVX2 with FMA"
@@ -159,6 +182,149 @@ static void run(int64_t M, const W* w, const float* x, const W* bias, W* y, int6
   });
 }
 
+
+// -- the attention of one new token per row (decode) ---------------------------------------------------------------
+//
+// exp(x) for x <= 0 (softmax's x - max), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+// times 2^n; ~1 ulp. Below -87 it returns exp(-87) (~1.6e-38) instead of a denormal or 0: nothing a softmax sum sees.
+static inline vf vexp(vf x) {
+  x = vmaxv(x, vset(-87.0f));
+  const vf n = vround(vmul(x, vset(1.44269504088896341f)));
+  vf r = vfma(n, vset(-0.693359375f), x);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  vf p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(vmul(p, r), r, r);  // p r^2 + r
+  return vmul(vfma(p, vset(1.0f), vset(1.0f)) /* 1 + p r^2 + r */, vpow2(n));
+}
+
+static inline vf vload_f(const float* p) { return vload(p); }
+static inline vf vload_f(const c10::BFloat16* p) { return vload(p); }
+
+// One query head of one row: y[D] = softmax(scale q.K[j] for j < n) . V, fp32 throughout (q, K, V widened on load),
+// one rounding to the output dtype. `s`: room for n scores (rounded up to a whole vector).
+template <typename T>
+static void attend_one(const T* q, const T* K, const T* V, T* y, int64_t n, int64_t D, float scale, float* s) {
+  const int64_t Dv = D / VW * VW;
+  float qf[512];
+  for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[d]) * scale;
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = K + j * D;
+    vf acc = vzero();
+    int64_t d = 0;
+    for (; d < Dv; d += VW) acc = vfma(vload_f(k + d), vload(qf + d), acc);
+    float dot = vsum(acc);
+    for (; d < D; ++d) dot += static_cast<float>(k[d]) * qf[d];
+    s[j] = dot;
+    m = std::max(m, dot);
+  }
+  const int64_t nv = n / VW * VW;
+  vf total = vzero();
+  const vf mv = vset(m);
+  int64_t j = 0;
+  for (; j < nv; j += VW) {
+    vf e = vexp(vload(s + j) - mv);
+    vstore(s + j, e);
+    total = total + e;
+  }
+  float sum = vsum(total);
+  if (j < n) {  // the last scores, fewer than a vector: padded with -inf's exp, 0
+    float tail[VW];
+    for (int64_t t = 0; t < VW; ++t) tail[t] = j + t < n ? s[j + t] - m : -INFINITY;
+    vstore(tail, vexp(vload(tail)));
+    for (int64_t t = 0; j + t < n; ++t) {
+      s[j + t] = tail[t];
+      sum += tail[t];
+    }
+  }
+  float out[512];
+  for (int64_t d = 0; d < Dv; d += VW) vstore(out + d, vzero());
+  for (int64_t d = Dv; d < D; ++d) out[d] = 0.0f;
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const T* v = V + jj * D;
+    const vf p = vset(s[jj]);
+    int64_t d = 0;
+    for (; d < Dv; d += VW) vstore(out + d, vfma(p, vload_f(v + d), vload(out + d)));
+    for (; d < D; ++d) out[d] += s[jj] * static_cast<float>(v[d]);
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(out[d] * inv);
+}
+
+
+template <typename T>
+static void decode_attention_typed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   torch::Tensor& K, torch::Tensor& V, const std::vector<int64_t>& rows,
+                                   const std::vector<int64_t>& starts, torch::Tensor& y, float scale, int64_t grain) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = K.size(1), L = K.size(2);
+  T* Kp = K.data_ptr<T>();
+  T* Vp = V.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t at = ((rows[b] * Hkv + g) * L + starts[b]) * D;
+      std::copy(kp + (b * Hkv + g) * D, kp + (b * Hkv + g + 1) * D, Kp + at);
+      std::copy(vp + (b * Hkv + g) * D, vp + (b * Hkv + g + 1) * D, Vp + at);
+    }
+  const T* qp = q.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const int64_t group = H / Hkv;
+  at::parallel_for(0, B * H, grain, [&](int64_t first, int64_t last) {
+    int64_t longest = 0;
+    for (int64_t i = first; i < last; ++i) longest = std::max(longest, starts[i / H] + 1);
+    std::vector<float> s(longest + VW);
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t b = i / H, h = i % H, g = h / group;
+      const int64_t base = (rows[b] * Hkv + g) * L * D;
+      attend_one<T>(qp + i * D, Kp + base, Vp + base, yp + i * D, starts[b] + 1, D, scale, s.data());
+    }
+  });
+}
+
+// q [B, H, D]: each row's query of its one new token (after RoPE); k, v [B, Hkv, D] its key and value; K, V
+// [slots, Hkv, L, D] the cache; row b is cache row rows[b] with starts[b] tokens cached before this one. Writes k, v
+// at position starts[b] of its row, then y[b, h] = softmax(q.K / sqrt(D)) . V over that row's starts[b] + 1 keys,
+// query head h reading cache head h / (H / Hkv) (grouped-query attention). Heads are split between torch's
+// intra-op threads, a few hundred KB of keys and values each at least (fewer stay on the calling thread).
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor K,
+                               torch::Tensor V, const std::vector<int64_t>& rows, const std::vector<int64_t>& starts) {
+  RECORD_FUNCTION("moe_pipeline::decode_attention", std::vector<c10::IValue>({q, K}));
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && K.dim() == 4 && V.dim() == 4,
+              "decode_attention: q [B, H, D], k and v [B, Hkv, D], K and V [slots, Hkv, L, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = K.size(1), L = K.size(2), S = K.size(0);
+  TORCH_CHECK(K.sizes() == V.sizes() && k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == Hkv &&
+                  k.size(2) == D && K.size(3) == D && Hkv > 0 && H % Hkv == 0 && D <= 512,
+              "decode_attention: shapes do not match (q heads a multiple of the cache's, head size <= 512)");
+  TORCH_CHECK(int64_t(rows.size()) == B && int64_t(starts.size()) == B, "decode_attention: a row and a start per query");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && k.scalar_type() == dt && v.scalar_type() == dt &&
+                  K.scalar_type() == dt && V.scalar_type() == dt,
+              "decode_attention: fp32 or bf16, all alike");
+  for (const torch::Tensor* t : {&q, &k, &v, const_cast<const torch::Tensor*>(&K), const_cast<const torch::Tensor*>(&V)})
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "decode_attention: contiguous CPU tensors");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < S && starts[b] >= 0 && starts[b] < L,
+                "decode_attention: row ", rows[b], " position ", starts[b], " outside the cache [", S, ", ", L, "]");
+  torch::Tensor y = torch::empty({B, H, D}, q.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, starts[b] + 1);
+  const int64_t per_head = longest * D * 2 * int64_t(q.element_size());  // bytes of keys and values a head reads
+  const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / (per_head + 1));
+  AT_DISPATCH_SWITCH(dt, "decode_attention", AT_DISPATCH_CASE(at::kFloat, [&] {
+    decode_attention_typed<scalar_t>(q, k, v, K, V, rows, starts, y, scale, grain);
+  }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+    decode_attention_typed<scalar_t>(q, k, v, K, V, rows, starts, y, scale, grain);
+  }));
+  return y;
+}
+
 // x [M, I] (1 <= M <= MAX_ROWS), w [O, I], both contiguous, fp32 or bf16 alike; bias [O] of that dtype or None.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   RECORD_FUNCTION("moe_pipeline::gemv", std::vector<c10::IValue>({x, w}));  // seen by torch.profiler
@@ -207,5 +373,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-4 rows of x, fp32 or bf16");
+  m.def("decode_attention", &decode_attention,
+        "one new token per row: store its key and value in the cache, attend over the row's keys");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }
