@@ -23,15 +23,16 @@ def test_split_load_evens_out_a_replicated_hot_expert():
     assert balancedness([50.0, 50.0]) == 1.0 and balancedness([100.0, 0.0]) == 0.5
 
 
+@pytest.mark.parametrize("hedge", [False, True])
 @pytest.mark.parametrize("budget", [0.0, 0.25, 0.5, 1.0])
-def test_replica_table_respects_the_budget_and_never_hurts(budget):
+def test_replica_table_respects_the_budget_and_never_hurts(budget, hedge):
     cfg = model_config(experts=(4, 8))
     gen = torch.Generator().manual_seed(0)
     slots = replica_slots(cfg, 2, budget)
     assert slots == int(budget * (2 + 4))
     for _ in range(20):
         demand = [(torch.rand(n, generator=gen) ** 4 * 100).tolist() for n in cfg.experts]  # skewed
-        table = plan_replicas(cfg, 2, demand, slots)
+        table = plan_replicas(cfg, 2, demand, slots, hedge=hedge)
         assert max(count_replicas(table, 2)) <= slots
         for i, layer in enumerate(table):
             assert all(len(set(h)) == len(h) and h[0] == native_table(cfg, 2)[i][e][0] for e, h in enumerate(layer))
@@ -48,6 +49,23 @@ def test_skewed_layers_get_balanced_as_far_as_the_budget_allows():
     two = plan_replicas(cfg, 2, demand, slots=2)
     assert [balancedness(rank_loads(d, t, 2)) for d, t in zip(demand, two)] == [1.0, 1.0]
     assert count_replicas(two, 2) == [0, 2]
+
+
+def test_a_hedged_table_fills_the_slots_the_expected_loads_leave_most_demanded_first():
+    """A forecast's expected loads are level after a replica or two, and the plain greedy stops there; hedged
+    (the predictive policy's), the slots left go to the most demanded experts (by their share of their layer),
+    each onto a rank with room: the plain table's replicas stay, no layer's expected maximum rises."""
+    cfg = model_config(experts=(4, 8))
+    demand = [[80.0, 5.0, 10.0, 5.0], [50.0, 2.0, 2.0, 2.0, 10.0, 10.0, 12.0, 12.0]]
+    plain, hedged = plan_replicas(cfg, 2, demand, slots=3), plan_replicas(cfg, 2, demand, slots=3, hedge=True)
+    assert count_replicas(plain, 2) == [0, 2] and count_replicas(hedged, 2) == [3, 3]
+    for d, p, h in zip(demand, plain, hedged):
+        assert all(a == b[:len(a)] for a, b in zip(p, h))  # only added to
+        assert max(rank_loads(d, h, 2)) <= max(rank_loads(d, p, 2)) + 1e-9
+    # rank 0's three: copies of rank 1's most demanded experts of layer 1 (7 and 6: 12% each, then a 10%);
+    # rank 1's third: layer 0's expert 1 (5%: the one left there with a rank that has room)
+    added = {(i, e, r) for i, (p, h) in enumerate(zip(plain, hedged)) for e, (a, b) in enumerate(zip(p, h)) for r in b[len(a):]}
+    assert {(1, 7, 0), (1, 6, 0)} <= added and all(r == 0 or (i, e) == (0, 1) for i, e, r in added)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,12 @@ forwards on every rank: first the prefill chunks, then one decode token of every
 `SlotCache` is a KV cache with one row per sequence and a length per row, so rows of different
 lengths batch together: keys are written at each row's own positions, each query sees its row's
 keys up to its own position (an explicit attention mask), positions are per row. It implements
-pipeline/model.py's cache protocol (`Cache`), as the model's own `KVCache` does.
+pipeline/model.py's cache protocol (`Cache`), as the model's own `KVCache` does. On the CPU a decode
+forward (one new token a row) attends in csrc/gemv.cpp's kernel (`SlotCache.attend`: the rows read
+in place, no gather, no mask), a prefill through scaled_dot_product_attention.
+
+A request's text grows by incremental detokenization (`Detokenizer`: tokenizers' DecodeStream, as
+vLLM), not by decoding all its tokens again every step.
 
 The ranks' messages (one `Step` broadcast per step, the results gathered back) are in
 export/serve/ranks.py.
@@ -222,7 +227,7 @@ class Request:
         return True
 
     def append(self, token: int, logprob: float | None, top: dict[int, float] | None, eos: int | None,
-               decode: "Detokenizer") -> None:
+               decode: Detokenizer) -> None:
         """Take `token` (and its log-probability and top alternatives when asked for): the end token finishes, a
         stop string cuts the text and finishes, max_tokens finishes; otherwise `on_token` hears of it."""
         if logprob is not None:

@@ -29,7 +29,9 @@ Policies (decided on rank 0, sent with each forward when they change):
 Capacity capping: a rank holds at most `replica_budget` x (its native experts) replicas, over all
 layers (every expert has the same size, so this is a memory budget); `plan_replicas` adds, one at
 a time, the replica that most lowers a layer's busiest rank, until the budget is spent or no
-replica helps.
+replica helps. The predictive policy's tables are hedged: a forecast's expected loads are level after
+a replica or two, so the slots left go to the most demanded experts, room for the exchange to
+water-fill the forward's real counts (`plan_replicas(hedge=True)`).
 
 Offload and prefetch (`--resident-experts F`): a rank keeps only a fraction F of its native experts
 resident (tensors in memory); the others stay in the package's safetensors, memory-mapped (on a
@@ -167,11 +169,16 @@ def route_pairs(counts: list[list[int]], holders: list[list[int]], ep: int) -> l
     return send
 
 
-def plan_replicas(cfg: ModelConfig, ep: int, demand: list[list[float]], slots: int) -> list[list[list[int]]]:
+def plan_replicas(cfg: ModelConfig, ep: int, demand: list[list[float]], slots: int,
+                  hedge: bool = False) -> list[list[list[int]]]:
     """A replica table for `demand` (per layer, per expert) with at most `slots` replicas per rank.
 
     Greedy: add the replica (layer, expert, rank) that most lowers its layer's busiest-rank load,
-    relative to the layer's total, until no rank has room or no replica lowers any layer's maximum."""
+    relative to the layer's total, until no rank has room or no replica lowers any layer's maximum.
+    `hedge` (demand that is a forecast): then fill the slots left, most demanded experts first (their
+    share of their layer's demand), each onto the rank with room that its layer loads least. The
+    expected loads are often level after one replica a layer, yet the forward's real counts are not:
+    every extra holder is room for the exchange to water-fill the forecast's error."""
     table = native_table(cfg, ep)
     free = [slots] * ep
     if ep == 1 or slots == 0:
@@ -202,6 +209,18 @@ def plan_replicas(cfg: ModelConfig, ep: int, demand: list[list[float]], slots: i
         i, e, r = best
         table[i][e].append(r)
         free[r] -= 1
+    if hedge:
+        shares = sorted(((d[e] / sum(d), i, e) for i, d in enumerate(demand) if sum(d) > 0
+                         for e in range(len(d)) if d[e] > 0), reverse=True)
+        for _, i, e in shares:
+            room = [r for r in range(ep) if free[r] and r not in table[i][e]]
+            if not any(free):
+                break
+            if room:
+                loads = rank_loads(demand[i], table[i], ep)
+                r = min(room, key=lambda r: loads[r])
+                table[i][e].append(r)
+                free[r] -= 1
     return table
 
 

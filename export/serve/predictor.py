@@ -466,6 +466,7 @@ class PredictivePolicy(Policy):
             self.ready.notify_all()
 
     def _plan(self, demand: list[list[float]]):
-        table = keep_or_replace(self.table, plan_replicas(self.cfg, self.ep, demand, self.slots), demand, self.ep)
+        table = keep_or_replace(self.table, plan_replicas(self.cfg, self.ep, demand, self.slots, hedge=True), demand,
+                                self.ep)
         expected = [sorted((e for e in range(len(d)) if d[e] >= 0.05), key=lambda e: -d[e]) for d in demand]
         return table, expected, demand
