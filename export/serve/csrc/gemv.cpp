@@ -123,6 +123,11 @@ static void rows(const W* w, const float* x, const W* bias, W* y, int64_t I, int
   }
 }
 
+// The weight 2 KB ahead of a read, prefetched non-temporally: the stream (hundreds of MB a token) would otherwise
+// evict everything else a decode step touches from the caches (the KV cache, activations, the interpreter's own
+// memory) on every step; with the hint the step's other work ran ~0.3-0.4 ms faster a token (4-8% of a step).
+static inline void ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + 2048, _MM_HINT_NTA); }
+
 // One input row (batch-1 decode): output rows one after another, each read start to end with U independent sums,
 // so a thread's share of the weight is one sequential stream. The hardware prefetcher follows one stream far
 // better than GROUP interleaved rows of a few KB each: in bf16 ~20% more GB/s when the memory is fast (70 GB/s
@@ -136,7 +141,10 @@ static void row1(const W* w, const float* x, const W* bias, W* y, int64_t I, int
     for (int u = 0; u < U; ++u) acc[u] = vzero();
     int64_t i = 0;
     for (; i + U * VW <= I; i += U * VW)
-      for (int u = 0; u < U; ++u) acc[u] = vfma(vload(wr + i + u * VW), vload(x + i + u * VW), acc[u]);
+      for (int u = 0; u < U; ++u) {
+        if (sizeof(W) == 4 || u % 2 == 0) ahead(wr + i + u * VW);  // a line per 64 bytes
+        acc[u] = vfma(vload(wr + i + u * VW), vload(x + i + u * VW), acc[u]);
+      }
     for (; i + VW <= I; i += VW) acc[0] = vfma(vload(wr + i), vload(x + i), acc[0]);
     float s = vsum(acc[0] + acc[1] + acc[2] + acc[3]);
     for (; i < I; ++i) s += static_cast<float>(wr[i]) * x[i];
@@ -191,9 +199,11 @@ static void row1_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t
     for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 * U <= I; i += 32 * U)
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < U; ++u) {
+        ahead(wr + i + 32 * u);
         acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(wr + i + 32 * u),
                                   (__m512bh)_mm512_loadu_si512(x + i + 32 * u));
+      }
     for (; i + 32 <= I; i += 32)
       acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(wr + i), (__m512bh)_mm512_loadu_si512(x + i));
     float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
