@@ -213,9 +213,9 @@ def plan_replicas(cfg: ModelConfig, ep: int, demand: list[list[float]], slots: i
         shares = sorted(((d[e] / sum(d), i, e) for i, d in enumerate(demand) if sum(d) > 0
                          for e in range(len(d)) if d[e] > 0), reverse=True)
         for _, i, e in shares:
-            room = [r for r in range(ep) if free[r] and r not in table[i][e]]
             if not any(free):
                 break
+            room = [r for r in range(ep) if free[r] and r not in table[i][e]]
             if room:
                 loads = rank_loads(demand[i], table[i], ep)
                 r = min(room, key=lambda r: loads[r])

@@ -32,7 +32,6 @@ static inline vf vload(const c10::BFloat16* p) {
 }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-static inline float vmax(vf v) { return _mm512_reduce_max_ps(v); }
 static inline vf vset(float a) { return _mm512_set1_ps(a); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vmaxv(vf a, vf b) { return _mm512_max_ps(a, b); }
@@ -56,11 +55,6 @@ static inline float vsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-static inline float vmax(vf v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 static inline vf vset(float a) { return _mm256_set1_ps(a); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
