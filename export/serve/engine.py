@@ -126,11 +126,16 @@ class SlotCache(Cache):
         counts = torch.tensor(self.counts, device=self.device)
         return torch.arange(T, device=self.device)[None, :] < counts[:, None]  # [B, T]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T = k.shape[2]
-        end = self.length + T  # keys the longest row has after this forward
+    def _room(self, T: int) -> int:
+        """The keys the longest row has after a forward of T tokens; refused past the cache's length."""
+        end = self.length + T
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens, {end} needed")
+        return end
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = k.shape[2]
+        end = self._room(T)
         K, V = self.k[layer], self.v[layer]
         if len(self.rows) == 1:  # one row: plain slices, no gather
             r, p = self.rows[0], self._start[0]
@@ -156,8 +161,7 @@ class SlotCache(Cache):
         K = self.k[layer]
         if self._kernel is None or T != 1 or self._padded or B == 0 or q.dtype != K.dtype:
             return None
-        if self.length + T > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens, {self.length + T} needed")
+        self._room(T)
         y = self._kernel.decode_attention(q.reshape(B, H, D).contiguous(), k.reshape(B, -1, D).contiguous(),
                                           v.reshape(B, -1, D).contiguous(), K, self.v[layer], self.rows, self._start)
         return y.view(B, H, 1, D)

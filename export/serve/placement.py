@@ -210,7 +210,8 @@ def plan_replicas(cfg: ModelConfig, ep: int, demand: list[list[float]], slots: i
         table[i][e].append(r)
         free[r] -= 1
     if hedge:
-        shares = sorted(((d[e] / sum(d), i, e) for i, d in enumerate(demand) if sum(d) > 0
+        totals = [sum(d) for d in demand]  # once a layer, not once an expert
+        shares = sorted(((d[e] / totals[i], i, e) for i, d in enumerate(demand) if totals[i] > 0
                          for e in range(len(d)) if d[e] > 0), reverse=True)
         for _, i, e in shares:
             if not any(free):
