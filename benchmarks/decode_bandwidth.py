@@ -186,7 +186,8 @@ def model_dtype(engine):
 
 def decode_run(engine, prompt: list[int], new_tokens: int) -> dict:
     """One greedy request; decode tokens/s from its first token to its last (prefill excluded)."""
-    from export.serve.engine import SamplingParams, generate
+    from export.serve.engine import generate
+    from export.serve.request import SamplingParams
 
     (req,) = generate(engine, [prompt], SamplingParams(max_tokens=new_tokens, temperature=0.0))
     if req.finish_reason != "length":
@@ -204,7 +205,7 @@ def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
     the engine's Python)."""
     import torch
 
-    from export.serve.engine import SamplingParams
+    from export.serve.request import SamplingParams
 
     model, spent, undo = engine.model, dict.fromkeys(CATEGORIES, 0.0), []
 

@@ -153,6 +153,18 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens each rank runs in one step, decode tokens first, then prompt chunks: a longer "
                         f"prompt is prefilled in chunks over several steps (default {d['max_batched_tokens']}; "
                         f"at least --max-batch)")
+    p.add_argument("--kv-cache-memory", type=float, metavar="GIB", default=quiet,
+                   help="GiB of KV cache per rank, in blocks of --block-size tokens; requests are admitted by free "
+                        "blocks and the newest is preempted (recomputed later) when they run out (default: a quarter "
+                        "of the memory available at start-up, shared by this machine's ranks, on a GPU 80%% of its "
+                        "free memory; at most what --max-batch sequences of --max-model-len fill)")
+    p.add_argument("--max-model-len", type=_positive_int, default=quiet,
+                   help="longest sequence served, prompt + max_tokens (default: the model's context, lowered with a "
+                        "printed reason when the KV cache cannot hold one such sequence); longer requests get 400")
+    p.add_argument("--block-size", type=_positive_int, default=quiet,
+                   help=f"tokens per KV block, the unit of allocation and of prefix sharing (default {d['block_size']})")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=quiet,
+                   help="do not share the KV blocks of a common prompt prefix between requests (on by default)")
     p.add_argument("--expert-exchange", choices=["auto", "all-to-all", "all-reduce"], default=quiet,
                    help="data parallel: how tokens reach their experts' ranks. all-to-all: DeepSpeed comm's "
                         "variable-split all_to_all_single (each rank receives only its tokens); all-reduce: two "
@@ -243,13 +255,13 @@ def cmd_verify(args) -> int:
     return 0
 
 
-def _relaunch_if_asked(args, argv: list[str], graceful_rank0: bool = False) -> int | None:
+def _relaunch_if_asked(args, argv: list[str], relaunch=None) -> int | None:
     """With --nproc N > 1 outside a launcher: this command again under the DeepSpeed launcher (its exit
-    status); otherwise None (go on in this process)."""
+    status; `relaunch`: how, default `dist.relaunch`); otherwise None (go on in this process)."""
     from pipeline import dist
 
     if not dist.under_launcher() and (args.nproc or 1) > 1:
-        return dist.relaunch(args.nproc, "pipeline.cli", _strip_nproc(argv), graceful_rank0)
+        return (relaunch or dist.relaunch)(args.nproc, "pipeline.cli", _strip_nproc(argv))
     return None
 
 
@@ -266,7 +278,9 @@ def cmd_serve(args, argv: list[str]) -> int:
         print(f"serve error: {err}", file=sys.stderr)
         return 2
     args.nproc = config.nproc
-    if (code := _relaunch_if_asked(args, argv, graceful_rank0=True)) is not None:
+    from export.serve.lifecycle import relaunch_server
+
+    if (code := _relaunch_if_asked(args, argv, relaunch_server)) is not None:
         return code
     from export.package import PackageError
     from export.serve.server import serve

@@ -341,65 +341,15 @@ def barrier() -> None:
         td.barrier()
 
 
-def relaunch(nproc: int, module: str, args: list[str], graceful_rank0: bool = False) -> int:
-    """Run `python -m module args` on `nproc` local ranks through the DeepSpeed launcher; its exit status.
-
-    graceful_rank0 (servers): SIGTERM/SIGINT sent to this process go to rank 0 alone, which drains and
-    then stops the other ranks itself, instead of to the launcher, which would kill every rank at once.
-    (A terminal's Ctrl-C reaches the whole process group, the launcher included: that stops at once.)
-    """
-    import signal
-
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-           "--master_port", str(free_port()), "--no_local_rank", "--module", module, *args]
+def launcher_command(nproc: int, module: str, args: list[str]) -> list[str]:
+    """`python -m module args` on `nproc` local ranks through the DeepSpeed launcher, as a command (printed)."""
     print(f"launching {nproc} ranks: deepspeed --num_gpus {nproc} --module {module} {' '.join(args)}",
           file=sys.stderr, flush=True)
-    if not graceful_rank0:
-        return subprocess.call(cmd)
-    # rank 0 watches this process: if it is killed outright (SIGKILL), the server stops instead of living on
-    proc = subprocess.Popen(cmd, env={**os.environ, PARENT_ENV: str(os.getpid())})
-
-    def forward(sig, frame):
-        target = _rank0_of(proc.pid)
-        try:
-            os.kill(target, sig) if target else proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    return proc.wait()
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+            "--master_port", str(free_port()), "--no_local_rank", "--module", module, *args]
 
 
-PARENT_ENV = "MOE_PIPELINE_PARENT_PID"
-
-
-def parent_alive() -> bool:
-    """False once the process that relaunched us under the launcher (PARENT_ENV) has gone."""
-    pid = os.environ.get(PARENT_ENV)
-    if not pid:
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError):
-        return True
-    return True
-
-
-def _rank0_of(launcher_pid: int) -> int | None:
-    """The pid of rank 0 among the launcher's descendants (its environment says RANK=0), if it has started."""
-    import psutil
-
-    try:
-        for child in psutil.Process(launcher_pid).children(recursive=True):
-            try:
-                env = child.environ()
-            except (psutil.Error, OSError):
-                continue
-            if env.get("RANK") == "0" and "LOCAL_RANK" in env:
-                return child.pid
-    except psutil.Error:
-        return None
-    return None
+def relaunch(nproc: int, module: str, args: list[str]) -> int:
+    """Run `python -m module args` on `nproc` local ranks through the DeepSpeed launcher; its exit status. (A server
+    relaunches itself with export/serve/lifecycle.py instead: signals to rank 0, a watch on this process.)"""
+    return subprocess.call(launcher_command(nproc, module, args))

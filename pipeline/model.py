@@ -153,8 +153,8 @@ class Cache(Protocol):
       * `advance(T)`: called once after the last layer: the T new tokens are now cached.
 
     Implemented by `KVCache` (below: one length for the whole batch), by the serving runtime's
-    `SlotCache` (export/serve/engine.py: a length per row, rows of different lengths decoding
-    together) and by the Hugging Face wrapper's view of HF's own `Cache` (export/hf/). A class that
+    `PagedCache` (export/serve/kv_cache.py: blocks from a pool, a length per row, rows of different
+    lengths decoding together) and by the Hugging Face wrapper's view of HF's own `Cache` (export/hf/). A class that
     subclasses it gets the one-length-per-batch behaviour of the last three."""
 
     length: int
@@ -254,11 +254,7 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three projections; `fused` (set by the CPU serving runtime, export/serve/linears.py): one product
-        instead, whose output is split by `fused.sizes` (a third of the weight reads' calls)."""
-        fused = self.__dict__.get("fused")
-        if fused is not None:
-            return fused(x).split(fused.sizes, dim=-1)
+        """The three projections (a finished model's serving may replace this with one fused product)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cache: Cache | None = None, layer: int = 0,

@@ -98,6 +98,7 @@ def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, t
     experts without biases, a shared expert, unnormalised top-k) and its CPU linears on every weight (q, k, v fused
     into one product even where k and v are narrower), from our weights' files."""
     from export.serve import linears
+    from export.serve.linears import FusedQKV
     from export.serve.placement import placed_model
 
     monkeypatch.setattr(linears, "SERVE_FROM", 0)  # these small weights too: the fused q, k, v and the kernel
@@ -110,7 +111,7 @@ def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, t
     (tmp_path / "ours").mkdir()
     save_weights(ours, tmp_path / "ours")
     served = placed_model(ours.cfg, tmp_path / "ours", dist.init(), torch.float32)
-    assert "fused" in served.blocks[0].attn.__dict__
+    assert isinstance(served.blocks[0].attn.qkv, FusedQKV)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         diff = (served(ids).logits - hf(ids).logits).abs().max().item()
@@ -242,7 +243,8 @@ def test_load_hf_teacher_builds_in_the_checkpoints_dtype_with_fp32_gates(tmp_pat
 def test_the_serving_engine_decodes_an_imported_gqa_teacher_as_our_model_does(tmp_path):
     """export/serve/engine.py's per-row key/value cache holds the kv heads (2 of 4 query heads here) with rotary
     positions per row: rows of different lengths decoding together give the model's own greedy tokens."""
-    from export.serve.engine import Engine, SamplingParams, generate
+    from export.serve.engine import Engine, generate
+    from export.serve.request import SamplingParams
     from export.serve.placement import placed_model
     from pipeline import dist
     from pipeline.data import gpt2_tokenizer

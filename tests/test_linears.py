@@ -1,4 +1,4 @@
-"""export/serve/linears.py: CPU serving linears (the few-row GEMV kernel, oneDNN) and the decode attention kernel
+"""export/serve/linears.py: CPU serving linears (the few-row GEMV kernel, oneDNN) and the paged decode attention kernel
 give the model's own outputs."""
 
 from __future__ import annotations
@@ -64,58 +64,44 @@ def check_kernel(gemv):
 
 
 def check_attention(kernel):
-    """decode_attention against scaled_dot_product_attention in fp32 on the same cache rows: one row and several
-    (in any cache order), grouped-query heads, a head size off the vector width, keys past a vector's multiple,
-    a full cache; the new key and value land at the row's position and nothing else in the cache changes."""
-    torch.manual_seed(0)
-    for dtype, tol in [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)]:
-        for B, H, Hkv, D, L, starts in [(1, 16, 16, 64, 64, [9]), (3, 8, 2, 128, 40, [0, 17, 39]),
-                                          (2, 4, 4, 17, 33, [32, 5]), (1, 4, 1, 64, 600, [599])]:
-            K, V = torch.randn(B + 2, Hkv, L, D).to(dtype), torch.randn(B + 2, Hkv, L, D).to(dtype)
-            rows = list(range(B + 1, 0, -1))[:B]
-            q, k, v = (torch.randn(B, h, D).to(dtype) for h in (H, Hkv, Hkv))
-            K2, V2 = K.clone(), V.clone()
-            y = kernel.decode_attention(q, k, v, K2, V2, rows, starts)
-            assert y.dtype == dtype and y.shape == (B, H, D)
-            for b, (r, p) in enumerate(zip(rows, starts)):
-                K[r, :, p], V[r, :, p] = k[b], v[b]
-                ref = F.scaled_dot_product_attention(q[b][None, :, None].float(), K[r:r + 1, :, :p + 1].float(),
-                                                     V[r:r + 1, :, :p + 1].float(), enable_gqa=H != Hkv)
-                torch.testing.assert_close(y[b].float(), ref[0, :, 0], atol=tol, rtol=tol)
-            assert torch.equal(K, K2) and torch.equal(V, V2)
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        kernel.decode_attention(*(torch.randn(1, 2, 8) for _ in range(3)), torch.zeros(1, 2, 4, 8),
-                                torch.zeros(1, 2, 4, 8), [0], [4])
-    with pytest.raises(RuntimeError, match="fp32 or bf16"):
-        kernel.decode_attention(*(torch.randn(1, 2, 8).double() for _ in range(3)),
-                                torch.zeros(1, 2, 4, 8).double(), torch.zeros(1, 2, 4, 8).double(), [0], [1])
+    """paged_attention of this build against SDPA (tests/test_paged_attention.py): fp32 and bf16, grouped-query heads,
+    a head size off the vector width."""
+    from test_paged_attention import check_case
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        check_case(kernel, dtype, tol, 4, 2, 40)
 
 
 def test_the_serving_cache_attends_with_the_kernel_and_gives_the_model_s_tokens():
-    """SlotCache.attend on the CPU: the decode kernel for one new token a row (rows of different lengths decoding
-    together), None for a prompt (SDPA then); a greedy decode through it equals one through SDPA's path."""
-    from export.serve.engine import SlotCache
+    """PagedCache.attend on the CPU: the paged kernel for one new token a row (rows of different lengths, blocks
+    scattered over the pool, decoding together), None for a prompt (SDPA then); a greedy decode through it equals
+    one through the model's own cache and SDPA."""
+    from export.serve.kv_cache import PagedCache
     from pipeline.model import GPT, KVCache
 
     cfg = model_config(layers=2, hidden=64, heads=4, experts=(4,), moe_layers=(1,))
     torch.manual_seed(0)
     model = GPT(cfg).eval()
-    cache = SlotCache(cfg, slots=3, max_len=32)
+    cache = PagedCache(cfg, blocks=12, block_size=4, heads=cfg.kv_group_heads)
     assert cache._kernel is not None
+    cache.extend(2, [7, 1, 10, 4, 0])  # sequence 2: 5 + 7 tokens; sequence 0: 9 + 7
+    cache.extend(0, [3, 11, 5, 9, 2])
     prompts = [torch.randint(0, cfg.vocab_size, (1, n)) for n in (5, 9)]
     with torch.no_grad():
         firsts, refs = [], []
-        for slot, p in zip((2, 0), prompts):
-            cache.select([slot])
+        for seq, p in zip((2, 0), prompts):
+            cache.select([seq], [0], [p.shape[1]])
             assert cache.attend(0, *(torch.zeros(1, cfg.heads, p.shape[1], cfg.head_size) for _ in range(3))) is None
             firsts.append(model(p, cache=cache).logits[0, -1].argmax().item())
             ref_cache = KVCache(cfg, batch=1, max_len=32)
             model(p, cache=ref_cache)
             refs.append((ref_cache, [firsts[-1]]))
         toks = [[t] for t in firsts]
+        lens = [5, 9]
         for _ in range(6):  # both rows decode together: one new token each, different lengths
-            cache.select([2, 0])
+            cache.select([2, 0], lens, [1, 1])
             logits = model(torch.tensor([[t[-1]] for t in toks]), cache=cache).logits[:, -1]
+            lens = [n + 1 for n in lens]
             for t, row in zip(toks, logits):
                 t.append(row.argmax().item())
             for ref_cache, ref in refs:  # the model's own cache and SDPA, one row at a time
@@ -162,7 +148,7 @@ def test_row_buckets_bound_the_shapes_onednn_compiles():
 
 
 def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
-    from export.serve.linears import ENV, ServingLinear, serving_linears
+    from export.serve.linears import ENV, FusedQKV, ServingLinear, serving_linears
     from pipeline.model import GPT, init_weights
 
     cfg = model_config(hidden=128, heads=4)
@@ -176,7 +162,7 @@ def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
     assert serving_linears(model) == 0  # switched off: nothing changes
     monkeypatch.delenv(ENV)
     assert serving_linears(model) > 0
-    assert all(b.attn.__dict__.get("fused") is not None for b in model.blocks)  # q, k, v as one projection
+    assert all(isinstance(b.attn.qkv, FusedQKV) for b in model.blocks)  # q, k, v as one projection
     assert all(type(m.moe.deepspeed_moe.gate.wg) is nn.Linear for m in model.moe_layers())  # the router reads it
     assert isinstance(model.lm_head, ServingLinear)
     assert model.lm_head.served.weight.data_ptr() == model.wte.weight.data_ptr()  # tied: one copy

@@ -80,7 +80,8 @@ def package(small_run, tmp_path_factory):
 @pytest.mark.parametrize("policy, resident", [("none", 1.0), ("reactive", 1.0), ("reactive", 0.25)])
 def test_placed_experts_give_the_reference_outputs(package, policy, resident):
     from export.serve.config import ServeConfig
-    from export.serve.engine import Engine, SamplingParams, generate
+    from export.serve.engine import Engine, generate
+    from export.serve.request import SamplingParams
 
     ref = Engine.from_config(ServeConfig(package=package))
     placed = Engine.from_config(ServeConfig(package=package, placement=policy, replica_budget=0.5,
@@ -129,7 +130,8 @@ def test_predictor_is_stored_verifiable_and_beats_the_frequency_baseline(predict
 
 def test_predictive_placement_keeps_outputs_and_its_thread_stops(predicted_package):
     from export.serve.config import ServeConfig
-    from export.serve.engine import Engine, SamplingParams, generate
+    from export.serve.engine import Engine, generate
+    from export.serve.request import SamplingParams
 
     ref = Engine.from_config(ServeConfig(package=predicted_package))
     eng = Engine.from_config(ServeConfig(package=predicted_package, placement="predictive", replica_budget=0.5,
@@ -177,7 +179,8 @@ def test_a_package_file_changed_under_offloaded_experts_fails_requests_not_the_s
     import shutil
 
     from export.serve.config import ServeConfig
-    from export.serve.engine import Engine, SamplingParams
+    from export.serve.engine import Engine
+    from export.serve.request import SamplingParams
 
     pkg = tmp_path / "pkg"
     shutil.copytree(package, pkg)
@@ -191,7 +194,7 @@ def test_a_package_file_changed_under_offloaded_experts_fails_requests_not_the_s
         eng.step()
     assert {r.finish_reason for r in reqs} == {"error"}
     assert all("changed since it was verified" in r.text for r in reqs)
-    assert eng.stats["failed"] == 3 and not eng.running and sorted(eng.free[0]) == list(range(eng.max_batch))
+    assert eng.stats["failed"] == 3 and not eng.running and eng.scheduler.pools[0].used() == 0
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

@@ -33,7 +33,7 @@ def alone(engine, prompt: list[int], n: int) -> list[int]:
 
 
 def test_staggered_arrivals_share_steps_and_match_each_request_alone(engine):
-    from export.serve.engine import SamplingParams
+    from export.serve.request import SamplingParams
 
     prompts = [engine.encode(t) for t in ("And God said", "To be, or not to be, that is the question:",
                                           "In the beginning God created the heaven and the earth. And the")]
@@ -51,11 +51,13 @@ def test_staggered_arrivals_share_steps_and_match_each_request_alone(engine):
     for prompt, seq in zip(prompts + [prompts[0]], seqs):
         assert seq.generated == alone(engine, prompt, seq.params.max_tokens)
     assert max(sizes) == 3 and len(sizes) == engine.stats["decode_steps"]  # decode steps really were shared
-    assert sorted(engine.free[0]) == [0, 1, 2] and not engine.running
+    assert engine.scheduler.pools[0].used() == 0 and not engine.running
 
 
 def test_seeded_sampling_is_reproducible_and_top_p_limits_the_choice(engine):
-    from export.serve.engine import SamplingParams, generate, sample
+    from export.serve.engine import generate
+    from export.serve.request import SamplingParams
+    from export.serve.sampling import sample
 
     p = engine.encode("And God said")
     a, b = (generate(engine, [p], SamplingParams(max_tokens=8, temperature=1.0, seed=7))[0].generated for _ in range(2))
@@ -67,7 +69,8 @@ def test_seeded_sampling_is_reproducible_and_top_p_limits_the_choice(engine):
 
 
 def test_stop_strings_and_end_of_text(engine):
-    from export.serve.engine import SamplingParams, generate
+    from export.serve.engine import generate
+    from export.serve.request import SamplingParams
 
     p = engine.encode("And God said")
     free = generate(engine, [p], SamplingParams(max_tokens=10, temperature=0))[0]
@@ -84,7 +87,8 @@ def test_stop_strings_and_end_of_text(engine):
 def test_a_tiny_temperature_is_greedy_and_an_error_fails_its_request_alone(engine):
     """temperature 1e-40 made logits / T overflow to inf and multinomial raise in the engine loop; an error while
     serving one request (here its own streaming callback raising) failed every request."""
-    from export.serve.engine import SamplingParams, generate
+    from export.serve.engine import generate
+    from export.serve.request import SamplingParams
 
     p = engine.encode("And God said")
     greedy = generate(engine, [p], SamplingParams(max_tokens=6, temperature=0))[0].generated
@@ -99,11 +103,12 @@ def test_a_tiny_temperature_is_greedy_and_an_error_fails_its_request_alone(engin
         engine.step()
     assert bad.finish_reason == "error" and "event loop is closed" in bad.text
     assert good.finish_reason == "length" and good.generated == alone(engine, good.prompt, 6)
-    assert not engine.running and sorted(engine.free[0]) == [0, 1, 2]  # the failed one's slot came back
+    assert not engine.running and engine.scheduler.pools[0].used() == 0  # the failed one's slot came back
 
 
 def test_echo_logprobs_are_scored_in_row_chunks_with_the_same_values(engine):
-    from export.serve.engine import SamplingParams, generate
+    from export.serve.engine import generate
+    from export.serve.request import SamplingParams
 
     prompt = engine.encode("In the beginning God created the heaven and the earth. And the earth was without form")
     whole = generate(engine, [prompt], SamplingParams(max_tokens=1, temperature=0, echo=True, logprobs=2))[0]
@@ -122,7 +127,7 @@ def test_echo_logprobs_are_scored_in_row_chunks_with_the_same_values(engine):
 
 
 def test_aborted_requests_never_run_or_free_their_slot(engine):
-    from export.serve.engine import SamplingParams
+    from export.serve.request import SamplingParams
 
     p = engine.encode("And God said")
     running = [engine.submit(p, SamplingParams(max_tokens=30, temperature=0)) for _ in range(3)]  # 3 slots
@@ -132,11 +137,11 @@ def test_aborted_requests_never_run_or_free_their_slot(engine):
     engine.abort(waiting)
     engine.step()
     assert running[0].finish_reason == "abort" and len(running[0].generated) <= 2
-    assert waiting.finish_reason == "abort" and waiting.generated == [] and waiting.slot is None
+    assert waiting.finish_reason == "abort" and waiting.generated == [] and waiting.rank is None
     while engine.pending():
         engine.step()
     assert [r.finish_reason for r in running[1:]] == ["length", "length"]
-    assert sorted(engine.free[0]) == [0, 1, 2]
+    assert engine.scheduler.pools[0].used() == 0
     # nothing the engine keeps grows with its lifetime (a list of every decode step's batch size did)
     assert all(isinstance(v, int) for v in engine.stats.values()) and engine.stats["decode_steps"] > 30
 
@@ -145,7 +150,7 @@ def test_streamed_text_never_shows_what_a_later_token_changes():
     """Byte-level BPE decodes a multibyte character split over tokens as "\ufffd" first, and a stop string's first
     characters are cut once it completes: `stable_text` holds both back, so every streamed prefix is a
     prefix of the final text."""
-    from export.serve.engine import Detokenizer, Request, SamplingParams
+    from export.serve.request import Detokenizer, Request, SamplingParams
     from pipeline.data import gpt2_tokenizer
 
     tok = gpt2_tokenizer(64)
@@ -175,7 +180,7 @@ def test_streamed_text_never_shows_what_a_later_token_changes():
 def test_a_prompt_that_cannot_be_scored_fails_alone_after_its_forward(engine):
     """Scoring runs between the vocabulary projection's chunks (collective under tensor slicing): an error there is
     kept until the forward has finished on every rank, then fails that request alone."""
-    from export.serve.engine import SamplingParams
+    from export.serve.request import SamplingParams
 
     p = engine.encode("And God said unto Moses")
     bad = engine.submit(p, SamplingParams(max_tokens=2, echo=True, logprobs=10 ** 6))  # more alternatives than V
@@ -183,7 +188,7 @@ def test_a_prompt_that_cannot_be_scored_fails_alone_after_its_forward(engine):
     while engine.pending():
         engine.step()
     assert bad.finish_reason == "error" and "ScoringError" not in bad.text and bad.text
-    assert good.generated == alone(engine, p, 4) and sorted(engine.free[0]) == [0, 1, 2]
+    assert good.generated == alone(engine, p, 4) and engine.scheduler.pools[0].used() == 0
     engine.fail_all("stopping")
     with pytest.raises(RuntimeError, match="the engine stopped"):
         engine.submit(p, SamplingParams(max_tokens=1))  # nobody would ever finish it
@@ -195,7 +200,7 @@ def test_a_prompt_that_cannot_be_scored_fails_alone_after_its_forward(engine):
 def test_a_burst_is_prefilled_in_one_padded_forward_with_each_prompts_own_tokens(engine):
     """Prompts of different lengths arriving together share one prefill forward (padded, per-row positions, the
     padding never routed to an expert) and get the tokens each gets alone."""
-    from export.serve.engine import SamplingParams
+    from export.serve.request import SamplingParams
 
     prompts = [engine.encode(t) for t in ("And God said", "To be, or not to be, that is the question:", "Let")]
     before = engine.stats["prefill_forwards"]
@@ -208,9 +213,10 @@ def test_a_burst_is_prefilled_in_one_padded_forward_with_each_prompts_own_tokens
 
 
 def test_a_prompt_longer_than_the_step_budget_is_chunked_and_decoding_goes_on(engine):
-    from export.serve.engine import SamplingParams
+    from export.serve.request import SamplingParams
 
-    long = engine.encode("In the beginning God created the heaven and the earth. And the earth was without form")
+    # a prompt no earlier test sent: no prefix-cache hit shortens it
+    long = engine.encode("Now the serpent was more subtil than any beast of the field which the LORD God had made")
     short = engine.encode("And God said")
     engine.max_batched_tokens = 5
     try:
@@ -228,4 +234,4 @@ def test_a_prompt_longer_than_the_step_budget_is_chunked_and_decoding_goes_on(en
     assert engine.stats["prefill_forwards"] - before >= len(long) // 5
     assert made[:len(long) // 5] == list(range(2, 2 + len(long) // 5))
     assert second.generated == alone(engine, long, 5) and first.generated == alone(engine, short, 12)
-    assert sorted(engine.free[0]) == [0, 1, 2]
+    assert engine.scheduler.pools[0].used() == 0

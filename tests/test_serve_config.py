@@ -51,12 +51,14 @@ def test_rank_messages_survive_the_json_trip():
     import json
 
     from export.serve import ranks
+    from export.serve.step import Forward, NewSeq, Row, Sampling, Step
 
     table = [[[0], [1, 0]], [[0], [0], [1], [1]]]
-    step = ranks.Step([[1, 3, {"temperature": 0.0, "top_p": 1.0, "logprobs": None, "seed": None}]],
-                      [{"kind": "prefill", "table": table, "expect": [[1], [2, 3]], "rows": [[1, 3, [5, 7], True, -1, []]]},
-                       {"kind": "decode", "table": None, "expect": None, "rows": [[0, 0, [9], True, -1, []]]}])
-    for msg in (step, ranks.Step([], []), ranks.Ping(), ranks.Stop()):
+    step = Step([Forward("prefill", [[Row(3, 0, [5, 7], [4, 1], True, None, 0, [7])], []],
+                         {"table": table, "expect": [[1], [2, 3]]}),
+                 Forward("decode", [[], [Row(0, 12, [9], [], True, 50256)]])],
+                new=[NewSeq(3, 0, Sampling(0.7, 0.9, 2, 11))], freed=[5], ended=[5])
+    for msg in (step, Step(), ranks.Ping(), ranks.Stop()):
         assert ranks.decode(json.loads(json.dumps(ranks.encode(msg)))) == msg
     ranks.send(ranks.Ping())  # one rank: nobody to tell, and no error
     assert ranks.gather_results([{"row": 0, "token": 5}]) == [[{"row": 0, "token": 5}]]  # one rank: its own

@@ -40,6 +40,12 @@ class ServeConfig(BaseModel):
     max_batch: int = Field(32, ge=1)  # sequences each rank decodes together
     max_batched_tokens: int = Field(2048, ge=1)  # tokens each rank runs in a step (decode first, then prompt chunks)
     max_prefill_seqs: int | None = Field(None, ge=1)  # prompts per prefill forward on a rank; None: all the step takes
+    # KV cache (export/serve/kv_cache.py): GiB per rank (None: a share of the free memory), the longest sequence
+    # (None: the model's context), tokens per block, sharing of prompt prefixes between requests
+    kv_cache_memory: float | None = Field(None, gt=0)
+    max_model_len: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1, le=1024)
+    prefix_caching: bool = True
     # the data-parallel path's expert exchange: auto (all-reduce through DeepSpeed's shared memory on one CPU machine,
     # else all-to-all), all-to-all (variable splits, DeepSpeed's comm), all-reduce
     expert_exchange: Literal["auto", "all-to-all", "all-reduce"] = "auto"

@@ -8,7 +8,12 @@
 Endpoints: `POST /v1/completions` (prompt as a string, token ids, or a list of either; max_tokens,
 temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `POST /v1/chat/completions` (messages rendered
 by the tokenizer's chat template; max_tokens or max_completion_tokens, temperature, top_p, seed, stop, stream;
-400 naming `messages` when the tokenizer has no template), `GET /v1/models`, `GET /health`,
+400 naming `messages` when the tokenizer has no template), both also with vLLM's `ignore_eos` (the end token
+does not finish) and `min_tokens` (neither the end token nor a stop string finishes before that many tokens;
+400 above max_tokens) and OpenAI's `stream_options: {"include_usage": true}` (400 without `stream`): one more
+chunk before `data: [DONE]`, `choices` [] and the request's `usage`, as OpenAI and vLLM send it, so that
+`vllm bench serve` and the OpenAI SDK count tokens as the server did. Every answer that is not streamed
+carries `usage` (the prompt's tokens, the generated tokens). `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text, export/serve/metrics.py), and vLLM's `GET /tokenizer_info`,
 `POST /tokenize`, `POST /detokenize`, so that lm-eval's `local-completions` model evaluates
 log-likelihood tasks against the server.
@@ -38,9 +43,17 @@ from fastapi import Request  # at module level: FastAPI resolves the handlers' (
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from export.serve.engine import Request as EngineRequest
-from export.serve.engine import SamplingParams
+from export.serve.request import Request as EngineRequest
+from export.serve.request import SamplingParams
 from export.serve.metrics import CONTENT_TYPE, ServeMetrics
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`; other keys (vLLM's `continuous_usage_stats`) are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    include_usage: bool = False
 
 
 class CompletionRequest(BaseModel):
@@ -58,9 +71,12 @@ class CompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     n: Literal[1] = 1
+    ignore_eos: bool = False  # vLLM's
+    min_tokens: int = Field(0, ge=0)  # vLLM's
 
     @field_validator("prompt")
     @classmethod
@@ -89,7 +105,8 @@ class CompletionRequest(BaseModel):
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, stop=list(self.stop or []), logprobs=self.logprobs, echo=self.echo)
+                              seed=self.seed, stop=list(self.stop or []), logprobs=self.logprobs, echo=self.echo,
+                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
 
 
 class ChatMessage(BaseModel):
@@ -119,19 +136,42 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: Literal[1] = 1
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
 
     _stops = field_validator("stop")(CompletionRequest._stops.__func__)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or 16,
                               temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                              stop=list(self.stop or []))
+                              stop=list(self.stop or []), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
+
+
+def _check_options(req: CompletionRequest | ChatRequest) -> None:
+    """What a field alone cannot check: min_tokens within max_tokens, stream_options only with stream (as vLLM)."""
+    max_tokens = req.sampling().max_tokens
+    if req.min_tokens > max_tokens:
+        raise BadRequest(400, f"min_tokens: must be less than or equal to max_tokens ({req.min_tokens} > "
+                         f"{max_tokens})", "min_tokens")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest(400, "stream_options: can only be defined when `stream` is true", "stream_options")
+
+
+def include_usage(req: CompletionRequest | ChatRequest) -> bool:
+    return req.stream and req.stream_options is not None and req.stream_options.include_usage
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def parse_chat(raw, engine, model_name: str) -> tuple[ChatRequest, list[int]]:
     """(the request, the rendered conversation's token ids) of a /v1/chat/completions body, or BadRequest."""
     req = _validated(ChatRequest, raw, model_name)
+    _check_options(req)
     tok = engine.tokenizer
     if not getattr(tok, "chat_template", None):
         raise BadRequest(400, "messages: this model's tokenizer has no chat template (a base model); send a prompt "
@@ -144,10 +184,10 @@ def parse_chat(raw, engine, model_name: str) -> tuple[ChatRequest, list[int]]:
                          "messages") from None
     ids = list(ids)
     max_tokens = req.sampling().max_tokens
-    if len(ids) + max_tokens > engine.cfg.seq_len:
-        param = "messages" if len(ids) >= engine.cfg.seq_len else "max_tokens"
+    if len(ids) + max_tokens > engine.max_model_len:
+        param = "messages" if len(ids) >= engine.max_model_len else "max_tokens"
         raise BadRequest(400, f"{param}: the conversation's {len(ids)} tokens + max_tokens {max_tokens} exceed the "
-                         f"model's context of {engine.cfg.seq_len} tokens", param)
+                         f"maximum model length of {engine.max_model_len} tokens (--max-model-len)", param)
     return req, ids
 
 
@@ -208,6 +248,7 @@ def _validated(schema: type[BaseModel], raw, model_name: str):
 def parse_completion(raw, engine, model_name: str, max_prompts: int) -> tuple[CompletionRequest, list[list[int]], list[str]]:
     """(the request, each prompt's token ids, each prompt's text) of a /v1/completions body, or BadRequest."""
     req = _validated(CompletionRequest, raw, model_name)
+    _check_options(req)
     prompts = req.prompts()
     if req.stream and len(prompts) > 1:
         raise BadRequest(400, "stream supports one prompt per request", "prompt")
@@ -215,14 +256,14 @@ def parse_completion(raw, engine, model_name: str, max_prompts: int) -> tuple[Co
         raise BadRequest(400, f"prompt: {len(prompts)} prompts in one request; at most {max_prompts} (--max-prompts)",
                          "prompt")
     encoded = [engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    vocab, context = engine.cfg.vocab_size, engine.cfg.seq_len
+    vocab, context = engine.cfg.vocab_size, engine.max_model_len
     if any(not 0 <= t < vocab for p in encoded for t in p):
         raise BadRequest(400, f"prompt: token ids must lie in [0, {vocab})", "prompt")
     for p in encoded:
         if len(p) + req.max_tokens > context:
             param = "prompt" if len(p) >= context else "max_tokens"
             raise BadRequest(400, f"{param}: the prompt's {len(p)} tokens + max_tokens {req.max_tokens} exceed the "
-                             f"model's context of {context} tokens", param)
+                             f"maximum model length of {context} tokens (--max-model-len)", param)
     texts = [p if isinstance(p, str) else engine.decode(p) for p in prompts]  # for echo
     return req, encoded, texts
 
@@ -246,18 +287,16 @@ def logprobs_body(engine, req: EngineRequest, echo: bool) -> dict:
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
-def _sse(rid: str, created: int, model: str, text: str, finish: str | None) -> str:
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
-    return f"data: {json.dumps(chunk)}\n\n"
+def _sse(rid: str, created: int, model: str, text: str, finish: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
 
 
-def _chat_sse(rid: str, created: int, model: str, text: str | None, finish: str | None) -> str:
+def _chat_sse(rid: str, created: int, model: str, text: str | None, finish: str | None) -> dict:
     """A chat.completion.chunk: text None is the opening delta (the role)."""
     delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-    return f"data: {json.dumps(chunk)}\n\n"
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
 
 async def _disconnected(request: Request) -> None:
@@ -397,9 +436,17 @@ async def complete_all(worker, request: Request, req,
 def stream_events(worker, metrics: ServeMetrics, model_name: str, req, prompt: list[int],
                   text: str, rid: str, created: int, chat: bool = False):
     """Submit the prompt now; server-sent events: the echoed prompt (for chat: the assistant role), each new piece
-    of text no later token can change (`Request.stable_text`), the finish reason. A client that hangs up aborts
-    the request."""
-    sse = _chat_sse if chat else _sse
+    of text no later token can change (`Request.stable_text`), the finish reason, and with
+    stream_options.include_usage a last chunk with no choices and the request's usage (every other chunk then
+    has `"usage": null`, as OpenAI's). A client that hangs up aborts the request."""
+    chunk_of = _chat_sse if chat else _sse
+    with_usage = include_usage(req)
+
+    def sse(*args) -> str:
+        chunk = chunk_of(*args)
+        if with_usage:
+            chunk["usage"] = None
+        return f"data: {json.dumps(chunk)}\n\n"
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     seq = worker.submit(prompt, req.sampling(),
@@ -426,6 +473,11 @@ def stream_events(worker, metrics: ServeMetrics, model_name: str, req, prompt: l
                 if len(final) > len(emitted):
                     yield sse(rid, created, model_name, final[len(emitted):], None)
                 yield sse(rid, created, model_name, "", value.finish_reason)
+                if with_usage:
+                    last = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created, "model": model_name, "choices": [],
+                            "usage": usage(len(prompt), len(value.generated))}
+                    yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
                 metrics.finished(value)
                 return
@@ -479,7 +531,7 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
     async def tokenizer_info():
         tok = engine.tokenizer
         return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
-                "pad_token": tok.pad_token, "model_max_length": engine.cfg.seq_len}
+                "pad_token": tok.pad_token, "model_max_length": engine.max_model_len}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -489,7 +541,7 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         except BadRequest as err:
             return _error(err, metrics)
         tokens = await off_loop(engine.encode, text)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.cfg.seq_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -506,7 +558,7 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "moe-pipeline",
-                                            "max_model_len": engine.cfg.seq_len}]}
+                                            "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -541,8 +593,7 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         usage_in, usage_out = sum(len(p) for p in encoded), sum(len(s.generated) for s in seqs)
         metrics.latency.observe(time.perf_counter() - t0)
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": choices,
-                "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out,
-                          "total_tokens": usage_in + usage_out}}
+                "usage": usage(usage_in, usage_out)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -569,7 +620,6 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": seq.text},
                              "logprobs": None, "finish_reason": seq.finish_reason}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(seq.generated),
-                          "total_tokens": len(ids) + len(seq.generated)}}
+                "usage": usage(len(ids), len(seq.generated))}
 
     return app

@@ -163,8 +163,9 @@ class ServingLinear(nn.Module):
 
 
 class FusedQKV:
-    """An attention layer's q, k and v projections as one [q + k + v, C] weight (its output split by `sizes`: k and v
-    narrower than q under grouped-query attention)."""
+    """An attention layer's q, k and v projections as one [q + k + v, C] weight, its output split by `sizes` (k and v
+    narrower than q under grouped-query attention): a third of the weight reads' calls. Set as the layer's `qkv`
+    (pipeline/model.py `Attention.qkv`), it takes the place of the three projections' method for that layer."""
 
     def __init__(self, attn: nn.Module):
         layers = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -173,8 +174,8 @@ class FusedQKV:
         biases = [l.bias for l in layers]
         self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight.linear(x, self.bias)
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.weight.linear(x, self.bias).split(self.sizes, dim=-1)
 
 
 def serving_linears(model: nn.Module) -> int:
@@ -186,7 +187,7 @@ def serving_linears(model: nn.Module) -> int:
     for module in list(model.modules()):
         projections = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
         if all(type(l) is nn.Linear for l in projections) and hasattr(module, "qkv") and serves(projections[0].weight):
-            module.__dict__["fused"] = FusedQKV(module)  # not a submodule: the state dict keeps q, k, v
+            module.qkv = FusedQKV(module)  # not a submodule (no parameters): shadows Attention.qkv for this layer
             for n in ("q_proj", "k_proj", "v_proj"):  # their weights now live in the fused copy only
                 setattr(module, n, nn.Identity())
             count += 3

@@ -1,4 +1,5 @@
-"""The server's Prometheus metrics (`GET /metrics`): requests, tokens, latency, batch sizes, expert load
+"""The server's Prometheus metrics (`GET /metrics`): requests, tokens, latency, batch sizes, KV-cache usage,
+prefix-cache queries and hits, preemptions, expert load
 per expert and per rank (measured in the all-to-all on the data-parallel path), its balance per layer
 and per step, and with expert placement its replicas, prefetch hits and predictor recall.
 
@@ -63,6 +64,15 @@ class ServeMetrics:
                                    "every request (aborted and failed ones included)", registry=reg)
         self.engine_failed = Gauge("moe_engine_failed_requests", "requests that failed alone (an error serving "
                                    "them) since start", registry=reg)
+        self.kv_usage = Gauge("moe_kv_cache_usage_perc", "fraction of the KV cache blocks in use, over every rank's "
+                              "pool (vLLM's kv_cache_usage_perc; cached blocks no sequence holds count as free)",
+                              registry=reg)
+        self.prefix_queries = Gauge("moe_prefix_cache_queries", "prompt tokens looked up in the prefix cache since "
+                                    "start (at each admission, recomputations after preemption included)", registry=reg)
+        self.prefix_hits = Gauge("moe_prefix_cache_hits", "of moe_prefix_cache_queries, tokens found cached (their KV "
+                                 "shared, not computed)", registry=reg)
+        self.preemptions = Gauge("moe_preemptions", "sequences preempted for lack of KV blocks since start (recomputed "
+                                 "later)", registry=reg)
         self.rank_rss = Gauge("moe_rank_resident_mib", "resident memory of each rank at its last health check",
                               ["rank"], registry=reg)
 
@@ -84,6 +94,11 @@ class ServeMetrics:
         self.engine_tokens.set(engine.stats["tokens_out"])
         self.engine_failed.set(engine.stats["failed"])
         self.waiting.set(len(engine.waiting))
+        sched = engine.scheduler
+        self.kv_usage.set(sched.kv_usage())
+        self.prefix_queries.set(sched.stats["prefix_queries"])
+        self.prefix_hits.set(sched.stats["prefix_hits"])
+        self.preemptions.set(sched.stats["preemptions"])
         for layer, counts in enumerate(list(engine.expert_tokens)):
             for e, c in enumerate(counts.tolist()):
                 self.experts.labels(str(layer), str(e)).set(c)

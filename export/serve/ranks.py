@@ -1,10 +1,10 @@
 """The serving ranks' conversation: rank 0 tells the others what to run, in typed messages.
 
 Every rank must run the same forwards (each MoE layer's expert all-to-all joins all ranks, as do
-tensor slicing's all-reduces). Rank 0 owns the scheduler (export/serve/engine.py); each step it
-broadcasts a `Step` (the sequences admitted to each rank, then each forward's rows of every rank)
-and every rank runs its own rows of it (`Engine.follow`); on the data-parallel path the sampled
-tokens come back to rank 0 in one gather (`gather_results`). Once a second (busy or idle) rank 0
+tensor slicing's all-reduces). Rank 0 owns the scheduler (export/serve/scheduler.py); each step it
+broadcasts the typed `Step` (export/serve/step.py: each forward's rows of every rank) and every rank
+runs its own rows of it (`Engine.follow`); on the data-parallel path the results (`RowResult`) come
+back to rank 0 in one gather (`gather_results`). Once a second (busy or idle) rank 0
 sends a `Ping`: every rank answers with its `RankStatus` through one all-gather, which also finds a
 dead rank within the collective's timeout. `Stop` ends `follow`.
 
@@ -16,18 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 
-
-@dataclass(frozen=True)
-class Step:
-    """One scheduler step. `admit`: [[rank, row, sampling]] sequences that start in a row of that rank's cache
-    (its length reset to 0; sampling: temperature, top_p, logprobs, seed). `phases`: the step's forwards in
-    order, each {"kind": "prefill"|"decode", "table", "expect" (expert placement: the replica table and the
-    experts to prefetch; None: unchanged / nothing), "rows": [[rank, row, tokens, sample, score start,
-    targets]]}: append `tokens` to `row`; `sample`: sample the row's next token; score start >= 0: the
-    log-probabilities of `targets` (the prompt tokens after these) at every position (echo + logprobs)."""
-
-    admit: list
-    phases: list
+from export.serve.step import Step
 
 
 @dataclass(frozen=True)
@@ -46,13 +35,16 @@ _KINDS = {cls.__name__.lower(): cls for cls in (Step, Ping, Stop)}
 
 def encode(message: Message) -> dict:
     """A message as JSON-ready data: its fields and its kind."""
-    return {"kind": type(message).__name__.lower(), **asdict(message)}
+    body = message.to_json() if isinstance(message, Step) else asdict(message)
+    return {"kind": type(message).__name__.lower(), **body}
 
 
 def decode(raw: dict) -> Message:
     """The message `encode` made; an unknown kind or missing field is an error (ranks of different versions)."""
     raw = dict(raw)
     cls = _KINDS[raw.pop("kind")]
+    if cls is Step:
+        return Step.from_json(raw)
     return cls(**{f.name: raw[f.name] for f in fields(cls)})
 
 
@@ -71,8 +63,8 @@ def receive() -> Message:
     return decode(dist.broadcast_json(None))
 
 
-def gather_results(mine: list[dict]) -> list[list[dict]]:
-    """Collective: every rank's results of a step (export/serve/engine.py `Worker.execute`), in rank order."""
+def gather_results(mine: list) -> list[list]:
+    """Collective: every rank's results of a step (export/serve/worker.py `Worker.execute`, as JSON), in rank order."""
     from pipeline import dist
 
     return dist.gather_json(mine)

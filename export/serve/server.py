@@ -21,7 +21,9 @@ import threading
 import time
 
 from export.serve.config import ServeConfig
-from export.serve.engine import Engine, Request
+from export.serve.engine import Engine
+from export.serve.lifecycle import parent_alive
+from export.serve.request import Request
 
 
 class EngineLoop:
@@ -122,7 +124,7 @@ def serve(config: ServeConfig) -> int:
 
     def watch_parent():  # `serve --nproc N`: if the command we were launched from is killed outright, stop too
         while not server.should_exit:
-            if not dist.parent_alive():
+            if not parent_alive():
                 print("[serve] the launching process is gone: shutting down", flush=True)
                 server.should_exit = True
                 return
@@ -159,6 +161,7 @@ def serve(config: ServeConfig) -> int:
                    f"replica(s) per rank; {config.resident_experts:g} of the experts resident)")
     print(f"[serve] {name} on http://{host}:{port} ({layout}; up to {config.max_batch} sequences and "
           f"{config.max_batched_tokens} tokens per rank per step)", flush=True)
+    print(f"[serve] {engine.kv.describe()}", flush=True)
     if config.smoke is not None:
         threading.Thread(target=_smoke, args=(server, f"http://{host}:{port}", config.smoke, config.api_key),
                          name="smoke", daemon=True).start()

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from export.serve.config import ServeConfig
-from export.serve.engine import Engine, SamplingParams
+from export.serve.engine import Engine
+from export.serve.request import SamplingParams
 from pipeline import dist
 
 PROMPTS = ["And God said", "To be, or not to be, that is the question:", "The LORD is my shepherd; I shall not want.",
@@ -83,7 +84,7 @@ def scenarios(engine: Engine) -> dict:
                      "tokens": [scored.generated, whole.generated]}
     out["stats"] = dict(engine.stats)
     out["rank_expert_tokens"] = engine.rank_expert_tokens()
-    out["free"] = [sorted(f) for f in engine.free]
+    out["blocks_in_use"] = [pool.used() for pool in engine.scheduler.pools]
     out["dp"] = engine.dp
     out["exchange"] = engine.worker.placement.transport if engine.worker.placement is not None else None
     if engine.placement is not None:
@@ -98,7 +99,10 @@ def main() -> None:
     exchange = sys.argv[4] if len(sys.argv) > 4 else "auto"
     ranks = dist.init()
     config = ServeConfig(package=pkg, ep_size=ranks.world if ranks.world > 1 else None, placement=placement,
-                         replica_budget=0.5, max_batch=4, checksums=False, expert_exchange=exchange)
+                         replica_budget=0.5, max_batch=4, checksums=False, expert_exchange=exchange,
+                         # each rank caches its own prefixes: with it on, the tokens computed (and routed to the
+                         # experts) would depend on which rank a repeated prompt lands on
+                         prefix_caching=False)
     engine = Engine.from_config(config, ranks)
     if ranks.rank != 0:
         engine.follow()

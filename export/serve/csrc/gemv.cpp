@@ -1,5 +1,6 @@
 // Decode kernels for the CPU: a linear layer for a few rows (batch-1 decode) reading the weight once at the
-// memory's speed, and the attention of one new token per row over its KV-cache row (below).
+// memory's speed, and the attention of one new token per row over its KV-cache row or through its block table
+// into a paged KV pool (below).
 //
 // y[m, o] = sum_i x[m, i] * w[o, i] (+ bias[o]) for m < 4 rows; w row-major [out, in], fp32 or bf16, x the same
 // dtype. Built at first use by export/serve/linears.py (torch.utils.cpp_extension, the way DeepSpeed builds its
@@ -253,22 +254,30 @@ static inline vf vload_f(const float* p) { return vload(p); }
 static inline vf vload_f(const c10::BFloat16* p) { return vload(p); }
 
 // One query head of one row: y[D] = softmax(scale q.K[j] for j < n) . V, fp32 throughout (q, K, V widened on load),
-// one rounding to the output dtype. `s`: room for n scores (rounded up to a whole vector).
+// one rounding to the output dtype. The keys are walked block by block: key (and value) j is the D values at
+// K + table[j / bs] * stride + (j % bs) * D: a paged pool's blocks of bs positions, `stride` elements apart, in the
+// order of the row's block table.
+// `s`: room for n scores (rounded up to a whole vector).
 template <typename T>
-static void attend_one(const T* q, const T* K, const T* V, T* y, int64_t n, int64_t D, float scale, float* s) {
+static void attend_one(const T* q, const T* K, const T* V, const int64_t* table, int64_t bs, int64_t stride, T* y,
+                       int64_t n, int64_t D, float scale, float* s) {
   const int64_t Dv = D / VW * VW;
   float qf[512];
   for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[d]) * scale;
   float m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
-    const T* k = K + j * D;
-    vf acc = vzero();
-    int64_t d = 0;
-    for (; d < Dv; d += VW) acc = vfma(vload_f(k + d), vload(qf + d), acc);
-    float dot = vsum(acc);
-    for (; d < D; ++d) dot += static_cast<float>(k[d]) * qf[d];
-    s[j] = dot;
-    m = std::max(m, dot);
+  for (int64_t j0 = 0, blk = 0; j0 < n; j0 += bs, ++blk) {
+    const T* kb = K + table[blk] * stride;
+    const int64_t len = std::min(bs, n - j0);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* k = kb + t * D;
+      vf acc = vzero();
+      int64_t d = 0;
+      for (; d < Dv; d += VW) acc = vfma(vload_f(k + d), vload(qf + d), acc);
+      float dot = vsum(acc);
+      for (; d < D; ++d) dot += static_cast<float>(k[d]) * qf[d];
+      s[j0 + t] = dot;
+      m = std::max(m, dot);
+    }
   }
   const int64_t nv = n / VW * VW;
   vf total = vzero();
@@ -292,33 +301,44 @@ static void attend_one(const T* q, const T* K, const T* V, T* y, int64_t n, int6
   float out[512];
   for (int64_t d = 0; d < Dv; d += VW) vstore(out + d, vzero());
   for (int64_t d = Dv; d < D; ++d) out[d] = 0.0f;
-  for (int64_t jj = 0; jj < n; ++jj) {
-    const T* v = V + jj * D;
-    const vf p = vset(s[jj]);
-    int64_t d = 0;
-    for (; d < Dv; d += VW) vstore(out + d, vfma(p, vload_f(v + d), vload(out + d)));
-    for (; d < D; ++d) out[d] += s[jj] * static_cast<float>(v[d]);
+  for (int64_t j0 = 0, blk = 0; j0 < n; j0 += bs, ++blk) {
+    const T* vb = V + table[blk] * stride;
+    const int64_t len = std::min(bs, n - j0);
+    for (int64_t t = 0; t < len; ++t) {
+      const T* v = vb + t * D;
+      const float w = s[j0 + t];
+      const vf p = vset(w);
+      int64_t d = 0;
+      for (; d < Dv; d += VW) vstore(out + d, vfma(p, vload_f(v + d), vload(out + d)));
+      for (; d < D; ++d) out[d] += w * static_cast<float>(v[d]);
+    }
   }
   const float inv = 1.0f / sum;
   for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(out[d] * inv);
 }
 
+// -- decode attention over a paged KV pool ---------------------------------------------------------------------- ------------------------------------------------------------------------------
 
 template <typename T>
-static void decode_attention_typed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                   torch::Tensor& K, torch::Tensor& V, const std::vector<int64_t>& rows,
-                                   const std::vector<int64_t>& starts, torch::Tensor& y, float scale, int64_t grain) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = K.size(1), L = K.size(2);
+static void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  torch::Tensor& K, torch::Tensor& V, const torch::Tensor& tables,
+                                  const std::vector<int64_t>& starts, torch::Tensor& y, float scale, int64_t grain) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = K.size(1), bs = K.size(2);
+  const int64_t W = tables.size(1), stride = Hkv * bs * D;  // elements from one block to the next
   T* Kp = K.data_ptr<T>();
   T* Vp = V.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  for (int64_t b = 0; b < B; ++b)
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p = starts[b];
+    const int64_t blk = tp[b * W + p / bs], off = p % bs;
     for (int64_t g = 0; g < Hkv; ++g) {
-      const int64_t at = ((rows[b] * Hkv + g) * L + starts[b]) * D;
+      const int64_t at = blk * stride + (g * bs + off) * D;
       std::copy(kp + (b * Hkv + g) * D, kp + (b * Hkv + g + 1) * D, Kp + at);
       std::copy(vp + (b * Hkv + g) * D, vp + (b * Hkv + g + 1) * D, Vp + at);
     }
+  }
   const T* qp = q.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   const int64_t group = H / Hkv;
@@ -328,46 +348,62 @@ static void decode_attention_typed(const torch::Tensor& q, const torch::Tensor& 
     std::vector<float> s(longest + VW);
     for (int64_t i = first; i < last; ++i) {
       const int64_t b = i / H, h = i % H, g = h / group;
-      const int64_t base = (rows[b] * Hkv + g) * L * D;
-      attend_one<T>(qp + i * D, Kp + base, Vp + base, yp + i * D, starts[b] + 1, D, scale, s.data());
+      attend_one<T>(qp + i * D, Kp + g * bs * D, Vp + g * bs * D, tp + b * W, bs, stride, yp + i * D, starts[b] + 1,
+                    D, scale, s.data());
     }
   });
 }
 
-// q [B, H, D]: each row's query of its one new token (after RoPE); k, v [B, Hkv, D] its key and value; K, V
-// [slots, Hkv, L, D] the cache; row b is cache row rows[b] with starts[b] tokens cached before this one. Writes k, v
-// at position starts[b] of its row, then y[b, h] = softmax(q.K / sqrt(D)) . V over that row's starts[b] + 1 keys,
-// query head h reading cache head h / (H / Hkv) (grouped-query attention). Heads are split between torch's
-// intra-op threads, a few hundred KB of keys and values each at least (fewer stay on the calling thread).
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor K,
-                               torch::Tensor V, const std::vector<int64_t>& rows, const std::vector<int64_t>& starts) {
-  RECORD_FUNCTION("moe_pipeline::decode_attention", std::vector<c10::IValue>({q, K}));
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && K.dim() == 4 && V.dim() == 4,
-              "decode_attention: q [B, H, D], k and v [B, Hkv, D], K and V [slots, Hkv, L, D]");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = K.size(1), L = K.size(2), S = K.size(0);
+// One new token per row, over a paged pool. q [B, H, D]: each row's query (after RoPE); k, v [B, Hkv, D] its key and
+// value; K, V [num_blocks, Hkv, bs, D]: one layer's pool of blocks of bs positions; tables [B, max_blocks] int64, row
+// b's logical block i being physical block tables[b][i] (entries past the row's blocks are never read). Writes k, v
+// at position starts[b] (block tables[b][starts[b] / bs], offset starts[b] % bs), then y[b, h] = softmax(q.K /
+// sqrt(D)) . V over the row's starts[b] + 1 keys, query head h reading pool head h / (H / Hkv) (grouped-query
+// attention). Heads are split between torch's intra-op threads, a few hundred KB of keys and values each at least
+// (fewer stay on the calling thread).
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor K,
+                              torch::Tensor V, const torch::Tensor& tables, const std::vector<int64_t>& starts) {
+  RECORD_FUNCTION("moe_pipeline::paged_attention", std::vector<c10::IValue>({q, K}));
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && K.dim() == 4 && V.dim() == 4 && tables.dim() == 2,
+              "paged_attention: q [B, H, D], k and v [B, Hkv, D], K and V [num_blocks, Hkv, block_size, D], "
+              "tables [B, max_blocks]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), N = K.size(0), Hkv = K.size(1), bs = K.size(2);
+  const int64_t W = tables.size(1);
   TORCH_CHECK(K.sizes() == V.sizes() && k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == Hkv &&
-                  k.size(2) == D && K.size(3) == D && Hkv > 0 && H % Hkv == 0 && D <= 512,
-              "decode_attention: shapes do not match (q heads a multiple of the cache's, head size <= 512)");
-  TORCH_CHECK(int64_t(rows.size()) == B && int64_t(starts.size()) == B, "decode_attention: a row and a start per query");
+                  k.size(2) == D && K.size(3) == D && Hkv > 0 && H % Hkv == 0 && D > 0 && D <= 512 && bs > 0,
+              "paged_attention: shapes do not match (q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), ", K ",
+              K.sizes(), ", V ", V.sizes(), "; q heads a multiple of the pool's, head size 1-512, block size > 0)");
+  TORCH_CHECK(tables.size(0) == B, "paged_attention: a block table row per query row (tables ", tables.sizes(),
+              ", B = ", B, ")");
+  TORCH_CHECK(int64_t(starts.size()) == B, "paged_attention: a start per query row (", starts.size(), " for ", B,
+              " rows)");
   const auto dt = q.scalar_type();
   TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && k.scalar_type() == dt && v.scalar_type() == dt &&
                   K.scalar_type() == dt && V.scalar_type() == dt,
-              "decode_attention: fp32 or bf16, all alike");
-  for (const torch::Tensor* t : {&q, &k, &v, const_cast<const torch::Tensor*>(&K), const_cast<const torch::Tensor*>(&V)})
-    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "decode_attention: contiguous CPU tensors");
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(rows[b] >= 0 && rows[b] < S && starts[b] >= 0 && starts[b] < L,
-                "decode_attention: row ", rows[b], " position ", starts[b], " outside the cache [", S, ", ", L, "]");
+              "paged_attention: q, k, v, K, V fp32 or bf16, all alike");
+  TORCH_CHECK(tables.scalar_type() == at::kLong, "paged_attention: int64 block tables, not ", tables.scalar_type());
+  for (const torch::Tensor* t : {&q, &k, &v, const_cast<const torch::Tensor*>(&K), const_cast<const torch::Tensor*>(&V),
+                                 &tables})
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "paged_attention: contiguous CPU tensors");
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t p = starts[b];
+    TORCH_CHECK(p >= 0 && p / bs < W, "paged_attention: row ", b, " position ", p, " outside its block table (",
+                W, " blocks of ", bs, ")");
+    for (int64_t i = 0; i <= p / bs; ++i)
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < N, "paged_attention: row ", b, " block ", i, " is ",
+                  tp[b * W + i], ", outside the pool [0, ", N, ")");
+  }
   torch::Tensor y = torch::empty({B, H, D}, q.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, starts[b] + 1);
   const int64_t per_head = longest * D * 2 * int64_t(q.element_size());  // bytes of keys and values a head reads
   const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / (per_head + 1));
-  AT_DISPATCH_SWITCH(dt, "decode_attention", AT_DISPATCH_CASE(at::kFloat, [&] {
-    decode_attention_typed<scalar_t>(q, k, v, K, V, rows, starts, y, scale, grain);
+  AT_DISPATCH_SWITCH(dt, "paged_attention", AT_DISPATCH_CASE(at::kFloat, [&] {
+    paged_attention_typed<scalar_t>(q, k, v, K, V, tables, starts, y, scale, grain);
   }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-    decode_attention_typed<scalar_t>(q, k, v, K, V, rows, starts, y, scale, grain);
+    paged_attention_typed<scalar_t>(q, k, v, K, V, tables, starts, y, scale, grain);
   }));
   return y;
 }
@@ -420,7 +456,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-4 rows of x, fp32 or bf16");
-  m.def("decode_attention", &decode_attention,
-        "one new token per row: store its key and value in the cache, attend over the row's keys");
+  m.def("paged_attention", &paged_attention,
+        "one new token per row: store its key and value in its row's block of a paged KV pool, attend over the "
+        "row's keys through its block table");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }

@@ -1,0 +1,201 @@
+"""The paged KV cache of one serving rank: fixed-size blocks from a memory budget, a block table per sequence.
+
+    from export.serve.kv_cache import PagedCache, pool_blocks
+    blocks = pool_blocks(cfg, heads, block_size=16, dtype=torch.bfloat16, budget_bytes=1 << 30)
+    cache = PagedCache(cfg, blocks, 16, heads, device="cpu", dtype=torch.bfloat16)
+    cache.extend(seq=7, blocks=[3, 9])                  # the scheduler's decision (export/serve/step.py Row.blocks)
+    model(tokens, cache=cache.select([7], starts=[20], counts=[1]), hidden_only=True)
+
+Keys and values of every layer live in one pool per layer, [blocks, kv heads, block_size, head_dim]: the
+block is the unit the scheduler (export/serve/scheduler.py) hands out, shares between prompts with a
+common prefix, and takes back. Nothing is sized by max-batch x the model's context: the pool is what
+`--kv-cache-memory` buys (`pool_blocks`), and a sequence holds the blocks its tokens fill.
+
+It implements pipeline/model.py's cache protocol (`Cache`) with a length per row, so rows of
+different lengths batch together: keys are written at each row's own positions (block, offset), each
+query sees its row's keys up to its own position (an explicit mask), positions are per row. A decode
+forward on the CPU (one new token a row) attends in csrc/gemv.cpp's `paged_attention` kernel, which
+writes the token's key and value and reads the row's keys in place through its block table; other
+forwards (prefill, and every forward on CUDA) gather each row's blocks into a contiguous view and run
+scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from export.serve import linears
+from pipeline.model import Cache, ModelConfig
+
+# what --kv-cache-memory defaults to, as vLLM's --gpu-memory-utilization and VLLM_CPU_KVCACHE_SPACE: on the CPU a
+# quarter of the memory available at start-up (after the weights), shared by this machine's ranks; on a GPU 80% of
+# its free memory (after the weights)
+CPU_SHARE, GPU_SHARE = 0.25, 0.8
+
+
+def block_bytes(cfg: ModelConfig, heads: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over every layer: keys and values of `block_size` tokens for `heads` kv heads."""
+    return 2 * cfg.layers * heads * block_size * cfg.head_size * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes the KV cache may take by default, how that was decided) on `device`, for one rank."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_SHARE), f"{GPU_SHARE:.0%} of the GPU's free memory"
+    available = _mem_available()
+    ranks = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1)
+    share = f"{CPU_SHARE:.0%} of the memory available ({available / 2**30:.1f} GiB)" + \
+        (f" over {ranks} ranks" if ranks > 1 else "")
+    return int(available * CPU_SHARE / ranks), share
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def pool_blocks(cfg: ModelConfig, heads: int, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """Blocks a budget of `budget_bytes` holds on one rank."""
+    return budget_bytes // block_bytes(cfg, heads, block_size, dtype)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedCache(Cache):
+    """Per-layer pools [blocks, heads, block_size, head_dim] and each sequence's block table. A forward runs some
+    sequences (`select`): row b is sequence seqs[b], with starts[b] tokens cached and counts[b] new ones (a padded
+    batch when the counts differ: batched prefill)."""
+
+    def __init__(self, cfg: ModelConfig, blocks: int, block_size: int, heads: int, device=None,
+                 dtype=torch.float32):
+        shape = (blocks, heads, block_size, cfg.head_size)  # heads: this rank's (a 1/tp slice under tensor slicing)
+        # zeros, not empty: a gathered block a mask hides still enters the attention product (0 x NaN is NaN)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
+        self.blocks, self.block_size, self.device = blocks, block_size, device
+        self.max_len = cfg.seq_len
+        self.tables: dict[int, list[int]] = {}  # sequence -> its blocks, in order
+        cpu = torch.device(device if device is not None else "cpu").type == "cpu"
+        kernel = linears.kernel() if cpu and linears.available(dtype, torch.device("cpu")) else None
+        self._kernel = kernel if kernel is not None and hasattr(kernel, "paged_attention") else None
+        self.select([], [], [])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # -- the scheduler's block tables (export/serve/step.py) --------------------------------------------------------
+
+    def extend(self, seq: int, blocks: list[int]) -> None:
+        self.tables.setdefault(seq, []).extend(blocks)
+
+    def drop(self, seq: int) -> None:
+        self.tables.pop(seq, None)
+
+    def select(self, seqs: list[int], starts: list[int], counts: list[int]) -> "PagedCache":
+        """The rows of the next forward, in the order of its batch: their sequences, tokens cached, new tokens."""
+        self.seqs, self._start, self.counts = list(seqs), list(starts), list(counts)
+        self._padded = len(set(self.counts)) > 1
+        self._pos: dict[int, torch.Tensor] = {}
+        self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        end = max((s + n for s, n in zip(self._start, self.counts)), default=0)
+        width = max(_cdiv(end, self.block_size), 1)
+        table = []
+        for seq, s, n in zip(self.seqs, self._start, self.counts):
+            blocks = self.tables.get(seq, [])
+            if len(blocks) * self.block_size < s + n:
+                raise ValueError(f"KV cache: sequence {seq} has {len(blocks)} blocks of {self.block_size}, "
+                                 f"{s + n} tokens needed")
+            table.append(blocks[:width] + [0] * (width - len(blocks[:width])))  # past a row's end: masked
+        self._table = torch.tensor(table, dtype=torch.long).view(len(table), width)  # [B, blocks]
+        self._table_dev = self._table.to(self.device) if self.device is not None else self._table
+        return self
+
+    # -- pipeline.model.Cache -------------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """For the model's context check and the keys read: the longest row before this forward, or with a padded
+        batch, the longest row after it less the forward's T (so that length + T is that row's end)."""
+        if self._padded:
+            return max(s + n for s, n in zip(self._start, self.counts)) - max(self.counts)
+        return max(self._start, default=0)
+
+    def advance(self, T: int) -> None:  # after a forward: every row is its count longer
+        self._start = [s + n for s, n in zip(self._start, self.counts)]
+        self._pos, self._slots = {}, {}
+        self._padded = False
+
+    def positions(self, T: int) -> torch.Tensor:
+        if T not in self._pos:
+            start = torch.tensor(self._start, dtype=torch.long, device=self.device)
+            pos = start[:, None] + torch.arange(T, device=self.device)  # [B, T]
+            self._pos[T] = pos.clamp_max(self.max_len - 1) if self._padded else pos  # padding stays in range
+        return self._pos[T]
+
+    def token_mask(self, T: int) -> torch.Tensor | None:
+        if not self._padded:
+            return None
+        counts = torch.tensor(self.counts, device=self.device)
+        return torch.arange(T, device=self.device)[None, :] < counts[:, None]  # [B, T]
+
+    def _where(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) [n] of each real new token, rows in order, tokens in order."""
+        if T not in self._slots:
+            start = torch.tensor(self._start, dtype=torch.long, device=self.device)
+            pos = start[:, None] + torch.arange(T, device=self.device)  # [B, T]
+            if self._padded:
+                real = self.token_mask(T)
+                pos = pos.clamp_max(self._table.shape[1] * self.block_size - 1)
+            blocks = self._table_dev.gather(1, pos // self.block_size)  # [B, T]
+            offsets = pos % self.block_size
+            if self._padded:
+                blocks, offsets = blocks[real], offsets[real]
+            self._slots[T] = blocks.reshape(-1), offsets.reshape(-1)
+        return self._slots[T]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, H, T, D = k.shape
+        end = self.length + T
+        K, V = self.k[layer], self.v[layer]
+        blocks, offsets = self._where(T)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, T, H, D]
+        if self._padded:  # only the real tokens are written: padding must not overwrite a row's keys
+            real = self.token_mask(T)
+            kt, vt = kt[real], vt[real]  # [n, H, D]
+        else:
+            kt, vt = kt.reshape(B * T, H, D), vt.reshape(B * T, H, D)
+        K[blocks, :, offsets] = kt  # at (block, :, offset, :)
+        V[blocks, :, offsets] = vt
+        # each row's blocks side by side: [B, n, H, bs, D] -> [B, H, n * bs, D], cut at the longest row's end
+        n = _cdiv(end, self.block_size)
+        table = self._table_dev[:, :n]
+        keys = K[table].transpose(1, 2).reshape(B, H, n * self.block_size, D)[:, :, :end]
+        values = V[table].transpose(1, 2).reshape(B, H, n * self.block_size, D)[:, :, :end]
+        return keys, values
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        B, H, T, D = q.shape
+        K = self.k[layer]
+        if self._kernel is None or T != 1 or self._padded or B == 0 or q.dtype != K.dtype:
+            return None
+        y = self._kernel.paged_attention(q.reshape(B, H, D).contiguous(), k.reshape(B, -1, D).contiguous(),
+                                         v.reshape(B, -1, D).contiguous(), K, self.v[layer], self._table, self._start)
+        return y.view(B, H, 1, D)
+
+    def attention_mask(self, T: int) -> torch.Tensor | None:
+        """[B, 1, T, keys]: query t of a row sees that row's keys at positions <= its own. None for one row: the
+        model's causal masking is then exact."""
+        if len(self.seqs) == 1:
+            return None
+        keys = torch.arange(self.length + T, device=self.device)
+        return (keys[None, None, :] <= self.positions(T)[:, :, None])[:, None]

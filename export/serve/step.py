@@ -1,0 +1,129 @@
+"""The typed step: what rank 0's scheduler decides for one step, and what each rank gives back.
+
+    from export.serve.step import Forward, Row, Step
+    step = Step(forwards=[Forward("decode", rows=[[Row(seq=7, start=12, tokens=[318], blocks=[], sample=True)]])])
+    Step.from_json(step.to_json()) == step                               # how it crosses the ranks
+
+In the spirit of vLLM v1's `SchedulerOutput` / `ModelRunnerOutput`. A step is a few forwards that every
+rank runs (an expert all-to-all in each MoE layer joins all ranks); each `Forward` holds, per
+data-parallel rank, the `Row`s that rank runs: a sequence's new tokens, the position they start at,
+the KV blocks appended to its block table, whether to sample its next token or score its prompt.
+The placement directive (export/serve/placement.py) rides along opaquely. A `RowResult` comes back
+from the rank that holds the row. Everything here is plain data: no torch, JSON both ways
+(`pipeline.dist.broadcast_json`; no pickle between processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+
+def _row(obj) -> list:
+    return [getattr(obj, f.name) for f in fields(obj)]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the rank that holds a sequence samples it (export/serve/sampling.py `Sampler`)."""
+
+    temperature: float
+    top_p: float
+    logprobs: int | None = None  # top alternatives per token to return; None: no log-probabilities
+    seed: int | None = None  # the request's generator; None: greedy, or the rank's default generator
+
+
+@dataclass(frozen=True)
+class NewSeq:
+    """A sequence that starts on a data-parallel rank: its sampler is made there and lives until it ends."""
+
+    seq: int
+    rank: int
+    sampling: Sampling
+
+    def to_json(self) -> list:
+        return [self.seq, self.rank, _row(self.sampling)]
+
+    @classmethod
+    def from_json(cls, raw: list) -> "NewSeq":
+        return cls(raw[0], raw[1], Sampling(*raw[2]))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's part of one forward on its rank."""
+
+    seq: int
+    start: int  # its tokens already in the KV cache: the new ones take positions start, start + 1, ...
+    tokens: list[int]  # the new tokens
+    blocks: list[int] = field(default_factory=list)  # KV blocks appended to its block table before this forward
+    sample: bool = False  # sample its next token from the last new token's logits
+    banned: int | None = None  # a token that may not be sampled (the end token before min_tokens)
+    score: int = -1  # >= 0: return the log-probabilities of `targets` at every new position (echo + logprobs)
+    targets: list[int] = field(default_factory=list)  # the prompt tokens after these (score >= 0)
+
+    def to_json(self) -> list:
+        return _row(self)
+
+    @classmethod
+    def from_json(cls, raw: list) -> "Row":
+        return cls(*raw)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward on every rank: `rows[r]` are data-parallel rank r's rows (one list when every rank runs the
+    same rows: tensor or expert slicing). `placement`: the expert placement directive, carried opaquely."""
+
+    kind: Literal["prefill", "decode"]
+    rows: list[list[Row]]
+    placement: dict | None = None
+
+    def to_json(self) -> list:
+        return [self.kind, [[r.to_json() for r in rows] for rows in self.rows], self.placement]
+
+    @classmethod
+    def from_json(cls, raw: list) -> "Forward":
+        return cls(raw[0], [[Row.from_json(r) for r in rows] for rows in raw[1]], raw[2])
+
+
+@dataclass(frozen=True)
+class Step:
+    """One scheduler step. Before the forwards, each rank drops the block tables of `freed` (finished or
+    preempted: a preempted sequence is recomputed later from position 0, or from a prefix-cache hit), the
+    samplers of `ended` (finished), and makes the samplers of `new`."""
+
+    forwards: list[Forward] = field(default_factory=list)
+    new: list[NewSeq] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)
+    ended: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"forwards": [f.to_json() for f in self.forwards], "new": [n.to_json() for n in self.new],
+                "freed": list(self.freed), "ended": list(self.ended)}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "Step":
+        return cls([Forward.from_json(f) for f in raw["forwards"]], [NewSeq.from_json(n) for n in raw["new"]],
+                   list(raw["freed"]), list(raw["ended"]))
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """What the rank that ran a row returns: its sampled token (with log-probabilities when asked), its prompt
+    scores (`score_start`: the prompt index they begin after), or the error that failed this sequence alone."""
+
+    seq: int
+    token: int | None = None
+    logprob: float | None = None
+    top: list | None = None  # [[token, logprob]]
+    score_start: int | None = None
+    scores: list | None = None  # [[logprob, [[token, logprob]]]] of the prompt tokens score_start + 1, ...
+    error: str | None = None
+
+    def to_json(self) -> list:
+        return _row(self)
+
+    @classmethod
+    def from_json(cls, raw: list) -> "RowResult":
+        return cls(*raw)

@@ -1,0 +1,124 @@
+"""One serving rank's side of every step: its KV cache, its sequences' samplers, its forwards.
+
+    from export.serve.worker import Worker
+    worker = Worker(model, blocks=512, block_size=16, rank=0, single=True)
+    results = worker.execute(step)        # a typed Step (export/serve/step.py) -> [RowResult] of this rank's rows
+
+Every rank runs every forward of a step, with its own rows (maybe none: it still joins each MoE layer's
+expert all-to-all). The rank that holds a sequence projects its rows to the vocabulary and samples them,
+so only sampled tokens (and log-probabilities when asked for) travel back to rank 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from export.serve.kv_cache import PagedCache
+from export.serve.sampling import Sampler, sample_row, score_positions
+from export.serve.step import Row, RowResult, Step
+from pipeline.model import GPT
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+class Worker:
+    """One rank's rows: its `PagedCache`, the sampler of each of its sequences, and the forwards of each step.
+    `rank`: this rank's index among the data-parallel ranks (0 when every rank runs the same rows); `single`: one
+    process, so an error in a forward fails its rows alone (with several ranks the others may be inside that
+    forward's collectives: it is raised). `placement`: the data-parallel path's expert exchange (placement.py)."""
+
+    SCORE_ROWS = 256  # prompt positions projected to the vocabulary at once when scoring a prompt (echo + logprobs)
+
+    def __init__(self, model: GPT, blocks: int, block_size: int, rank: int, single: bool, placement=None):
+        self.model, self.rank, self.single, self.placement = model, rank, single, placement
+        self.device = next(model.parameters()).device
+        dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
+        # this rank's key/value heads (its query heads' share under tensor slicing)
+        heads = model.blocks[0].attn.num_heads * model.cfg.kv_group_heads // model.cfg.heads
+        self.cache = PagedCache(model.cfg, blocks, block_size, heads, device=self.device, dtype=dtype)
+        self.samplers: dict[int, Sampler] = {}
+        self.forwards = 0
+        self.forward_s = 0.0  # seconds in forwards since start (model, projection, sampling)
+        self.counts: list = []  # per forward of the last step: (expert counts, per-rank loads or None)
+
+    def execute(self, step: Step) -> list[RowResult]:
+        """Run `step`'s forwards with this rank's rows; one result per row that was sampled or scored."""
+        for seq in step.freed:
+            self.cache.drop(seq)
+        for seq in step.ended:
+            self.samplers.pop(seq, None)
+        for new in step.new:
+            if new.rank == self.rank:
+                self.samplers[new.seq] = Sampler.of(new.sampling)
+        results: list[RowResult] = []
+        self.counts = []
+        for fwd in step.forwards:
+            rows = fwd.rows[self.rank]
+            for row in rows:
+                self.cache.extend(row.seq, row.blocks)
+            if self.placement is not None:
+                directive = fwd.placement or {}
+                self.placement.apply(directive.get("table"), directive.get("expect"))
+            t0 = time.perf_counter()
+            try:
+                results += self._forward(rows)
+            except Exception as err:  # noqa: BLE001
+                if not self.single:
+                    raise  # the other ranks may be inside this forward's collectives: the engine cannot go on
+                results += [RowResult(row.seq, error=_error(err)) for row in rows]
+            self.forward_s += time.perf_counter() - t0
+        return results
+
+    @torch.no_grad()
+    def _forward(self, rows: list[Row]) -> list[RowResult]:
+        self.forwards += 1
+        counts = [len(row.tokens) for row in rows]
+        T = max(counts, default=1)
+        tokens = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, row in enumerate(rows):
+            tokens[b, :counts[b]] = torch.tensor(row.tokens)
+        cache = self.cache.select([r.seq for r in rows], [r.start for r in rows], counts)
+        out = self.model(tokens.to(self.device), cache=cache, hidden_only=True)
+        loads = self.placement.last_loads() if self.placement is not None else None
+        self.counts.append((out.expert_counts, loads))
+        h = out.hidden  # [B, T, C]
+        results: dict[int, RowResult] = {}
+        for b, row in enumerate(rows):  # prompts being scored: every position, SCORE_ROWS at a time
+            if row.score >= 0:
+                results[b] = self._score(row, h[b, :counts[b]])
+        sampled = [b for b, row in enumerate(rows) if row.sample]
+        if sampled:
+            last = h[sampled, [counts[b] - 1 for b in sampled]]  # [n, C]: each row's last real position
+            logits = self._project(last)  # [n, V]
+            for j, b in enumerate(sampled):
+                row, res = rows[b], results.get(b, RowResult(rows[b].seq))
+                if res.error is None:
+                    try:
+                        res = RowResult(**{**vars(res), **sample_row(self.samplers[row.seq], logits[j], row.banned)})
+                    except Exception as err:  # noqa: BLE001 - this request alone fails
+                        res = RowResult(row.seq, error=_error(err))
+                results[b] = res
+        return [results[b] for b in sorted(results)]
+
+    def _score(self, row: Row, h: torch.Tensor) -> RowResult:
+        """The log-probabilities of the row's prompt targets at each of its positions (h [n, C])."""
+        scores, error = [], None
+        for lo in range(0, h.shape[0], self.SCORE_ROWS):  # the same chunks on every rank (a sliced head is collective)
+            logits = self._project(h[lo:lo + self.SCORE_ROWS])  # [n, V]
+            if error is None:
+                try:
+                    scores += score_positions(logits, row.targets[lo:lo + self.SCORE_ROWS],
+                                              self.samplers[row.seq].logprobs or 0)
+                except Exception as err:  # noqa: BLE001 - this request alone fails
+                    error = _error(err)
+        if error is not None:
+            return RowResult(row.seq, error=error)
+        return RowResult(row.seq, score_start=row.start, scores=scores)
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [n, V] of hidden states [n, C] (as [1, n, C]: DeepSpeed's sliced output layer takes 3-D input)."""
+        return self.model.lm_head(h[None])[0].float()
