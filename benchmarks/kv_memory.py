@@ -117,7 +117,10 @@ class Server:
                            json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith(b"data:"):
-                    return time.perf_counter() - t0
+                    took = time.perf_counter() - t0
+                    if r.status_code != 200 or "choices" not in json.loads(line[5:]):
+                        raise RuntimeError(f"{r.status_code}: {line[:300]!r}")
+                    return took
         raise RuntimeError("no chunk")
 
     def stop(self) -> None:

@@ -169,3 +169,16 @@ def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(model(ids[:1, :1]).logits, ref_one, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_a_large_serving_linear_takes_many_rows_on_any_cpu(dtype, tol):
+    """Past the kernel's rows a weight of 1M+ elements goes to oneDNN, which has no bf16 primitive on a CPU without
+    AVX-512 (it raised 'could not create a primitive descriptor' on an AVX2 machine): F.linear there."""
+    from export.serve.linears import ONEDNN_FROM, ServingLinear
+
+    layer = nn.Linear(1024, ONEDNN_FROM // 1024).to(dtype).eval()
+    served = ServingLinear(layer)
+    x = torch.randn(40, 1024).to(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(served(x).float(), layer(x).float(), atol=tol, rtol=tol)

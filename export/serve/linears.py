@@ -18,7 +18,7 @@ The kernel is built at first use with torch.utils.cpp_extension (a C++ compiler 
 ops need; cached under ~/.cache/torch_extensions, one build per instruction set: AVX-512, with AVX512_BF16's bf16 dot products where the CPU has them, or
 AVX2 + FMA). Without
 it (another CPU, no compiler: one warning), few rows go where more rows go. fp32 and bf16 on a CPU with oneDNN
-only; MOE_PIPELINE_CPU_LINEARS=onednn leaves the kernel out, =0 leaves every layer as it is (F.linear).
+only (bf16 rows past the kernel's go to F.linear where oneDNN has no bf16 primitive: CPUs without AVX-512); MOE_PIPELINE_CPU_LINEARS=onednn leaves the kernel out, =0 leaves every layer as it is (F.linear).
 """
 
 from __future__ import annotations
@@ -103,13 +103,16 @@ class ServingWeight:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.detach().contiguous()
         self.gemv = kernel()
+        # more rows: oneDNN, where it runs this dtype (bf16 needs AVX-512: on an AVX2 CPU it has no bf16 primitive)
+        self.onednn = self.weight.numel() >= ONEDNN_FROM and (
+            self.weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
         if self.gemv is not None and 0 < rows <= self.gemv.MAX_ROWS and x.dtype == self.weight.dtype:
             y = self.gemv.linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, bias)
             return y.view(*x.shape[:-1], self.weight.shape[0])
-        if self.weight.numel() < ONEDNN_FROM:  # and without the kernel, few rows: MKL's GEMV is single-threaded
+        if not self.onednn:  # a small weight (and without the kernel, few rows: MKL's GEMV is single-threaded)
             return F.linear(x, self.weight, bias)
         padded = bucket(rows)
         if padded == rows:
