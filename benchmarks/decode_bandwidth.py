@@ -200,7 +200,7 @@ def decode_run(engine, prompt: list[int], new_tokens: int) -> dict:
 def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
     """Seconds per decode token by category, from one more run timed by forward hooks. The MoE layer's time less
     its residual MLP and its experts is `gate_routing` (gate, routing, dispatch); the experts are timed as modules
-    (the reference MoE) or, with the engine's expert placement, around its `_run_experts` (else they stay in
+    (the reference MoE) or, with the engine's expert exchange, around its `_run_experts` (else they stay in
     gate_routing: `experts_timed` False). `other`: the rest of the step (embeddings, norms, residual adds, sampling,
     the engine's Python)."""
     import torch
@@ -243,11 +243,11 @@ def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
                 watch(sub, "experts")
                 watch(sub, "gate_routing", -1.0)
                 experts_timed = True
-    placement = getattr(model, "placement", None)
-    if not experts_timed and hasattr(placement, "_run_experts"):
-        run_experts = placement._run_experts
-        placement._run_experts = timed("gate_routing", timed("experts", run_experts), -1.0)
-        undo.append(lambda: delattr(placement, "_run_experts"))
+    exchange = engine.exchange
+    if not experts_timed and exchange is not None:
+        run_experts = exchange._run_experts
+        exchange._run_experts = timed("gate_routing", timed("experts", run_experts), -1.0)
+        undo.append(lambda: delattr(exchange, "_run_experts"))
         experts_timed = True
     watch(model.lm_head, "lm_head")
     steps = []

@@ -13,7 +13,7 @@ benchmarks/moe_exchange_bench.py ...`). Each rank holds different tokens and hal
     (eval_capacity_factor null, as recipes/tiny.yaml): DeepSpeed's gate all-reduces the busiest expert's load
     (MAX over the ranks) and pads every expert to it, so each rank sends a [experts, capacity, C] tensor in an
     all-to-all, every expert runs over 2 x capacity rows (padding included), and the outputs come back the same way;
-  * B, `export.serve.placement.PlacedMoE` with a native `Placement`: an all-gather of the per-expert counts, then
+  * B, `export.serve.placement.exchange.PlacedMoE` with a native table: an all-gather of the per-expert counts, then
     an all-to-all with variable splits (`pipeline.dist.all_to_all_`) of exactly the routed tokens, each expert once
     over what it received, and back.
 
@@ -104,11 +104,12 @@ def layer_config(recipe_path: Path, hidden: int | None, experts: int):
 
 def build_layers(cfg, rank: int, seed: int, store_dir: Path):
     """(reference, A, B) in eval mode: the plain-PyTorch layer with every expert, DeepSpeed's over 2 ranks (this
-    rank's half of the experts), PlacedMoE with a native Placement; every weight taken from the reference."""
+    rank's half of the experts), PlacedMoE with a native table; every weight taken from the reference."""
     import torch
     from safetensors.torch import save_file
 
-    from export.serve.placement import ExpertStore, PlacedMoE, Placement
+    from export.serve.placement.exchange import Exchange, PlacedMoE
+    from export.serve.placement.residency import ExpertStore, Residency
     from pipeline.artifacts import WEIGHTS
     from pipeline.model import MoE, expert_key, split_expert_key
 
@@ -136,8 +137,8 @@ def build_layers(cfg, rank: int, seed: int, store_dir: Path):
         if key is not None:
             experts[expert_key(cfg.moe_layers[0], key.expert, key.suffix)] = t.contiguous()
     save_file(experts, str(store_dir / WEIGHTS))
-    placement = Placement(cfg, ExpertStore(store_dir, cfg, torch.float32), rank, RANKS)
-    placed = PlacedMoE(cfg, 0, E, placement)
+    residency = Residency(cfg, ExpertStore(store_dir, cfg, torch.float32), rank, RANKS)
+    placed = PlacedMoE(cfg, 0, E, Exchange(cfg, residency, rank, RANKS))
     placed.load_state_dict({k: v for k, v in weights.items() if ".experts." not in k}, strict=True)
     placed = placed.eval().requires_grad_(False)
     return ref, ds, placed

@@ -125,8 +125,8 @@ def workloads(pkg: Path, n: int, prompt_len: int, seed: int) -> dict[str, list[l
     import torch
 
     from export.inference import load_package
-    from export.serve.placement import native_rank
-    from export.serve.predictor import record_routes
+    from export.serve.placement.algo import native_rank
+    from export.serve.placement.predictor import record_routes
 
     from pipeline import data as data_lib
     from pipeline.recipe import validate_stored
@@ -161,7 +161,7 @@ def balancedness_ceilings(cfg, routes, concurrency: int, budget: float, ep: int 
     (no policy can know them in advance). Every table holds at most the budget's replica slots, as the server."""
     import torch
 
-    from export.serve.placement import balancedness, native_table, plan_replicas, rank_loads, replica_slots
+    from export.serve.placement.algo import balancedness, native_table, plan_replicas, rank_loads, replica_slots
 
     slots = replica_slots(cfg, ep, budget)
     L = len(cfg.experts)

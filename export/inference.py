@@ -12,7 +12,8 @@ expert parallelism, tensor slicing and expert slicing (DeepSpeed-MoE). The one p
 
 Every rank runs the same forwards on the same tokens (`moe-pipeline eval` on several ranks, and the serving
 runtime's tensor- and expert-sliced layouts; its data-parallel layout, each rank its own sequences, is
-export/serve/placement.py's). The layouts, as DeepSpeed-MoE's inference system describes them:
+export/serve/placement/exchange.py's; `plan_layout` says which layout a model gets, as the serving engine
+shows it). The layouts, as DeepSpeed-MoE's inference system describes them:
 
   * expert parallelism: a layer's experts are split over `ep` consecutive ranks; DeepSpeed's MoE
     layer sends every token to the rank of its expert (all-to-all) and back;
@@ -290,9 +291,7 @@ def inference_model(cfg: ModelConfig, src: Path, ranks=None, ep_size: int | None
     # the embedding, which the weights store once
     load_weights(model, src, rename=(lambda n: "wte.weight" if n == "lm_head.weight" else n) if tied_head else None,
                  files=files)
-    model = model.to(device=dist.device()).eval().requires_grad_(False)
-    model.layout = layout
-    return model
+    return model.to(device=dist.device()).eval().requires_grad_(False)
 
 
 def load_package(pkg: Path, ranks=None, ep_size: int | None = None, checksums: bool = True,

@@ -133,6 +133,14 @@ class _NoKeyOnCommandLine(argparse.Action):
                      "MOE_PIPELINE_API_KEY or pass --api-key-file FILE")
 
 
+def _literal(model, name: str) -> list[str]:
+    """The values a pydantic model's Literal field (or optional Literal) takes: a flag's choices, kept in one place."""
+    import typing
+
+    args = typing.get_args(model.model_fields[name].annotation)
+    return [a for arg in args for a in (typing.get_args(arg) or (arg,)) if isinstance(a, str)]
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     """serve's flags: one per ServeConfig field, defaults (shown in --help) read from ServeConfig, the one place
     they live; a flag not given is left out, so ServeConfig's default applies."""
@@ -165,7 +173,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV block, the unit of allocation and of prefix sharing (default {d['block_size']})")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=quiet,
                    help="do not share the KV blocks of a common prompt prefix between requests (on by default)")
-    p.add_argument("--expert-exchange", choices=["auto", "all-to-all", "all-reduce"], default=quiet,
+    p.add_argument("--expert-exchange", choices=_literal(ServeConfig, "expert_exchange"), default=quiet,
                    help="data parallel: how tokens reach their experts' ranks. all-to-all: DeepSpeed comm's "
                         "variable-split all_to_all_single (each rank receives only its tokens); all-reduce: two "
                         "low-latency all-reduces of every rank's routed tokens (DeepSpeed's shared-memory kernel, "
@@ -191,9 +199,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-slice attention and the dense MLPs over all ranks (DeepSpeed AutoTP): 1 or --nproc; "
                         "every rank then runs the same sequences (one data-parallel group, no DP x TP); PR-MoE "
                         "models only (a Mixtral/Qwen/OLMoE student: --ep-size, or its --format hf export in vLLM)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=quiet, help="default: the package's")
-    p.add_argument("--placement", choices=["none", "reactive", "predictive"], default=quiet,
-                   help="place experts by a replica table (export/serve/placement.py): none, reactive (from observed "
+    p.add_argument("--dtype", choices=_literal(ServeConfig, "dtype"), default=quiet, help="default: the package's")
+    p.add_argument("--placement", choices=_literal(ServeConfig, "placement"), default=quiet,
+                   help="place experts by a replica table (export/serve/placement/): none, reactive (from observed "
                         "load, EPLB-style) or predictive (the package's predictor; `moe-pipeline predictor train`)")
     p.add_argument("--replica-budget", type=float, default=quiet,
                    help=f"with --placement: replicas a rank may hold, as a fraction of its own expert memory "
@@ -398,7 +406,7 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 
 def cmd_predictor(args) -> int:
-    from export.serve.predictor import train_command
+    from export.serve.placement.predictor import train_command
 
     try:
         info = train_command(args.package, args.train_blocks, args.val_blocks, args.steps, args.dim, args.seed)

@@ -313,7 +313,7 @@ def all_to_all_(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
                 group=None) -> torch.Tensor:
     """DeepSpeed's `all_to_all_single` with variable splits: rows `inp[sum(in_splits[:r]):][:in_splits[r]]` go to
     rank r, and `out` receives rank r's rows at `sum(out_splits[:r])`. Both tensors on the group's device
-    (checked). Alone: `out` is `inp`'s copy. The serving runtime's expert exchange (export/serve/placement.py)."""
+    (checked). Alone: `out` is `inp`'s copy. The serving runtime's expert exchange (export/serve/placement/exchange.py)."""
     import torch.distributed as td
 
     _check_device(inp, device(), "all_to_all_")

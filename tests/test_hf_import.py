@@ -94,12 +94,12 @@ def test_bad_checkpoints_are_refused_naming_the_fault(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "qwen3_moe"])
 def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, tmp_path, monkeypatch):
-    """The serving runtime's MoE layer (export/serve/placement.py: experts from the store, the exchange, SwiGLU
+    """The serving runtime's MoE layer (export/serve/placement/exchange.py: experts from the store, the exchange, SwiGLU
     experts without biases, a shared expert, unnormalised top-k) and its CPU linears on every weight (q, k, v fused
     into one product even where k and v are narrower), from our weights' files."""
     from export.serve import linears
     from export.serve.linears import FusedQKV
-    from export.serve.placement import placed_model
+    from export.serve.placement.exchange import placed_model
 
     monkeypatch.setattr(linears, "SERVE_FROM", 0)  # these small weights too: the fused q, k, v and the kernel
     from pipeline import dist
@@ -110,7 +110,7 @@ def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, t
     ours = imported(tmp_path / "hf")
     (tmp_path / "ours").mkdir()
     save_weights(ours, tmp_path / "ours")
-    served = placed_model(ours.cfg, tmp_path / "ours", dist.init(), torch.float32)
+    served = placed_model(ours.cfg, tmp_path / "ours", dist.init(), torch.float32).model
     assert isinstance(served.blocks[0].attn.qkv, FusedQKV)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -245,7 +245,7 @@ def test_the_serving_engine_decodes_an_imported_gqa_teacher_as_our_model_does(tm
     positions per row: rows of different lengths decoding together give the model's own greedy tokens."""
     from export.serve.engine import Engine, generate
     from export.serve.request import SamplingParams
-    from export.serve.placement import placed_model
+    from export.serve.placement.exchange import placed_model
     from pipeline import dist
     from pipeline.data import gpt2_tokenizer
     from pipeline.model import KVCache
@@ -255,8 +255,8 @@ def test_the_serving_engine_decodes_an_imported_gqa_teacher_as_our_model_does(tm
     ours = imported(tmp_path / "hf")
     (tmp_path / "ours").mkdir()
     save_weights(ours, tmp_path / "ours")
-    engine = Engine(placed_model(ours.cfg, tmp_path / "ours", dist.init(), torch.float32), gpt2_tokenizer(128),
-                    max_batch=3)
+    placed = placed_model(ours.cfg, tmp_path / "ours", dist.init(), torch.float32)
+    engine = Engine(placed.model, gpt2_tokenizer(128), max_batch=3, exchange=placed.exchange, layout=placed.layout)
     engine.eos = None
     prompts = [[5, 9, 17], [3] * 11, [100, 2, 7, 7, 40, 1]]
     got = generate(engine, prompts, SamplingParams(max_tokens=10, temperature=0.0))

@@ -58,7 +58,8 @@ def test_no_import_cycle():
 
 def test_package_format_and_server_load_without_training_code():
     code = ("import sys; import export.package, export.inference, export.serve.server, export.serve.http, "
-            "export.serve.engine, export.serve.placement, export.serve.predictor, eval.models; "
+            "export.serve.engine, export.serve.placement.controller, export.serve.placement.exchange, "
+            "export.serve.placement.predictor, eval.models; "
             "print(sorted(m for m in sys.modules if m == 'distill' or m.startswith(('distill.', 'pipeline.train', "
             "'pipeline.teacher', 'deepspeed.runtime.engine'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True,

@@ -301,7 +301,7 @@ def test_an_expert_store_made_from_a_verified_package_refuses_a_file_changed_sin
     import torch
 
     from export.package import verified_package
-    from export.serve.placement import ExpertStore
+    from export.serve.placement.residency import ExpertStore
     from pipeline.artifacts import FileChangedError
 
     verified = verified_package(pkg)
@@ -314,7 +314,7 @@ STORE_SCRIPT = """
 import os, sys, torch
 from pathlib import Path
 from export.package import read_package
-from export.serve.placement import ExpertStore
+from export.serve.placement.residency import ExpertStore
 pkg = Path(sys.argv[1])
 cfg, _ = read_package(pkg)
 store = ExpertStore(pkg, cfg, torch.float32)

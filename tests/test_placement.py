@@ -1,4 +1,4 @@
-"""Expert placement (export/serve/placement.py): replica tables under a budget, balanced splits, outputs unchanged."""
+"""Expert placement (export/serve/placement/): replica tables under a budget, balanced splits, outputs unchanged."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import model_config
-from export.serve.placement import (balancedness, count_replicas, native_table, plan_replicas, rank_loads, replica_slots,
-                              split_load)
+from export.serve.placement.algo import (balancedness, count_replicas, native_table, plan_replicas, rank_loads,
+                                         replica_slots, split_load)
 
 
 def test_split_load_evens_out_a_replicated_hot_expert():
@@ -68,6 +68,28 @@ def test_a_hedged_table_fills_the_slots_the_expected_loads_leave_most_demanded_f
     assert {(1, 7, 0), (1, 6, 0)} <= added and all(r == 0 or (i, e) == (0, 1) for i, e, r in added)
 
 
+def test_a_controller_sends_a_table_once_and_its_stats_count_it():
+    """The engine's one interface to a policy (export/serve/placement/controller.py): `none` never directs; the
+    reactive controller plans from the loads it was shown, sends a table when it changes (else only the experts to
+    prefetch), its stats snapshot counts the change, and a directive survives the JSON trip to the other ranks."""
+    import json
+
+    from export.serve.placement.controller import Controller, Directive, ReactiveController
+
+    cfg = model_config(experts=(4, 8))
+    assert Controller(cfg, 2, 0.5).before_forward("decode", []) is None
+    ctl = ReactiveController(cfg, 2, 0.5, replan_every=2)
+    ctl.after_forward([[30, 1, 1, 1], [20, 1, 1, 1, 1, 1, 1, 1]], "decode", [])
+    directives = [ctl.before_forward("decode", []) for _ in range(4)]  # re-planned at the 2nd and the 4th
+    assert [d.table is not None for d in directives] == [False, True, False, False]  # the 4th: the same table
+    assert all(d.expect[0][0] == 0 and d.expect[1][0] == 0 for d in directives)  # the hot experts first
+    sent = directives[1]
+    assert Directive.from_json(json.loads(json.dumps(sent.to_json()))) == sent
+    stats = ctl.stats()
+    assert stats.name == "reactive" and stats.table_changes == 1 and stats.recall is None
+    assert sum(stats.replicas) == sum(count_replicas(sent.table, 2)) > 0
+
+
 @pytest.fixture(scope="module")
 def package(small_run, tmp_path_factory):
     from conftest import cli
@@ -93,12 +115,12 @@ def test_placed_experts_give_the_reference_outputs(package, policy, resident):
     want = generate(ref, prompts, SamplingParams(max_tokens=12))
     got = generate(placed, prompts, SamplingParams(max_tokens=12))
     assert [s.generated for s in got] == [s.generated for s in want]
-    st = placed.placement.stats
-    assert st.forwards > 0 and st.hits + st.misses > 0
-    held = placed.placement.resident_bytes()
-    assert held["native"] <= max(resident * held["native_full"], placed.placement.store.nbytes()) + 1
+    ex = placed.placement_stats().exchange
+    held = ex.residency
+    assert ex.forwards > 0 and held.hits + held.misses > 0
+    assert held.native_bytes <= max(resident * held.native_bytes_all_resident, held.expert_bytes) + 1
     if resident < 1:
-        assert st.misses > 0  # some experts were not resident
+        assert held.misses > 0  # some experts were not resident
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +162,9 @@ def test_predictive_placement_keeps_outputs_and_its_thread_stops(predicted_packa
     want = generate(ref, prompts, SamplingParams(max_tokens=10))
     got = generate(eng, prompts, SamplingParams(max_tokens=10))
     assert [s.generated for s in got] == [s.generated for s in want]
-    policy = eng.policy
-    assert policy.thread.is_alive() and len(policy.recall) == len(eng.cfg.experts) and policy.recall_n > 0
-    assert eng.placement.stats.prefetched > 0
+    policy, stats = eng.controller, eng.placement_stats()
+    assert policy.thread.is_alive() and len(stats.controller.recall) == len(eng.cfg.experts) and policy.recall_n > 0
+    assert stats.exchange.residency.prefetched > 0
     # requests that end at their prefill (lm-eval's echo log-likelihood ones), aborted ones and decoded ones all
     # leave the policy holding nothing once its thread has caught up (it kept every prefill-only one's state)
     scored = [eng.submit(p, SamplingParams(max_tokens=1, echo=True, logprobs=1)) for p in prompts]
@@ -155,7 +177,7 @@ def test_predictive_placement_keeps_outputs_and_its_thread_stops(predicted_packa
     while policy.held() and time.time() < deadline:
         time.sleep(0.05)
     assert policy.held() == 0
-    policy.close()
+    eng.close()
     assert not policy.thread.is_alive()
 
 
@@ -199,11 +221,11 @@ def test_a_package_file_changed_under_offloaded_experts_fails_requests_not_the_s
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_the_serving_route_is_the_models_route(top_k):
-    """export/serve/placement.py's lean routing (no balancing loss, no capacity) gives what pipeline/model.py's
+    """export/serve/placement/exchange.py's lean routing (no balancing loss, no capacity) gives what pipeline/model.py's
     route + group_by_expert give at inference, pair for pair."""
     import torch
 
-    from export.serve.placement import serving_route
+    from export.serve.placement.exchange import serving_route
     from pipeline.model import group_by_expert, route, router_logits
 
     g = torch.Generator().manual_seed(top_k)

@@ -236,7 +236,7 @@ LAYOUTS = {
     "ep2": (["--ep-size", "2"], 2, "expert parallel 2"),  # 2 ranks implied by --ep-size
     "tp2": (["--nproc", "2", "--tp-size", "2"], 2, "tensor slicing 2"),
     "expert-slicing": (["--nproc", "4", "--ep-size", "2"], 4, "expert slicing 2"),
-    # experts placed by a replica table (export/serve/placement.py), half of them resident
+    # experts placed by a replica table (export/serve/placement/), half of them resident
     "placed-reactive": (["--ep-size", "2", "--placement", "reactive", "--replica-budget", "0.5",
                          "--resident-experts", "0.5"], 2, "expert parallel 2"),
 }

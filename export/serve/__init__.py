@@ -4,8 +4,14 @@
   server.py     the process: engine on every rank, uvicorn on rank 0, signals, shutdown
   http.py       the OpenAI-compatible API (FastAPI)
   metrics.py    Prometheus metrics
-  engine.py     continuous batching over a slot KV cache (rank 0 schedules)
+  request.py    a request: sampling parameters, tokens, text (incremental detokenization)
+  scheduler.py  rank 0's queues, token budgets, data-parallel ranks, KV blocks, preemption, prefix cache (no torch)
+  step.py       the typed step the scheduler sends every rank, and what each rank returns
+  engine.py     the loop: schedule -> send -> execute -> gather -> update
+  worker.py     one rank's side of a step: its paged KV cache (kv_cache.py), samplers (sampling.py), forwards
   ranks.py      rank 0 <-> other ranks: typed messages, status gathering
-  placement.py  expert replicas, placement policies, offload and prefetch
-  predictor.py  the expert-demand predictor (SRU) and the predictive policy
+  linears.py    CPU serving linears and kernels (csrc/gemv.cpp)
+  lifecycle.py  `serve --nproc N`: relaunched under the DeepSpeed launcher, stopped gracefully
+  placement/    expert replicas, placement policies, the expert-demand predictor, offload and prefetch,
+                the data-parallel path's expert exchange
 """

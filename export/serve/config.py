@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 API_KEY_ENV = "MOE_PIPELINE_API_KEY"
-PREDICTOR_CONFIG = "predictor.json"  # written by `moe-pipeline predictor train` (export/serve/predictor.py)
+PREDICTOR_CONFIG = "predictor.json"  # written by `moe-pipeline predictor train` (export/serve/placement/predictor.py)
 
 
 class ServeConfigError(ValueError):
@@ -56,7 +56,8 @@ class ServeConfig(BaseModel):
     ep_size: int | None = Field(None, ge=1)  # expert-parallel degree; None: all ranks (at most a layer's experts)
     tp_size: int | None = Field(None, ge=1)  # tensor slicing of the dense part: 1 or nproc
     dtype: Literal["fp32", "bf16", "fp16"] | None = None  # None: the package's
-    placement: Literal["none", "reactive", "predictive"] | None = None  # expert placement by a replica table
+    # expert placement by a replica table: a policy of export/serve/placement/controller.py (`make_controller`)
+    placement: Literal["none", "reactive", "predictive"] | None = None
     replica_budget: float = Field(0.25, ge=0)  # replicas a rank may hold, a fraction of its own expert memory
     resident_experts: float = Field(1.0, gt=0, le=1)  # fraction of a rank's experts in memory (the rest mapped)
     checksums: bool = True  # verify every file's sha256 before loading

@@ -10,13 +10,14 @@
     print(engine.decode(req.generated))
 
 Each step (`Engine.step`, rank 0): the scheduler decides it (export/serve/scheduler.py: queues, token
-budgets, data-parallel ranks, KV blocks, preemption, prefix caching), the placement policy adds its
-directive to each forward, the typed step goes to every rank (export/serve/step.py, ranks.py), every
-rank runs its rows (export/serve/worker.py: its paged KV cache, its samplers), the sampled tokens come
-back in one gather, and rank 0 applies them to the requests (stop conditions, streaming, answers).
+budgets, data-parallel ranks, KV blocks, preemption, prefix caching), the placement controller adds its
+directive to each forward (export/serve/placement/controller.py), the typed step goes to every rank
+(export/serve/step.py, ranks.py), every rank runs its rows (export/serve/worker.py: its paged KV cache,
+its samplers), the sampled tokens come back in one gather, and rank 0 applies them to the requests
+(stop conditions, streaming, answers).
 
   * Data parallel (`data_parallel_layout`): each rank runs its own sequences, and tokens cross ranks only
-    in each MoE layer's expert all-to-all (export/serve/placement.py); a rank with no rows still joins it.
+    in each MoE layer's expert exchange (export/serve/placement/exchange.py); a rank with no rows still joins it.
   * Tensor or expert slicing (`--tp-size`, `--ep-size` below the rank count): one data-parallel group;
     every rank runs rank 0's rows through DeepSpeed's inference engine (export/inference.py).
   * KV memory (`--kv-cache-memory`, `--max-model-len`, `--block-size`): a pool of fixed-size blocks per
@@ -28,17 +29,23 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from export.serve import ranks as rank_msgs
 from export.serve.config import ServeConfig
 from export.serve.kv_cache import block_bytes, free_memory, pool_blocks
+from export.serve.placement.controller import Controller, ControllerStats, make_controller
+from export.serve.placement.exchange import Exchange, ExchangeStats, placed_model
 from export.serve.request import Detokenizer, Request, SamplingParams
 from export.serve.scheduler import Plan, Scheduler, cdiv
 from export.serve.step import Forward, RowResult, Step
 from export.serve.worker import Worker
 from pipeline.model import GPT, ModelConfig
+
+if TYPE_CHECKING:
+    from export.inference import Layout
 
 
 # -- expert load -------------------------------------------------------------------------------------
@@ -46,10 +53,10 @@ from pipeline.model import GPT, ModelConfig
 class ExpertLoad:
     """Tokens routed to each expert of each MoE layer over every forward so far (prompts included), and the
     load that puts on each rank: measured, on the data-parallel path (the tokens each rank's experts received
-    in the all-to-all, replicas included), else from the model's layout (an expert held by several ranks
+    in the exchange, replicas included), else from the model's layout (an expert held by several ranks
     with expert slicing loads each of them)."""
 
-    def __init__(self, cfg: ModelConfig, world: int, layout=None):
+    def __init__(self, cfg: ModelConfig, world: int, layout: Layout | None = None):
         self.tokens = [torch.zeros(e, dtype=torch.long) for e in cfg.experts]
         self.last: list[list[int]] = []  # the last forward's counts
         self.holders = []  # [layer][expert] -> the ranks that hold it
@@ -136,28 +143,38 @@ def _fit(plan: KVPlan) -> KVPlan:
                                f"holds {room} tokens; give --kv-cache-memory more to serve longer sequences")
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacementStats:
+    """Expert placement as /metrics, the server and tests read it: rank 0's controller (with --placement) and this
+    rank's exchange (the data-parallel path), None where there is none."""
+
+    controller: ControllerStats | None
+    exchange: ExchangeStats | None
+
+
 class Engine:
     """Continuous batching over data-parallel ranks (rank 0 schedules). Not thread safe except `submit` and `abort`.
 
     `max_batch`: sequences each rank runs at once; `max_batched_tokens`: tokens each rank runs in one step (decode
     tokens first, then prefill chunks); `max_prefill_seqs`: prompts per prefill forward on a rank (None: all of the
     step's). KV: `kv_cache_memory` GiB per rank (None: a share of the free memory, `plan_kv`), `max_model_len`,
-    `block_size`, `prefix_caching`."""
+    `block_size`, `prefix_caching`. The data-parallel path (each rank its own rows): `exchange`, this rank's expert
+    exchange of a placed model (export/serve/placement/exchange.py `placed_model`), and on rank 0 with --placement
+    its `controller`; without an exchange every rank runs the same rows. `layout`: how the model is spread over the
+    ranks (None: one rank)."""
 
     def __init__(self, model: GPT, tokenizer, max_batch: int = 32, ranks=None, max_batched_tokens: int = 2048,
-                 data_parallel: bool | None = None, placed: bool = False, max_prefill_seqs: int | None = None,
-                 kv_cache_memory: float | None = None, max_model_len: int | None = None, block_size: int = 16,
-                 prefix_caching: bool = True):
+                 max_prefill_seqs: int | None = None, kv_cache_memory: float | None = None,
+                 max_model_len: int | None = None, block_size: int = 16, prefix_caching: bool = True,
+                 exchange: Exchange | None = None, layout: Layout | None = None, controller: Controller | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.detokenize = Detokenizer(tokenizer)
         self.cfg = model.cfg
         self.ranks = ranks
         world = ranks.world if ranks is not None else 1
         rank = ranks.rank if ranks is not None else 0
-        # the data-parallel path: each rank its own rows (the placed model's expert all-to-all); else one group
-        if data_parallel is None:
-            data_parallel = getattr(model, "placement", None) is not None
-        self.dp = world if data_parallel else 1
+        self.exchange, self.layout, self.controller = exchange, layout, controller
+        self.dp = world if exchange is not None else 1
         self.world = world
         device = next(model.parameters()).device
         dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
@@ -171,7 +188,7 @@ class Engine:
         self.kv = kv
         self.max_model_len = kv.max_model_len
         self.worker = Worker(model, kv.blocks, kv.block_size, rank if self.dp > 1 else 0, single=world == 1,
-                             placement=getattr(model, "placement", None))
+                             exchange=exchange)
         self.device = self.worker.device
         self.scheduler = Scheduler(self.dp, kv.blocks, kv.block_size, max_batch, max_batched_tokens,
                                    max_prefill_seqs, prefix_caching, eos=tokenizer.eos_token_id)
@@ -182,20 +199,17 @@ class Engine:
                       "failed": 0}
         self.on_decode = None  # callback(batch size) after each decode step (the server's metrics)
         self.closed: str | None = None  # why the engine stopped (fail_all), refusing new requests
-        self.load = ExpertLoad(self.cfg, world, getattr(model, "layout", None))
-        # expert placement (export/serve/placement.py): this rank's side (with --placement), and rank 0's policy
-        self.placement = model.placement if placed else None
-        self.policy = None
+        self.load = ExpertLoad(self.cfg, world, layout)
         self.rank_status: list[dict] = []  # every rank's last answer to `ping` (rank 0)
         self.rank_status_at: float | None = None
 
     @classmethod
     def from_config(cls, config: ServeConfig, ranks=None) -> "Engine":
         """The engine for `config` on this rank. Data parallel (`data_parallel_layout`): the experts placed by a
-        replica table (export/serve/placement.py; the native one without --placement) and exchanged in an
-        all-to-all, with rank 0's policy; else the package loaded for its tensor- or expert-sliced layout
+        replica table (export/serve/placement/; the native one without --placement) and exchanged between the
+        ranks, with rank 0's controller; else the package loaded for its tensor- or expert-sliced layout
         through DeepSpeed's inference engine (export/inference.py). Collective with several ranks."""
-        from export.inference import load_package
+        from export.inference import load_package, plan_layout
         from export.package import package_dtype, read_tokenizer, verified_package
         from pipeline import dist
 
@@ -208,19 +222,19 @@ class Engine:
         if not dp:
             model, tok = load_package(config.package, ranks, ep_size=config.ep_size, checksums=config.checksums,
                                       dtype=config.dtype, tp_size=config.tp_size)
+            exchange, layout = None, plan_layout(verified.cfg, ranks.world, config.ep_size, config.tp_size)
         else:
-            from export.serve.placement import placed_model
-
-            model = placed_model(verified.cfg, config.package, ranks, package_dtype(verified.manifest, config.dtype),
-                                 config.resident_experts, files=verified.files, transport=config.expert_exchange)
+            placed = placed_model(verified.cfg, config.package, ranks, package_dtype(verified.manifest, config.dtype),
+                                  config.resident_experts, files=verified.files, transport=config.expert_exchange)
+            model, exchange, layout = placed.model, placed.exchange, placed.layout
             tok = read_tokenizer(config.package, verified.files)
-        engine = cls(model, tok, max_batch=config.max_batch, ranks=ranks, max_batched_tokens=config.max_batched_tokens,
-                     data_parallel=dp, placed=config.placement is not None, max_prefill_seqs=config.max_prefill_seqs,
-                     kv_cache_memory=config.kv_cache_memory, max_model_len=config.max_model_len,
-                     block_size=config.block_size, prefix_caching=config.prefix_caching)
+        controller = None
         if config.placement is not None and ranks.rank == 0:
-            engine.policy = make_policy(config, model.cfg, ranks.world)
-        return engine
+            controller = make_controller(config, model.cfg, ranks.world)
+        return cls(model, tok, max_batch=config.max_batch, ranks=ranks, max_batched_tokens=config.max_batched_tokens,
+                   max_prefill_seqs=config.max_prefill_seqs, kv_cache_memory=config.kv_cache_memory,
+                   max_model_len=config.max_model_len, block_size=config.block_size,
+                   prefix_caching=config.prefix_caching, exchange=exchange, layout=layout, controller=controller)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -263,8 +277,8 @@ class Engine:
                              f"maximum model length of {self.max_model_len} tokens (the model's context is "
                              f"{self.cfg.seq_len}; serve --max-model-len, --kv-cache-memory)")
         seq = Request(next(self.ids), list(prompt), params, on_token=on_token, on_finish=on_finish)
-        if self.policy is not None:
-            self.policy.submitted(seq)
+        if self.controller is not None:
+            self.controller.on_submit(seq)
         if self.closed is not None:  # after fail_all: nobody would ever finish it
             raise RuntimeError(f"the engine stopped: {self.closed}")
         self.scheduler.add(seq)
@@ -290,10 +304,10 @@ class Engine:
         self.scheduler.abort(seq.id)
 
     def _retired(self, req: Request) -> None:
-        """A request is done (finished, aborted or failed): its blocks and the policy's state for it go."""
+        """A request is done (finished, aborted or failed): its blocks and the controller's state for it go."""
         self.scheduler.finish(req)
-        if self.policy is not None:
-            self.policy.finished(req)
+        if self.controller is not None:
+            self.controller.on_finish(req)
 
     def _fail(self, req: Request, err: BaseException | str) -> None:
         """An error serving one request fails that request alone; the others go on."""
@@ -317,8 +331,8 @@ class Engine:
                 req.finish("abort")
             except Exception:  # noqa: BLE001 - its client's event loop is gone: nobody left to tell
                 pass
-            if self.policy is not None:
-                self.policy.finished(req)
+            if self.controller is not None:
+                self.controller.on_finish(req)
         step = self._directed(plan)
         self.steps += 1
         if not step.forwards:
@@ -337,8 +351,8 @@ class Engine:
             [r.to_json() for r in mine])] if self.dp > 1 else [mine]
         for fwd, (counts, loads) in zip(step.forwards, self.worker.counts):
             self.load.add(counts, loads)
-            if self.policy is not None:
-                self.policy.observed(self.load.last, fwd.kind, self._requests(plan, fwd))
+            if self.controller is not None:
+                self.controller.after_forward(self.load.last, fwd.kind, self._requests(plan, fwd))
         return self._take_results(plan, [res for rows in results for res in rows])
 
     @staticmethod
@@ -346,14 +360,14 @@ class Engine:
         return [plan.requests[row.seq] for rows in fwd.rows for row in rows]
 
     def _directed(self, plan: Plan) -> Step:
-        """`plan`'s step with the placement policy's directive in each forward (the replica table and the experts
-        to prefetch)."""
-        if self.policy is None:
+        """`plan`'s step with the placement controller's directive in each forward (the replica table and the
+        experts to prefetch), as JSON."""
+        if self.controller is None:
             return plan.step
         forwards = []
         for fwd in plan.step.forwards:
-            table, expect = self.policy.table_for(fwd.kind, self._requests(plan, fwd))
-            forwards.append(dataclasses.replace(fwd, placement={"table": table, "expect": expect}))
+            directive = self.controller.before_forward(fwd.kind, self._requests(plan, fwd))
+            forwards.append(dataclasses.replace(fwd, placement=directive.to_json() if directive is not None else None))
         return dataclasses.replace(plan.step, forwards=forwards)
 
     def _take_results(self, plan: Plan, results: list[RowResult]) -> int:
@@ -391,6 +405,16 @@ class Engine:
     def rank_expert_tokens(self) -> list[list[int]]:
         return self.load.per_rank()
 
+    def placement_stats(self) -> PlacementStats:
+        """Expert placement now: rank 0's controller and this rank's exchange (each None where there is none)."""
+        return PlacementStats(self.controller.stats() if self.controller is not None else None,
+                              self.exchange.stats() if self.exchange is not None else None)
+
+    def close(self) -> None:
+        """Rank 0, when done: stop the placement controller's thread, if it has one."""
+        if self.controller is not None:
+            self.controller.close()
+
     # -- the other ranks (export/serve/ranks.py) --------------------------------------------------------
 
     def follow(self) -> None:
@@ -414,8 +438,9 @@ class Engine:
         self.rank_status_at = time.time()
 
     def _status(self) -> list[rank_msgs.RankStatus]:
-        return rank_msgs.gather_status(self.ranks.rank if self.ranks else 0, self.worker.forwards, self.placement,
-                                       self.worker.forward_s, self.worker.placement)
+        return rank_msgs.gather_status(self.ranks.rank if self.ranks else 0, self.worker.forwards, self.worker.forward_s,
+                                       self.exchange.stats() if self.exchange is not None else None,
+                                       placed=self.controller is not None)
 
     def stop_followers(self) -> None:
         rank_msgs.send(rank_msgs.Stop())
@@ -428,19 +453,6 @@ def data_parallel_layout(cfg: ModelConfig, config: ServeConfig, world: int) -> b
     if (config.tp_size or 1) > 1 or (config.ep_size or world) != world:
         return False
     return all(n % world == 0 for n in cfg.experts)
-
-
-def make_policy(config: ServeConfig, cfg: ModelConfig, ep: int):
-    """Rank 0's placement policy for `config.placement` (export/serve/placement.py, predictor.py)."""
-    from export.serve.placement import Policy, ReactivePolicy
-
-    if config.placement == "none":
-        return Policy(cfg, ep, config.replica_budget)
-    if config.placement == "reactive":
-        return ReactivePolicy(cfg, ep, config.replica_budget)
-    from export.serve.predictor import PredictivePolicy, load_predictor
-
-    return PredictivePolicy(cfg, ep, config.replica_budget, load_predictor(config.package))
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Request]:

@@ -519,7 +519,7 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         body = {"status": "ok" if alive else "unhealthy", "ranks": engine.ranks.world if engine.ranks else 1,
                 "running": len(engine.running), "waiting": len(engine.waiting),
                 "error": None if worker.error is None else repr(worker.error),
-                "layout": engine.model.layout.describe() if getattr(engine.model, "layout", None) else None,
+                "layout": engine.layout.describe() if engine.layout is not None else None,
                 "data_parallel": engine.dp,
                 # every rank's answer to the engine's last ping (once a second, busy or idle)
                 "rank_status": list(engine.rank_status),

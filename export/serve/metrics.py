@@ -113,25 +113,27 @@ class ServeMetrics:
                 needed = status["expert_hits"] + status["expert_misses"]
                 self.hit_rate.labels(str(status["rank"])).set(status["expert_hits"] / needed if needed else 1.0)
                 self.replica_bytes.labels(str(status["rank"])).set(status["replica_bytes"])
-        self._placement(engine)
+        self._placement(engine.placement_stats())
         return generate_latest(self.registry).decode()
 
-    def _placement(self, engine) -> None:
-        measured = engine.worker.placement  # the data-parallel path's exchange (with or without --placement)
-        if measured is not None and measured.stats.forwards:
-            self.step_balance.set(measured.step_balancedness())
-        pl = engine.placement
-        if pl is not None and pl.stats.forwards:
-            from export.serve.placement import count_replicas
-
-            for i, value in enumerate(pl.balancedness()):
+    def _placement(self, stats) -> None:
+        """From `Engine.placement_stats()`: the exchange's measured balance (the data-parallel path, with or without
+        --placement), and with --placement the controller's table and policy."""
+        ex, ctl = stats.exchange, stats.controller
+        if ex is not None and ex.forwards:
+            self.step_balance.set(ex.step_balancedness)
+        if ctl is None:
+            return
+        if ex is not None and ex.forwards:
+            for i, value in enumerate(ex.balancedness):
                 self.place_balance.labels(str(i)).set(value)
-                self.replicas.labels(str(i)).set(sum(count_replicas([pl.table[i]], pl.ep)))
-        for i, recall in enumerate(getattr(engine.policy, "recall", None) or []):
+                self.replicas.labels(str(i)).set(ctl.replicas[i])
+        for i, recall in enumerate(ctl.recall or ()):
             self.recall.labels(str(i)).set(recall)
-        if pl is not None:
-            self.table_changes.set(pl.stats.table_changes)
-        if hasattr(engine.policy, "late"):
-            self.late.set(engine.policy.late)
-            self.predictor_cpu.set(engine.policy.cpu_s)
-            self.predictor_wait.set(engine.policy.waited_s)
+        self.table_changes.set(ctl.table_changes)
+        if ctl.late_steps is not None:
+            self.late.set(ctl.late_steps)
+        if ctl.cpu_s is not None:
+            self.predictor_cpu.set(ctl.cpu_s)
+        if ctl.waited_s is not None:
+            self.predictor_wait.set(ctl.waited_s)

@@ -1,6 +1,6 @@
 """The serving ranks' conversation: rank 0 tells the others what to run, in typed messages.
 
-Every rank must run the same forwards (each MoE layer's expert all-to-all joins all ranks, as do
+Every rank must run the same forwards (each MoE layer's expert exchange joins all ranks, as do
 tensor slicing's all-reduces). Rank 0 owns the scheduler (export/serve/scheduler.py); each step it
 broadcasts the typed `Step` (export/serve/step.py: each forward's rows of every rank) and every rank
 runs its own rows of it (`Engine.follow`); on the data-parallel path the results (`RowResult`) come
@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
 from export.serve.step import Step
+
+if TYPE_CHECKING:
+    from export.serve.placement.exchange import ExchangeStats
 
 
 @dataclass(frozen=True)
@@ -94,22 +98,22 @@ class RankStatus:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def gather_status(rank: int, forwards: int, placement=None, forward_s: float = 0.0, exchange=None) -> list[RankStatus]:
+def gather_status(rank: int, forwards: int, forward_s: float = 0.0, exchange: ExchangeStats | None = None,
+                  placed: bool = False) -> list[RankStatus]:
     """Collective: every rank's status, gathered as numbers (one float64 row per rank, on the accelerator's device:
-    `pipeline.dist.gather_numbers`). `placement`: with --placement, its side on this rank; `exchange`: the
-    data-parallel path's expert exchange (timings)."""
+    `pipeline.dist.gather_numbers`). `exchange`: this rank's expert exchange on the data-parallel path (timings,
+    the experts it held); `placed`: rank 0's say, with --placement the experts' fields are reported."""
     from pipeline import dist
 
-    pl = placement
-    held = pl.resident_bytes() if pl is not None else {"native": 0, "replicas": 0, "native_full": 0}
-    ex = exchange.stats if exchange is not None else None
-    rows = dist.gather_numbers([rank, os.getpid(), forwards, rss_mib(), pl.stats.hits if pl else 0,
-                                pl.stats.misses if pl else 0, held["native"], held["replicas"], held["native_full"],
-                                forward_s, ex.expert_s if ex else 0.0, ex.exchange_s if ex else 0.0])
+    held = exchange.residency if exchange is not None else None
+    experts = [held.hits, held.misses, held.native_bytes, held.replica_bytes, held.native_bytes_all_resident] \
+        if held is not None else [0] * 5
+    timings = [exchange.expert_s, exchange.exchange_s] if exchange is not None else [0.0, 0.0]
+    rows = dist.gather_numbers([rank, os.getpid(), forwards, rss_mib(), *experts, forward_s, *timings])
     out = []
     for r in rows:
         extra = {}
-        if pl is not None:
+        if placed and held is not None:
             extra = dict(expert_hits=int(r[4]), expert_misses=int(r[5]), native_expert_bytes=int(r[6]),
                          replica_bytes=int(r[7]), native_expert_bytes_all_resident=int(r[8]))
         out.append(RankStatus(int(r[0]), int(r[1]), int(r[2]), round(float(r[3]), 1), **extra,

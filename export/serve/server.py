@@ -151,13 +151,14 @@ def serve(config: ServeConfig) -> int:
     if ranks.world > 1:
         threading.Thread(target=watch_ranks, name="rank-watch", daemon=True).start()
     http.start()
-    layout = engine.model.layout.describe() if getattr(engine.model, "layout", None) else f"{ranks.world} rank(s)"
+    layout = engine.layout.describe() if engine.layout is not None else f"{ranks.world} rank(s)"
     if engine.dp > 1:
         layout += f", data parallel {engine.dp}: each rank its own sequences"
     elif ranks.world > 1:
         layout += ", one data-parallel group: every rank runs the same sequences"
-    if engine.policy is not None:
-        layout += (f", placement {engine.policy.name} (replica budget {config.replica_budget}: {engine.policy.slots} "
+    placement = engine.placement_stats().controller
+    if placement is not None:
+        layout += (f", placement {placement.name} (replica budget {config.replica_budget}: {placement.slots} "
                    f"replica(s) per rank; {config.resident_experts:g} of the experts resident)")
     print(f"[serve] {name} on http://{host}:{port} ({layout}; up to {config.max_batch} sequences and "
           f"{config.max_batched_tokens} tokens per rank per step)", flush=True)
@@ -173,8 +174,7 @@ def serve(config: ServeConfig) -> int:
         http.join(timeout=30)
         return 1
     http.join()
-    if engine.policy is not None:
-        engine.policy.close()
+    engine.close()
     engine.stop_followers()
     print(f"[serve] stopped after {engine.stats['forwards']} forwards, {engine.stats['tokens_out']} tokens", flush=True)
     return 0

@@ -8,7 +8,7 @@ In the spirit of vLLM v1's `SchedulerOutput` / `ModelRunnerOutput`. A step is a 
 rank runs (an expert all-to-all in each MoE layer joins all ranks); each `Forward` holds, per
 data-parallel rank, the `Row`s that rank runs: a sequence's new tokens, the position they start at,
 the KV blocks appended to its block table, whether to sample its next token or score its prompt.
-The placement directive (export/serve/placement.py) rides along opaquely. A `RowResult` comes back
+The placement directive (export/serve/placement/controller.py `Directive`) rides along opaquely. A `RowResult` comes back
 from the rank that holds the row. Everything here is plain data: no torch, JSON both ways
 (`pipeline.dist.broadcast_json`; no pickle between processes).
 """

@@ -5,8 +5,9 @@
     results = worker.execute(step)        # a typed Step (export/serve/step.py) -> [RowResult] of this rank's rows
 
 Every rank runs every forward of a step, with its own rows (maybe none: it still joins each MoE layer's
-expert all-to-all). The rank that holds a sequence projects its rows to the vocabulary and samples them,
-so only sampled tokens (and log-probabilities when asked for) travel back to rank 0.
+expert exchange, under the placement directive the forward carries). The rank that holds a sequence
+projects its rows to the vocabulary and samples them, so only sampled tokens (and log-probabilities
+when asked for) travel back to rank 0.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 import torch
 
 from export.serve.kv_cache import PagedCache
+from export.serve.placement.controller import Directive
+from export.serve.placement.exchange import Exchange
 from export.serve.sampling import Sampler, sample_row, score_positions
 from export.serve.step import Row, RowResult, Step
 from pipeline.model import GPT
@@ -29,12 +32,14 @@ class Worker:
     """One rank's rows: its `PagedCache`, the sampler of each of its sequences, and the forwards of each step.
     `rank`: this rank's index among the data-parallel ranks (0 when every rank runs the same rows); `single`: one
     process, so an error in a forward fails its rows alone (with several ranks the others may be inside that
-    forward's collectives: it is raised). `placement`: the data-parallel path's expert exchange (placement.py)."""
+    forward's collectives: it is raised). `exchange`: the data-parallel path's expert exchange
+    (export/serve/placement/exchange.py), which applies each forward's placement directive."""
 
     SCORE_ROWS = 256  # prompt positions projected to the vocabulary at once when scoring a prompt (echo + logprobs)
 
-    def __init__(self, model: GPT, blocks: int, block_size: int, rank: int, single: bool, placement=None):
-        self.model, self.rank, self.single, self.placement = model, rank, single, placement
+    def __init__(self, model: GPT, blocks: int, block_size: int, rank: int, single: bool,
+                 exchange: Exchange | None = None):
+        self.model, self.rank, self.single, self.exchange = model, rank, single, exchange
         self.device = next(model.parameters()).device
         dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
         # this rank's key/value heads (its query heads' share under tensor slicing)
@@ -60,9 +65,8 @@ class Worker:
             rows = fwd.rows[self.rank]
             for row in rows:
                 self.cache.extend(row.seq, row.blocks)
-            if self.placement is not None:
-                directive = fwd.placement or {}
-                self.placement.apply(directive.get("table"), directive.get("expect"))
+            if self.exchange is not None:
+                self.exchange.apply(Directive.from_json(fwd.placement) if fwd.placement is not None else None)
             t0 = time.perf_counter()
             try:
                 results += self._forward(rows)
@@ -83,7 +87,7 @@ class Worker:
             tokens[b, :counts[b]] = torch.tensor(row.tokens)
         cache = self.cache.select([r.seq for r in rows], [r.start for r in rows], counts)
         out = self.model(tokens.to(self.device), cache=cache, hidden_only=True)
-        loads = self.placement.last_loads() if self.placement is not None else None
+        loads = self.exchange.last_loads() if self.exchange is not None else None
         self.counts.append((out.expert_counts, loads))
         h = out.hidden  # [B, T, C]
         results: dict[int, RowResult] = {}

@@ -86,10 +86,11 @@ def scenarios(engine: Engine) -> dict:
     out["rank_expert_tokens"] = engine.rank_expert_tokens()
     out["blocks_in_use"] = [pool.used() for pool in engine.scheduler.pools]
     out["dp"] = engine.dp
-    out["exchange"] = engine.worker.placement.transport if engine.worker.placement is not None else None
-    if engine.placement is not None:
-        out["placement_balancedness"] = engine.placement.balancedness()
-        out["table_changes"] = engine.placement.stats.table_changes
+    placement = engine.placement_stats()
+    out["exchange"] = placement.exchange.transport if placement.exchange is not None else None
+    if placement.controller is not None:
+        out["placement_balancedness"] = placement.exchange.balancedness
+        out["table_changes"] = placement.controller.table_changes
     return out
 
 
@@ -111,8 +112,7 @@ def main() -> None:
         result = scenarios(engine)
     finally:
         engine.stop_followers()
-        if engine.policy is not None:
-            engine.policy.close()
+        engine.close()
     path.write_text(json.dumps(result))
 
 

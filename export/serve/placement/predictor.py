@@ -7,11 +7,9 @@ predicts which expert each MoE layer will route the sequence's *next* token to.
 Traces: the package's own model runs over blocks of its training split (the recipe in the
 manifest names the data; the tokenizer is the package's) and records, for every token and MoE
 layer, the expert the router chose (top-1; the first choice for top-2). The predictor reads tokens
-0..t and outputs, per MoE layer, a distribution over the experts of token t+1: at serving time,
-while the runtime computes a decode step, a second thread feeds it that step's tokens and sums
-the distributions of the running sequences into the next step's per-expert demand, from which it
-plans the replica table (producer/consumer, MoE-MPMC's two threads). A prompt is read whole when
-its request arrives, which predicts its prefill's demand before it runs.
+0..t and outputs, per MoE layer, a distribution over the experts of token t+1. At serving time the
+predictive policy (controller.py `PredictiveController`) runs it in a second thread and plans the
+replica tables from the demand it predicts.
 
 The SRU (Lei et al., 2018): with x~, f, r from one matrix product over all steps,
     c_t = f_t * c_{t-1} + (1 - f_t) * x~_t,  f_t = sigmoid(W_f x_t + v_f * c_{t-1} + b_f)
@@ -28,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +35,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from export.serve.config import PREDICTOR_CONFIG
-from export.serve.placement import Policy, keep_or_replace, plan_replicas
 from pipeline.model import route, router_logits
 
 WEIGHTS = "predictor.safetensors"
@@ -299,174 +294,3 @@ def train_command(pkg: Path, train_blocks: int = 400, val_blocks: int = 100, ste
     save_predictor(pkg, model, info)
     return info
 
-
-# -- the predictive policy: a second thread that prepares the next table ---------------------------------------
-
-class PredictivePolicy(Policy):
-    """Replica tables from predicted demand (rank 0). A table-building thread consumes the runtime's
-    events (a prompt arrived; a decode step started with these tokens) and produces, for each prompt,
-    its prefill's table and, after each decode step's tokens, the next step's table."""
-
-    name = "predictive"
-
-    def __init__(self, cfg, ep: int, budget: float, predictor, wait_s: float = 0.2):
-        super().__init__(cfg, ep, budget)
-        self.model, self.info = predictor
-        self.wait_s = wait_s
-        self.jobs: queue.Queue = queue.Queue()
-        # sequence id -> SRU state [layers, 1, dim] (after a prompt: (state, its last token, not yet read))
-        self.state: dict[int, object] = {}
-        self.decoding: set[int] = set()  # sequences in the last decode step
-        self.prefill: dict[int, tuple] = {}  # sequence id -> (table, expected, demand) of its prompt
-        self.started: set[int] = set()  # sequences whose prefill has begun (their prompt's plan was asked for)
-        self.decode_plan: tuple | None = None  # (step number, table, expected, demand) for the next decode step
-        self.ready = threading.Condition()
-        self.step_no = 0
-        self.recall_sum = [0.0] * len(cfg.experts)
-        self.recall_n = 0
-        self.late = 0  # decode steps whose table was not ready in time (the previous one was used)
-        self.cpu_s = 0.0  # CPU seconds of the predictor's thread (it shares rank 0's cores)
-        self.waited_s = 0.0  # seconds rank 0's scheduler waited for a table (every rank waits with it)
-        self._pending_demand: list | None = None
-        self.thread = threading.Thread(target=self._run, name="predictor", daemon=True)
-        self.thread.start()
-
-    # -- the runtime's side (consumer) ---------------------------------------------------------------------------
-    def submitted(self, seq) -> None:
-        self.jobs.put(("prompt", seq.id, list(seq.prompt)))
-
-    def finished(self, seq) -> None:
-        # through the queue, after the request's own prompt job: the thread owns the per-request state
-        self.started.discard(seq.id)
-        self.jobs.put(("finished", seq.id))
-
-    def table_for(self, kind: str, seqs):
-        if kind == "prefill":  # the prompts whose first chunk this is: their predicted demand, summed
-            new = [s.id for s in seqs if s.id not in self.started]
-            self.started.update(new)
-            t0 = time.perf_counter()
-            with self.ready:
-                self.ready.wait_for(lambda: all(i in self.prefill for i in new), timeout=self.wait_s if new else 0)
-                plans = [self.prefill.pop(i) for i in new if i in self.prefill]
-            self.waited_s += time.perf_counter() - t0
-            if len(plans) > 1:
-                plan = self._plan([[sum(d) for d in zip(*layer)] for layer in zip(*(p[2] for p in plans))])
-            else:
-                plan = plans[0] if plans else None
-        else:
-            step = self.step_no
-            self.step_no += 1
-            # this step's tokens go to the thread now: it prepares the NEXT step's table while this one runs
-            self.jobs.put(("step", step, [(s.id, s.generated[-1]) for s in seqs]))
-            t0 = time.perf_counter()
-            with self.ready:
-                self.ready.wait_for(lambda: self.decode_plan is not None and self.decode_plan[0] >= step - 1,
-                                    timeout=self.wait_s if step else 0)
-                plan = self.decode_plan[1:] if self.decode_plan is not None and self.decode_plan[0] == step - 1 \
-                    else None
-            self.waited_s += time.perf_counter() - t0
-            if plan is None and step:
-                self.late += 1
-        if plan is None:
-            self._pending_demand = None
-            return None, None
-        table, expected, demand = plan
-        self._pending_demand = demand
-        return self._set(table), expected
-
-    def observed(self, counts, kind, seqs) -> None:
-        if self._pending_demand is None:
-            return
-        for i, (pred, actual) in enumerate(zip(self._pending_demand, counts)):
-            active = {e for e, c in enumerate(actual) if c > 0}
-            if active:
-                top = sorted(range(len(pred)), key=lambda e: -pred[e])[:len(active)]
-                self.recall_sum[i] += len(active & set(top)) / len(active)
-        self.recall_n += 1
-
-    @property
-    def recall(self) -> list[float]:
-        return [r / self.recall_n for r in self.recall_sum] if self.recall_n else []
-
-    def close(self) -> None:
-        self.jobs.put(None)
-        self.thread.join(timeout=10)
-
-    # -- the table-building thread (producer) ----------------------------------------------------------------------
-    def _run(self) -> None:
-        # one intra-op thread for the predictor: the setting is per thread (OpenMP), the engine keeps its own;
-        # with the engine's threads on every core, a multi-threaded predictor only steals them
-        torch.set_num_threads(1)
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            t0 = time.thread_time()
-            try:
-                if job[0] == "prompt":
-                    self._prompt(*job[1:])
-                elif job[0] == "finished":
-                    self._forget(job[1])
-                else:
-                    self._step(*job[1:])
-            except Exception as err:  # noqa: BLE001 - a failed prediction falls back to the current table
-                print(f"[predictor] {type(err).__name__}: {err}", flush=True)
-            self.cpu_s += time.thread_time() - t0
-
-    def _forget(self, sid: int) -> None:
-        """A finished request's SRU state and its prefill plan if it was never used (it came too late, or the
-        request ended at prefill as lm-eval's log-likelihood requests do)."""
-        self.state.pop(sid, None)
-        self.decoding.discard(sid)
-        with self.ready:
-            self.prefill.pop(sid, None)
-
-    def held(self) -> int:
-        """Requests the policy holds state for (0 once every request is done and the thread has caught up)."""
-        with self.ready:
-            return len(self.state) + len(self.prefill)
-
-    @torch.inference_mode()
-    def _prompt(self, sid: int, prompt: list[int]) -> None:
-        # reads [bos, x_1 .. x_{n-1}]: row j predicts token j+1's routes; x_n is read with the first decode step
-        ids = torch.tensor([[self.model.cfg.bos_id] + prompt[:-1]])
-        logits, state = self.model(ids)
-        demand = [lg[0].softmax(-1).sum(0).tolist() for lg in logits]  # the prompt's tokens, per layer [E]
-        self.state[sid] = (state, prompt[-1])
-        plan = self._plan(demand)
-        with self.ready:
-            self.prefill[sid] = plan
-            self.ready.notify_all()
-
-    @torch.inference_mode()
-    def _step(self, step: int, fed: list[tuple[int, int]]) -> None:
-        """The tokens of decode step `step` -> the demand and table of step `step + 1`."""
-        known = [(sid, tok) for sid, tok in fed if sid in self.state]
-        now = {sid for sid, _ in fed}
-        for sid in self.decoding - now:  # decoded before, not any more: finished
-            self.state.pop(sid, None)
-        self.decoding = now
-        if not known:
-            return
-        # a sequence's first decode step also reads its prompt's last token
-        first = [k for k, (sid, _) in enumerate(known) if isinstance(self.state[sid], tuple)]
-        for k in first:
-            sid = known[k][0]
-            state, last = self.state[sid]
-            self.state[sid] = self.model(torch.tensor([[last]]), state)[1]
-        ids = torch.tensor([[tok] for _, tok in known])  # [B, 1]
-        state = torch.cat([self.state[sid] for sid, _ in known], dim=1)  # [layers, B, dim]
-        logits, state = self.model(ids, state)
-        for k, (sid, _) in enumerate(known):
-            self.state[sid] = state[:, k:k + 1]
-        demand = [lg[:, 0].softmax(-1).sum(0).tolist() for lg in logits]  # next step's tokens, per layer [E]
-        plan = self._plan(demand)
-        with self.ready:
-            self.decode_plan = (step, *plan)
-            self.ready.notify_all()
-
-    def _plan(self, demand: list[list[float]]):
-        table = keep_or_replace(self.table, plan_replicas(self.cfg, self.ep, demand, self.slots, hedge=True), demand,
-                                self.ep)
-        expected = [sorted((e for e in range(len(d)) if d[e] >= 0.05), key=lambda e: -d[e]) for d in demand]
-        return table, expected, demand
