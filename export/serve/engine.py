@@ -35,7 +35,7 @@ import torch
 
 from export.serve import ranks as rank_msgs
 from export.serve.config import ServeConfig
-from export.serve.kv_cache import block_bytes, free_memory, pool_blocks
+from export.serve.kv_cache import block_bytes, free_memory, pool_blocks, served_kv
 from export.serve.placement.controller import Controller, ControllerStats, make_controller
 from export.serve.placement.exchange import Exchange, ExchangeStats, placed_model
 from export.serve.request import Detokenizer, Request, SamplingParams
@@ -113,10 +113,12 @@ class KVPlan:
 
 
 def plan_kv(cfg: ModelConfig, heads: int, dtype: torch.dtype, device: torch.device, max_batch: int,
-            kv_cache_memory: float | None = None, max_model_len: int | None = None, block_size: int = 16) -> KVPlan:
-    """Blocks per rank for `--kv-cache-memory` GiB (None: `kv_cache.free_memory`'s share, at most what `max_batch`
-    sequences of the model length fill), and the model length it serves: `--max-model-len` (None: the model's
-    context), lowered with a reason when the pool cannot hold one such sequence."""
+            kv_cache_memory: float | None = None, max_model_len: int | None = None, block_size: int = 16,
+            local_ranks: int = 1) -> KVPlan:
+    """Blocks per rank for `--kv-cache-memory` GiB (None: `kv_cache.free_memory`'s share for one of `local_ranks`
+    ranks on this machine, at most what `max_batch` sequences of the model length fill), and the model length it
+    serves: `--max-model-len` (None: the model's context), lowered with a reason when the pool cannot hold one such
+    sequence."""
     asked = max_model_len or cfg.seq_len
     if asked > cfg.seq_len:
         raise ValueError(f"--max-model-len {asked}: the model's context is {cfg.seq_len} tokens; give at most that")
@@ -125,7 +127,7 @@ def plan_kv(cfg: ModelConfig, heads: int, dtype: torch.dtype, device: torch.devi
         budget, why = int(kv_cache_memory * 2**30), f"--kv-cache-memory {kv_cache_memory:g}"
         blocks = pool_blocks(cfg, heads, block_size, dtype, budget)
     else:
-        budget, why = free_memory(device)
+        budget, why = free_memory(device, local_ranks)
         blocks = min(pool_blocks(cfg, heads, block_size, dtype, budget), max_batch * cdiv(asked, block_size))
         why = f"default: {why}, at most --max-batch {max_batch} sequences of {asked} tokens"
     if blocks < 1:
@@ -176,10 +178,9 @@ class Engine:
         self.exchange, self.layout, self.controller = exchange, layout, controller
         self.dp = world if exchange is not None else 1
         self.world = world
-        device = next(model.parameters()).device
-        dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
-        heads = model.blocks[0].attn.num_heads * model.cfg.kv_group_heads // model.cfg.heads
-        kv = plan_kv(self.cfg, heads, dtype, device, max_batch, kv_cache_memory, max_model_len, block_size)
+        heads, dtype, device = served_kv(model)
+        kv = plan_kv(self.cfg, heads, dtype, device, max_batch, kv_cache_memory, max_model_len, block_size,
+                     local_ranks=ranks.local_world if ranks is not None else 1)
         if world > 1:  # every rank's pool alike: the scheduler hands out the same block ids on each
             from pipeline import dist
 

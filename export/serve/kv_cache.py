@@ -40,13 +40,21 @@ def block_bytes(cfg: ModelConfig, heads: int, block_size: int, dtype: torch.dtyp
     return 2 * cfg.layers * heads * block_size * cfg.head_size * torch.empty((), dtype=dtype).element_size()
 
 
-def free_memory(device: torch.device) -> tuple[int, str]:
-    """(bytes the KV cache may take by default, how that was decided) on `device`, for one rank."""
+def served_kv(model) -> tuple[int, torch.dtype, torch.device]:
+    """(kv heads, dtype, device) of a model's KV cache on this rank: its query heads' share of the kv heads under
+    tensor slicing, the dtype of its weights (the fp32 MoE gates aside)."""
+    dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
+    heads = model.blocks[0].attn.num_heads * model.cfg.kv_group_heads // model.cfg.heads
+    return heads, dtype, next(model.parameters()).device
+
+
+def free_memory(device: torch.device, ranks: int = 1) -> tuple[int, str]:
+    """(bytes the KV cache may take by default, how that was decided) on `device`, for one of this machine's
+    `ranks` ranks."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * GPU_SHARE), f"{GPU_SHARE:.0%} of the GPU's free memory"
     available = _mem_available()
-    ranks = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")) or 1)
     share = f"{CPU_SHARE:.0%} of the memory available ({available / 2**30:.1f} GiB)" + \
         (f" over {ranks} ranks" if ranks > 1 else "")
     return int(available * CPU_SHARE / ranks), share
@@ -135,10 +143,14 @@ class PagedCache(Cache):
         self._pos, self._slots = {}, {}
         self._padded = False
 
+    def _offsets(self, T: int) -> torch.Tensor:
+        """[B, T]: each new token's position in its row (padding included, past its row's end)."""
+        start = torch.tensor(self._start, dtype=torch.long, device=self.device)
+        return start[:, None] + torch.arange(T, device=self.device)
+
     def positions(self, T: int) -> torch.Tensor:
         if T not in self._pos:
-            start = torch.tensor(self._start, dtype=torch.long, device=self.device)
-            pos = start[:, None] + torch.arange(T, device=self.device)  # [B, T]
+            pos = self._offsets(T)
             self._pos[T] = pos.clamp_max(self.max_len - 1) if self._padded else pos  # padding stays in range
         return self._pos[T]
 
@@ -151,8 +163,7 @@ class PagedCache(Cache):
     def _where(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) [n] of each real new token, rows in order, tokens in order."""
         if T not in self._slots:
-            start = torch.tensor(self._start, dtype=torch.long, device=self.device)
-            pos = start[:, None] + torch.arange(T, device=self.device)  # [B, T]
+            pos = self._offsets(T)  # [B, T]
             if self._padded:
                 real = self.token_mask(T)
                 pos = pos.clamp_max(self._table.shape[1] * self.block_size - 1)

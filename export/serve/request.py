@@ -62,6 +62,15 @@ class Request:
         """Prompt, then generated: what its KV cache holds once computed (all but the last generated token)."""
         return self.prompt + self.generated
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def tokens_between(self, lo: int, hi: int) -> list[int]:
+        """`tokens[lo:hi]` without building `tokens` (a decode step's one token of a long prompt's sequence)."""
+        P = len(self.prompt)
+        return self.prompt[lo:hi] + self.generated[max(lo - P, 0):max(hi - P, 0)]
+
     def seed(self) -> int | None:
         """The seed of its generator on the rank that samples it: its own, or one drawn now when it is sampled (so
         that each sampled request has a generator of its own); None when it is greedy (nothing is drawn)."""

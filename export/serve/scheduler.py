@@ -199,7 +199,7 @@ class Scheduler:
 
     def kv_usage(self) -> float:
         """The fraction of KV blocks in use (held by a sequence) over every rank's pool (vLLM's kv_cache_usage_perc)."""
-        return sum(p.blocks - p.available() for p in self.pools) / sum(p.blocks for p in self.pools)
+        return sum(p.used() for p in self.pools) / sum(p.blocks for p in self.pools)
 
     def finish(self, req: Request) -> None:
         """`req` is done (finished, aborted or failed): its blocks go back to its rank's pool, its rank forgets it."""
@@ -256,11 +256,11 @@ class Scheduler:
 
     def _row(self, req: Request, n: int, blocks: list[int]) -> Row:
         start = req.num_computed
-        tokens = req.tokens[start:start + n]
+        tokens = req.tokens_between(start, start + n)
         score, targets = -1, []
         if req.scores_prompt and start < len(req.prompt):
             score, targets = start, req.prompt[start + 1:start + 1 + n]
-        return Row(req.id, start, tokens, blocks, sample=start + n == len(req.tokens),
+        return Row(req.id, start, tokens, blocks, sample=start + n == req.num_tokens,
                    banned=self.eos if req.blocks_eos() else None, score=score, targets=targets)
 
     # -- one step ---------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ class Scheduler:
 
         # 1. one token for each decoding sequence, in admission order; room made by preempting the newest
         for req in list(self.running):
-            if req not in self.running or not req.generated or req.num_computed != len(req.tokens) - 1:
+            if req not in self.running or not req.generated or req.num_computed != req.num_tokens - 1:
                 continue
             while (blocks := self._grow(req, 1)) is None:
                 victim = next((v for v in reversed(self.running) if v.rank == req.rank and v.id not in done
@@ -299,19 +299,23 @@ class Scheduler:
                 continue
             pool, table = self.pools[req.rank], self.tables[req.id]
             room = len(table) * self.block_size - req.num_computed + pool.available() * self.block_size
-            n = min(len(req.tokens) - req.num_computed, budget[req.rank], room)
+            n = min(req.num_tokens - req.num_computed, budget[req.rank], room)
             if n > 0:
                 add(req, prefill, self._row(req, n, self._grow(req, n)))
         # 3. new sequences, first come first served, while a rank has a row, tokens and blocks for their first chunk
+        counts, loads = [0] * R, [0] * R  # sequences and tokens each rank runs (prompts and generated so far)
+        for s in self.running:
+            counts[s.rank] += 1
+            loads[s.rank] += s.num_tokens
         while True:
             with self.lock:
                 req = self.waiting[0] if self.waiting else None
-            if req is None or not self._admit(req, budget, plan):
+            if req is None or not self._admit(req, budget, counts, loads, plan):
                 break
             with self.lock:
                 self.waiting.popleft()
             # its whole table: the rank's table for it starts empty (prefix-cache hits included)
-            add(req, prefill, self._row(req, min(len(req.tokens) - req.num_computed, budget[req.rank]),
+            add(req, prefill, self._row(req, min(req.num_tokens - req.num_computed, budget[req.rank]),
                                         list(self.tables[req.id])))
         forwards = self._forwards(prefill, decode)
         if forwards:  # freed and ended sequences travel with the next step that runs something
@@ -319,17 +323,13 @@ class Scheduler:
             self._freed, self._ended = [], []
         return plan
 
-    def _admit(self, req: Request, budget: list[int], plan: Plan) -> bool:
-        """Start `req` on the rank where it adds the least work and its first chunk's blocks fit; False if none can."""
-        counts = [0] * self.ranks
-        loads = [0] * self.ranks  # tokens each rank runs (prompts and generated so far)
-        for s in self.running:
-            counts[s.rank] += 1
-            loads[s.rank] += len(s.tokens)
+    def _admit(self, req: Request, budget: list[int], counts: list[int], loads: list[int], plan: Plan) -> bool:
+        """Start `req` on the rank where it adds the least work (`loads`: tokens each rank runs) and its first chunk's
+        blocks fit, below `max_batch` sequences (`counts`); False if none can. Updates `counts` and `loads`."""
         ranks = [req.rank] if req.rank is not None else range(self.ranks)  # a preempted one stays: its sampler
         # full blocks it may take from a prefix cache: never its last token (its logits are needed), never when its
         # prompt is scored position by position
-        keys = [] if req.scores_prompt else self._keys(req)[:(len(req.tokens) - 1) // self.block_size]
+        keys = [] if req.scores_prompt else self._keys(req)[:(req.num_tokens - 1) // self.block_size]
         options = []
         for r in ranks:
             if counts[r] >= self.max_batch or budget[r] <= 0:
@@ -337,7 +337,7 @@ class Scheduler:
             pool = self.pools[r]
             hit = pool.cached(keys)
             start = len(hit) * self.block_size
-            n = min(len(req.tokens) - start, budget[r])
+            n = min(req.num_tokens - start, budget[r])
             need = cdiv(start + n, self.block_size) - len(hit)
             free = pool.available() - sum(pool.refs[b] == 0 for b in hit)  # taking a hit makes it unavailable
             if need <= free:
@@ -347,14 +347,16 @@ class Scheduler:
         _, r, hit = min(options, key=lambda o: o[:2])
         pool = self.pools[r]
         if not req.scores_prompt:
-            self.stats["prefix_queries"] += len(req.tokens)
+            self.stats["prefix_queries"] += req.num_tokens
             self.stats["prefix_hits"] += len(hit) * self.block_size
         pool.acquire(hit)
         req.rank, req.num_computed = r, len(hit) * self.block_size
-        n = min(len(req.tokens) - req.num_computed, budget[r])
+        n = min(req.num_tokens - req.num_computed, budget[r])
         self.tables[req.id] = hit + pool.allocate(cdiv(req.num_computed + n, self.block_size) - len(hit))
         self.registered[req.id] = len(hit)
         self.running.append(req)
+        counts[r] += 1
+        loads[r] += req.num_tokens
         plan.admitted.append(req)
         if req.id not in self.started:
             self.started.add(req.id)

@@ -12,11 +12,12 @@ when asked for) travel back to rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
-from export.serve.kv_cache import PagedCache
+from export.serve.kv_cache import PagedCache, served_kv
 from export.serve.placement.controller import Directive
 from export.serve.placement.exchange import Exchange
 from export.serve.sampling import Sampler, sample_row, score_positions
@@ -40,10 +41,7 @@ class Worker:
     def __init__(self, model: GPT, blocks: int, block_size: int, rank: int, single: bool,
                  exchange: Exchange | None = None):
         self.model, self.rank, self.single, self.exchange = model, rank, single, exchange
-        self.device = next(model.parameters()).device
-        dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
-        # this rank's key/value heads (its query heads' share under tensor slicing)
-        heads = model.blocks[0].attn.num_heads * model.cfg.kv_group_heads // model.cfg.heads
+        heads, dtype, self.device = served_kv(model)
         self.cache = PagedCache(model.cfg, blocks, block_size, heads, device=self.device, dtype=dtype)
         self.samplers: dict[int, Sampler] = {}
         self.forwards = 0
@@ -102,7 +100,7 @@ class Worker:
                 row, res = rows[b], results.get(b, RowResult(rows[b].seq))
                 if res.error is None:
                     try:
-                        res = RowResult(**{**vars(res), **sample_row(self.samplers[row.seq], logits[j], row.banned)})
+                        res = dataclasses.replace(res, **sample_row(self.samplers[row.seq], logits[j], row.banned))
                     except Exception as err:  # noqa: BLE001 - this request alone fails
                         res = RowResult(row.seq, error=_error(err))
                 results[b] = res
