@@ -473,9 +473,8 @@ def stream_events(worker, metrics: ServeMetrics, model_name: str, req, prompt: l
                 if len(final) > len(emitted):
                     yield sse(rid, created, model_name, final[len(emitted):], None)
                 yield sse(rid, created, model_name, "", value.finish_reason)
-                if with_usage:
-                    last = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": created, "model": model_name, "choices": [],
+                if with_usage:  # the chunk's own id, object, created and model, no choices
+                    last = {**chunk_of(rid, created, model_name, "", None), "choices": [],
                             "usage": usage(len(prompt), len(value.generated))}
                     yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
