@@ -161,7 +161,7 @@ def kv_bytes_per_token(cfg, dtype, context: float) -> float:
     """KV-cache bytes a decode step reads at `context` cached tokens (keys and values of every layer)."""
     import torch
 
-    return cfg.layers * 2 * context * cfg.hidden * torch.empty((), dtype=dtype).element_size()
+    return cfg.layers * 2 * context * cfg.kv_group_heads * cfg.head_size * torch.empty((), dtype=dtype).element_size()
 
 
 # -- (b) decode ----------------------------------------------------------------------------------------------------
@@ -433,10 +433,17 @@ def plot(results: list[dict], path: Path) -> None:
 
 def run(dtypes: list[str], work: Path, out: Path, layers: int = 4, overrides: list[str] = (), threads: int = 2,
         new_tokens: int = 384, repeats: int = 3, buffer_gib: float = 1.0, breakdown_tokens: int = 64,
-        backends: tuple[str, ...] = tuple(BACKENDS)) -> dict:
-    """Build (or reuse) each dtype's package under `work`, measure it, write the JSON and the plot to `out`."""
+        backends: tuple[str, ...] = tuple(BACKENDS), package: Path | None = None) -> dict:
+    """Build (or reuse) each dtype's package under `work` (or take `package`, in its own dtype), measure it, write
+    the JSON and the plot to `out`."""
     results = []
-    for dtype in dtypes:
+    if package is not None:
+        from pipeline.artifacts import read_manifest
+
+        spec = {"package": str(package), "layers": None, "overrides": [], "dtype": read_manifest(package)["dtype"]}
+        results.append({**measure(package, threads, new_tokens, repeats, buffer_gib, breakdown_tokens, backends),
+                        "spec": spec})
+    for dtype in dtypes if package is None else []:
         pkg = work / f"pkg-{layers}layers-{dtype}"
         spec = {"layers": layers, "overrides": list(overrides), "dtype": dtype}
         spec_file = work / f"{pkg.name}.spec.json"
@@ -448,12 +455,27 @@ def run(dtypes: list[str], work: Path, out: Path, layers: int = 4, overrides: li
             spec_file.write_text(json.dumps(spec))
         results.append({**measure(pkg, threads, new_tokens, repeats, buffer_gib, breakdown_tokens, backends),
                         "spec": spec})
-    res = {"results": results, "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(),
+    res = {"results": results, "machine": {"cpu_count": os.cpu_count(), "cpu": cpu_name(), "flags": cpu_flags(),
                                            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_bandwidth.json").write_text(json.dumps(res, indent=1) + "\n")
     plot(results, out / "decode_bandwidth.png")
     return res
+
+
+def cpu_name() -> str:
+    """lscpu's model name (the machines here differ between sessions)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> str:
+    """Which of the instruction sets the kernels choose between this CPU has."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no AVX2"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="recipes/350m.yaml cut to this many layers")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="recipe overrides after the cut (random_package), e.g. model.hidden=256")
+    p.add_argument("--package", type=Path, help="measure this package (any family, its own dtype) instead")
     p.add_argument("--work", type=Path, default=Path("/tmp/moe-decode-bandwidth"), help="the packages (reused)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_bandwidth")
     args = p.parse_args(argv)
@@ -476,11 +499,13 @@ def main(argv: list[str] | None = None) -> int:
         print("[decode-bandwidth] note: OMP_WAIT_POLICY=PASSIVE is recommended on a shared machine", flush=True)
     dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
     res = run(dtypes, args.work, args.out, args.layers, args.overrides, args.threads, args.new_tokens, args.repeats,
-              args.buffer_gib, args.breakdown_tokens, tuple(args.backends))
+              args.buffer_gib, args.breakdown_tokens, tuple(args.backends), args.package)
     r0 = res["results"][0]
     a = r0["spec"]
-    print(f"\n== batch-1 decode vs read-bandwidth bound: recipes/350m.yaml cut to {a['layers']} layers, random "
-          f"weights {' '.join(a['overrides'])}, {r0['threads']} threads, {r0['new_tokens']} tokens a run ==")
+    what = (f"package {args.package}" if args.package else
+            f"recipes/350m.yaml cut to {a['layers']} layers, random weights {' '.join(a['overrides'])}")
+    print(f"\n== batch-1 decode vs read-bandwidth bound: {what}, {r0['threads']} threads, {r0['new_tokens']} tokens "
+          f"a run; CPU: {cpu_name()} ({cpu_flags()}) ==")
     print(table(res["results"]))
     print(f"wrote {args.out / 'decode_bandwidth.json'} and decode_bandwidth.png")
     return 0

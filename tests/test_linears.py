@@ -20,6 +20,8 @@ def test_the_gemv_kernel_builds_here_and_equals_f_linear():
     assert gemv is not None, "the GEMV kernel did not build on this machine (see the warning)"
     check_kernel(gemv)
     check_attention(gemv)
+    check_experts(gemv)
+    check_norm(gemv)
 
 
 def test_the_gemv_kernel_avx2_build_equals_f_linear():
@@ -30,6 +32,8 @@ def test_the_gemv_kernel_avx2_build_equals_f_linear():
         pytest.skip("this CPU runs neither variant")
     check_kernel(build("AVX2"))
     check_attention(build("AVX2"))
+    check_experts(build("AVX2"))
+    check_norm(build("AVX2"))
 
 
 def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear():
@@ -41,6 +45,8 @@ def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear(
         pytest.skip("this CPU has no AVX512_BF16: the default build is already the plain AVX-512 one")
     check_kernel(build("AVX512"))
     check_attention(build("AVX512"))
+    check_experts(build("AVX512"))
+    check_norm(build("AVX512"))
 
 
 def check_kernel(gemv):
@@ -61,6 +67,59 @@ def check_kernel(gemv):
         gemv.linear(torch.randn(5, 16), torch.randn(8, 16), None)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         gemv.linear(torch.randn(1, 16).double(), torch.randn(8, 16).double(), None)
+
+
+def check_experts(kernel):
+    """expert_mlps of this build against the experts one at a time (F.linear, F.silu or F.gelu, F.linear): SwiGLU
+    and GeLU, with and without biases, experts of 1 to 9 rows (past the kernel's 4 a pass), a width off the
+    kernel's blocks, both dtypes; bf16 equal to the bit where F.linear's sums round alike."""
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for swiglu in (True, False):
+            for bias in (False, True):
+                C, width, counts = 200, 70, [1, 3, 5, 2, 9, 4]
+                weights = []
+                for _ in counts:
+                    w1 = torch.randn((2 if swiglu else 1) * width, C).to(dtype)
+                    w2 = (torch.randn(C, width) * 0.1).to(dtype)
+                    weights.append((w1, torch.randn(w1.shape[0]).to(dtype) if bias else None, w2,
+                                    torch.randn(C).to(dtype) if bias else None))
+                x = torch.randn(sum(counts), C).to(dtype)
+                b1 = [w[1] for w in weights] if bias else []
+                b2 = [w[3] for w in weights] if bias else []
+                got = kernel.expert_mlps(x, counts, [w[0] for w in weights], b1, [w[2] for w in weights], b2, swiglu)
+                ref, r = [], 0
+                for n, (w1, b1_, w2, b2_) in zip(counts, weights):
+                    h = F.linear(x[r:r + n].float(), w1.float(), None if b1_ is None else b1_.float()).to(dtype)
+                    r += n
+                    if swiglu:
+                        gate, up = h.chunk(2, dim=-1)
+                        h = F.silu(gate) * up
+                    else:
+                        h = F.gelu(h)
+                    ref.append(F.linear(h.float(), w2.float(), None if b2_ is None else b2_.float()))
+                ref = torch.cat(ref)
+                assert got.dtype == dtype and got.shape == ref.shape
+                torch.testing.assert_close(got.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    with pytest.raises(RuntimeError, match="add up to"):
+        kernel.expert_mlps(torch.randn(3, 16), [2], [torch.randn(8, 16)], [], [torch.randn(16, 4)], [], True)
+
+
+def check_norm(kernel):
+    """rms_norm of this build against pipeline/model.py's RMSNorm: fp32 and bf16, a width off the vector width,
+    per-head rows (Qwen3-MoE's q/k norm)."""
+    from pipeline.model import RMSNorm
+
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        for shape in ((3, 1024), (2, 5, 16, 64), (1, 1, 100)):
+            norm = RMSNorm(shape[-1], 1e-6).to(dtype)
+            with torch.no_grad():
+                norm.weight.add_(torch.randn_like(norm.weight) * 0.2)
+                x = torch.randn(shape).to(dtype)
+                got, ref = kernel.rms_norm(x, norm.weight, norm.eps), norm(x)
+            assert got.dtype == dtype and got.shape == x.shape
+            torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
 def check_attention(kernel):

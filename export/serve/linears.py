@@ -190,6 +190,63 @@ class FusedQKV:
         return self.weight.linear(x, self.bias).split(self.sizes, dim=-1)
 
 
+GROUPED_MAX_ROWS = 16  # experts' mean rows up to which `expert_mlps` runs a layer's experts (more: oneDNN's GEMM)
+
+
+def grouped_experts(x: torch.Tensor, counts: list[int]) -> bool:
+    """Whether `expert_mlps` runs these experts: the kernel is here, x is on the CPU in its dtype, and the experts
+    have few rows each (a decode batch's; a prefill's go one expert at a time to oneDNN's GEMM)."""
+    k = kernel()
+    return (k is not None and hasattr(k, "expert_mlps") and x.device.type == "cpu" and bool(counts)
+            and x.dtype in (torch.float32, torch.bfloat16) and sum(counts) <= GROUPED_MAX_ROWS * len(counts))
+
+
+def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu: bool) -> torch.Tensor:
+    """Every listed expert over its rows in one kernel call: x [rows, C] holds counts[i] rows of expert i in turn;
+    weights[i] is its (fc1 weight, fc1 bias, fc2 weight, fc2 bias) (ServingWeight or tensor; biases for all or
+    none). Returns [rows, C] in x's order: as fc2(act(fc1(x))) expert by expert, the same roundings."""
+    def raw(w):
+        return w.weight if isinstance(w, ServingWeight) else w.contiguous()
+
+    w1 = [raw(w[0]) for w in weights]
+    w2 = [raw(w[2]) for w in weights]
+    b1 = [w[1].contiguous() for w in weights] if weights[0][1] is not None else []
+    b2 = [w[3].contiguous() for w in weights] if weights[0][3] is not None else []
+    return kernel().expert_mlps(x.contiguous(), counts, w1, b1, w2, b2, swiglu)
+
+
+class ServingRMSNorm(nn.Module):
+    """pipeline/model.py's RMSNorm in one kernel call (csrc/gemv.cpp `rms_norm`: the same roundings) for CPU inputs
+    of the weight's dtype; the module's own operators otherwise."""
+
+    def __init__(self, norm: nn.Module, gemv):
+        super().__init__()
+        self.weight, self.eps, self.gemv = norm.weight, norm.eps, gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pipeline.model import RMSNorm
+
+        if x.device.type != "cpu" or x.dtype != self.weight.dtype:
+            return RMSNorm.forward(self, x)
+        return self.gemv.rms_norm(x.contiguous(), self.weight, self.eps)
+
+
+def serving_norms(model: nn.Module) -> int:
+    """Replace, in place, every RMSNorm of a CPU model in eval mode by `ServingRMSNorm`; returns how many."""
+    from pipeline.model import RMSNorm
+
+    gemv = kernel()
+    if gemv is None or not hasattr(gemv, "rms_norm"):
+        return 0
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is RMSNorm and available(child.weight.dtype, child.weight.device):
+                setattr(module, name, ServingRMSNorm(child, gemv))
+                count += 1
+    return count
+
+
 def serving_linears(model: nn.Module) -> int:
     """Replace, in place, every plain nn.Linear of `model` (eval, no grad) whose weight this module serves, and an
     attention layer's q, k, v by one fused projection; returns how many layers. Left alone: the MoE gates (`wg`:

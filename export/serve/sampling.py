@@ -33,6 +33,11 @@ class Sampler:
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         return cls(sampling.temperature, sampling.top_p, sampling.logprobs, gen)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no log-probabilities asked: the token is the argmax, nothing else (batched by the worker)."""
+        return self.temperature < GREEDY_BELOW and self.logprobs is None
+
 
 def _top(logp: torch.Tensor, k: int) -> list[list]:
     """The k most probable tokens and their log-probabilities, as [[id, logprob]] (JSON-ready)."""

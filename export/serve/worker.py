@@ -94,13 +94,30 @@ class Worker:
                 results[b] = self._score(row, h[b, :counts[b]])
         sampled = [b for b, row in enumerate(rows) if row.sample]
         if sampled:
-            last = h[sampled, [counts[b] - 1 for b in sampled]]  # [n, C]: each row's last real position
-            logits = self._project(last)  # [n, V]
+            if T == 1 and len(sampled) == len(rows):  # a decode step's rows: each row's one position
+                last = h[:, 0]
+            else:
+                last = h[sampled, [counts[b] - 1 for b in sampled]]  # [n, C]: each row's last real position
+            raw = self._project(last, exact=False)  # [n, V] in the model's dtype
+            # plain greedy rows (no log-probabilities, no banned token): one argmax for all of them, on the logits as
+            # the head wrote them (widening to fp32 is exact: the same argmax)
+            plain = [j for j, b in enumerate(sampled) if rows[b].banned is None and b not in results
+                     and self.samplers[rows[b].seq].plain_greedy]
+            if len(plain) == len(sampled):
+                argmax = dict(enumerate(raw.argmax(dim=-1).tolist()))
+            elif plain:
+                index = torch.tensor(plain, device=raw.device)
+                argmax = dict(zip(plain, raw.index_select(0, index).argmax(dim=-1).tolist()))
+            else:
+                argmax = {}
             for j, b in enumerate(sampled):
                 row, res = rows[b], results.get(b, RowResult(rows[b].seq))
-                if res.error is None:
+                if j in argmax:
+                    res = RowResult(row.seq, token=argmax[j])
+                elif res.error is None:
                     try:
-                        res = dataclasses.replace(res, **sample_row(self.samplers[row.seq], logits[j], row.banned))
+                        res = dataclasses.replace(res, **sample_row(self.samplers[row.seq], raw[j].float(),
+                                                                    row.banned))
                     except Exception as err:  # noqa: BLE001 - this request alone fails
                         res = RowResult(row.seq, error=_error(err))
                 results[b] = res
@@ -121,6 +138,8 @@ class Worker:
             return RowResult(row.seq, error=error)
         return RowResult(row.seq, score_start=row.start, scores=scores)
 
-    def _project(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [n, V] of hidden states [n, C] (as [1, n, C]: DeepSpeed's sliced output layer takes 3-D input)."""
-        return self.model.lm_head(h[None])[0].float()
+    def _project(self, h: torch.Tensor, exact: bool = True) -> torch.Tensor:
+        """Logits [n, V] of hidden states [n, C] (as [1, n, C]: DeepSpeed's sliced output layer takes 3-D input): fp32,
+        or with `exact` False in the head's own dtype."""
+        logits = self.model.lm_head(h[None])[0]
+        return logits.float() if exact else logits

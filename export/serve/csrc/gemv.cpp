@@ -1,13 +1,13 @@
 // Decode kernels for the CPU: a linear layer for a few rows (batch-1 decode) reading the weight once at the
-// memory's speed, and the attention of one new token per row over its KV-cache row or through its block table
-// into a paged KV pool (below).
+// memory's speed, the routed experts of one MoE layer in one call, and the attention of one new token per row
+// through its block table into a paged KV pool (below).
 //
 // y[m, o] = sum_i x[m, i] * w[o, i] (+ bias[o]) for m < 4 rows; w row-major [out, in], fp32 or bf16, x the same
 // dtype. Built at first use by export/serve/linears.py (torch.utils.cpp_extension, the way DeepSpeed builds its
 // CPU ops), with AVX-512 or AVX2 + FMA. Output rows are split between torch's intra-op threads
-// (at::parallel_for). One input row: each thread reads its weight rows one after another, one sequential stream
-// (row1). 2-4 input rows: GROUP weight rows at a time, each step loading a vector of every input row once and of
-// GROUP weight rows, so the weight streams from memory once and x stays in L1. fp32 accumulation (bf16 weights
+// (at::parallel_for), GROUP at a time. Each thread reads its weight rows one after another, one sequential stream,
+// each loaded vector multiplied with every input row's (1-4 rows, in L1), so the weight streams from memory
+// once. fp32 accumulation (bf16 weights
 // widened by a shift, as oneDNN does; or with AVX512_BF16, bf16 pairs multiplied and summed into fp32 by
 // VDPBF16PS), the bias added in fp32, one rounding to the output dtype, no temporary tensors.
 
@@ -18,6 +18,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <functional>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -77,47 +79,6 @@ static int64_t grain(int64_t I, size_t elem) {
   return std::max<int64_t>(1, (int64_t(2) << 20) / (GROUP * I * int64_t(elem) + 1));
 }
 
-// Output rows [o0, o1) of the M input rows x (fp32, [M, I]) against w ([O, I]) into y ([M, O], w's dtype), each
-// plus bias[o] (w's dtype, or none) in fp32 before the one rounding.
-template <typename W, int M>
-static void rows(const W* w, const float* x, const W* bias, W* y, int64_t I, int64_t O, int64_t o0, int64_t o1) {
-  int64_t o = o0;
-  for (; o + GROUP <= o1; o += GROUP) {
-    vf acc[M][GROUP];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < GROUP; ++r) acc[m][r] = vzero();
-    int64_t i = 0;
-    for (; i + VW <= I; i += VW) {
-      vf xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = vload(x + m * I + i);
-      for (int r = 0; r < GROUP; ++r) {
-        vf wv = vload(w + (o + r) * I + i);
-        for (int m = 0; m < M; ++m) acc[m][r] = vfma(wv, xv[m], acc[m][r]);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < GROUP; ++r) {
-        float s = vsum(acc[m][r]);
-        for (int64_t j = i; j < I; ++j) s += static_cast<float>(w[(o + r) * I + j]) * x[m * I + j];
-        y[m * O + o + r] = static_cast<W>(bias ? s + static_cast<float>(bias[o + r]) : s);
-      }
-  }
-  for (; o < o1; ++o) {  // the last rows, fewer than GROUP
-    vf acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = vzero();
-    int64_t i = 0;
-    for (; i + VW <= I; i += VW) {
-      vf wv = vload(w + o * I + i);
-      for (int m = 0; m < M; ++m) acc[m] = vfma(wv, vload(x + m * I + i), acc[m]);
-    }
-    for (int m = 0; m < M; ++m) {
-      float s = vsum(acc[m]);
-      for (int64_t j = i; j < I; ++j) s += static_cast<float>(w[o * I + j]) * x[m * I + j];
-      y[m * O + o] = static_cast<W>(bias ? s + static_cast<float>(bias[o]) : s);
-    }
-  }
-}
-
 // The weight 2 KB ahead of a read, prefetched non-temporally: the stream (hundreds of MB a token) would otherwise
 // evict everything else a decode step touches from the caches (the KV cache, activations, the interpreter's own
 // memory) on every step; with the hint the step's other work ran ~0.3-0.4 ms faster a token (4-8% of a step).
@@ -147,43 +108,44 @@ static void row1(const W* w, const float* x, const W* bias, W* y, int64_t I, int
   }
 }
 
+// 2-4 input rows: as row1, each output row's weight read start to end once (one sequential stream a thread), every
+// input row's x (M rows, in L1) multiplied with each loaded vector, U independent sums per input row. Reading
+// GROUP rows side by side instead (a weight vector of each, then all of x) ran at half this speed on an AMD EPYC
+// under KVM (bf16: 8-10 against 14-17 GB/s, 2 threads): the hardware prefetcher does not follow GROUP streams.
+template <typename W, int M>
+static void rows(const W* w, const float* x, const W* bias, W* y, int64_t I, int64_t O, int64_t o0, int64_t o1) {
+  constexpr int U = M <= 2 ? 4 : 2;
+  for (int64_t o = o0; o < o1; ++o) {
+    const W* wr = w + o * I;
+    vf acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = vzero();
+    int64_t i = 0;
+    for (; i + U * VW <= I; i += U * VW)
+      for (int u = 0; u < U; ++u) {
+        if (sizeof(W) == 4 || u % 2 == 0) ahead(wr + i + u * VW);  // a line per 64 bytes
+        const vf wv = vload(wr + i + u * VW);
+        for (int m = 0; m < M; ++m) acc[m][u] = vfma(wv, vload(x + m * I + i + u * VW), acc[m][u]);
+      }
+    for (; i + VW <= I; i += VW) {
+      const vf wv = vload(wr + i);
+      for (int m = 0; m < M; ++m) acc[m][0] = vfma(wv, vload(x + m * I + i), acc[m][0]);
+    }
+    for (int m = 0; m < M; ++m) {
+      vf v = acc[m][0];
+      for (int u = 1; u < U; ++u) v = v + acc[m][u];
+      float s = vsum(v);
+      for (int64_t j = i; j < I; ++j) s += static_cast<float>(wr[j]) * x[m * I + j];
+      y[m * O + o] = static_cast<W>(bias ? s + static_cast<float>(bias[o]) : s);
+    }
+  }
+}
+
 #if defined(__AVX512BF16__)
 // bf16 weight and x as they are: VDPBF16PS multiplies 32 bf16 pairs and adds them into 16 fp32 sums in one
 // instruction, with no widening. The shift-and-FMA path above is compute-bound in bf16 (~25 GB/s a thread here,
-// where fp32 reads at ~40); this one reads ~1.8x faster. G output rows at a time, U independent sums per row
-// for one or two input rows (more would spill the 32 vector registers).
+// where fp32 reads at ~40); this one reads ~1.8x faster.
 typedef c10::BFloat16 B16;
-template <int M, int U, int G>
-static int64_t rows_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t O, int64_t o0,
-                       int64_t o1) {
-  int64_t o = o0;
-  for (; o + G <= o1; o += G) {
-    __m512 acc[M][G][U];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < G; ++r)
-        for (int u = 0; u < U; ++u) acc[m][r][u] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 * U <= I; i += 32 * U) {
-      __m512bh xv[M][U];
-      for (int m = 0; m < M; ++m)
-        for (int u = 0; u < U; ++u) xv[m][u] = (__m512bh)_mm512_loadu_si512(x + m * I + i + 32 * u);
-      for (int r = 0; r < G; ++r)
-        for (int u = 0; u < U; ++u) {
-          __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (o + r) * I + i + 32 * u);
-          for (int m = 0; m < M; ++m) acc[m][r][u] = _mm512_dpbf16_ps(acc[m][r][u], wv, xv[m][u]);
-        }
-    }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < G; ++r) {
-        __m512 v = acc[m][r][0];
-        for (int u = 1; u < U; ++u) v = _mm512_add_ps(v, acc[m][r][u]);
-        float s = _mm512_reduce_add_ps(v);
-        for (int64_t j = i; j < I; ++j) s += static_cast<float>(w[(o + r) * I + j]) * static_cast<float>(x[m * I + j]);
-        y[m * O + o + r] = static_cast<B16>(bias ? s + static_cast<float>(bias[o + r]) : s);
-      }
-  }
-  return o;  // the first row not done (fewer than G were left)
-}
 
 // One input row, bf16: row1's sequential stream with VDPBF16PS, U independent sums of 32 pairs each.
 static void row1_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t o0, int64_t o1) {
@@ -207,13 +169,39 @@ static void row1_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t
   }
 }
 
+// 2-4 input rows, bf16: rows' sequential stream with VDPBF16PS.
 template <int M>
-static void rows_bf16(const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t O, int64_t o0,
-                      int64_t o1) {
-  constexpr int U = M <= 2 ? 2 : 1;
-  const int64_t o = rows_dp<M, U, GROUP>(w, x, bias, y, I, O, o0, o1);
-  rows_dp<M, U, 1>(w, x, bias, y, I, O, o, o1);
+static void rows_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t O, int64_t o0,
+                        int64_t o1) {
+  constexpr int U = M <= 2 ? 4 : 2;
+  for (int64_t o = o0; o < o1; ++o) {
+    const B16* wr = w + o * I;
+    __m512 acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 * U <= I; i += 32 * U)
+      for (int u = 0; u < U; ++u) {
+        ahead(wr + i + 32 * u);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + i + 32 * u);
+        for (int m = 0; m < M; ++m)
+          acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(x + m * I + i + 32 * u));
+      }
+    for (; i + 32 <= I; i += 32) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + i);
+      for (int m = 0; m < M; ++m)
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_loadu_si512(x + m * I + i));
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 v = acc[m][0];
+      for (int u = 1; u < U; ++u) v = _mm512_add_ps(v, acc[m][u]);
+      float s = _mm512_reduce_add_ps(v);
+      for (int64_t j = i; j < I; ++j) s += static_cast<float>(wr[j]) * static_cast<float>(x[m * I + j]);
+      y[m * O + o] = static_cast<B16>(bias ? s + static_cast<float>(bias[o]) : s);
+    }
+  }
 }
+
 #endif
 
 template <typename W>
@@ -408,6 +396,229 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
   return y;
 }
 
+// -- the routed experts of one MoE layer, in one call -------------------------------------------------------------
+//
+// Decode batches give each expert a few rows: called one expert at a time from Python, a layer of 16 experts cost
+// ~10 operators an expert (index, two linears, chunk, silu, mul, ...), each waking the thread pool, more than the
+// weights' read. Here every expert's rows go through the few-row kernels above in two parallel passes (fc1 with the
+// activation, then fc2), the work split between the threads by its cost (weight rows x row passes), so that every
+// expert's weights are read once per 4 rows and no thread waits for an expert with more rows than the others.
+
+constexpr int64_t BLOCK = 64;  // output rows of one task: 128 KB of a bf16 weight of 1024 columns
+
+// Output rows [0, n) of M (<= MAX_ROWS) input rows x ([M, I], w's dtype) against w ([n, I]) into y ([M, O], stride
+// O), each plus bias[o] if given. `scratch`: room for M * I floats where x must be widened for the kernel.
+template <typename W>
+static void block_rows(const W* w, const W* x, const W* bias, W* y, int64_t M, int64_t I, int64_t O, int64_t n,
+                       float* scratch) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<W, c10::BFloat16>::value) {
+    switch (M) {
+      case 1: return row1_dp(w, x, bias, y, I, 0, n);
+      case 2: return rows_dp<2>(w, x, bias, y, I, O, 0, n);
+      case 3: return rows_dp<3>(w, x, bias, y, I, O, 0, n);
+      default: return rows_dp<4>(w, x, bias, y, I, O, 0, n);
+    }
+  }
+#endif
+  const float* xf;
+  if constexpr (std::is_same<W, float>::value) {
+    xf = x;
+  } else {
+    for (int64_t k = 0; k < M * I; ++k) scratch[k] = static_cast<float>(x[k]);
+    xf = scratch;
+  }
+  switch (M) {
+    case 1: return row1<W>(w, xf, bias, y, I, 0, n);
+    case 2: return rows<W, 2>(w, xf, bias, y, I, O, 0, n);
+    case 3: return rows<W, 3>(w, xf, bias, y, I, O, 0, n);
+    default: return rows<W, 4>(w, xf, bias, y, I, O, 0, n);
+  }
+}
+
+struct Task {
+  int64_t expert, o0, o1, cost;
+};
+
+// Tasks split between the threads by cost, in order, each thread a contiguous run of about an equal share.
+static void run_tasks(const std::vector<Task>& tasks, int64_t bytes_per_row, const std::function<void(const Task&)>& fn) {
+  int64_t total = 0;
+  for (const Task& t : tasks) total += t.cost;
+  // under ~2 MB of weight reads in all, one thread (waking another costs as much as reading 2 MB)
+  const int64_t threads = total * bytes_per_row < (int64_t(2) << 20) ? 1 : at::get_num_threads();
+  if (threads <= 1) {
+    for (const Task& t : tasks) fn(t);
+    return;
+  }
+  std::vector<size_t> first(threads + 1, tasks.size());
+  first[0] = 0;
+  int64_t done = 0;
+  size_t i = 0;
+  for (int64_t th = 1; th < threads; ++th) {
+    const int64_t until = total * th / threads;
+    while (i < tasks.size() && done + tasks[i].cost / 2 < until) done += tasks[i++].cost;
+    first[th] = i;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t th = b; th < e; ++th)
+      for (size_t k = first[th]; k < first[th + 1]; ++k) fn(tasks[k]);
+  });
+}
+
+static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+static inline float gelu(float h) { return 0.5f * h * (1.0f + std::erf(h * 0.70710678118654752f)); }
+
+template <typename T>
+static void expert_mlps_typed(const torch::Tensor& x, const std::vector<int64_t>& counts,
+                              const std::vector<torch::Tensor>& w1, const std::vector<torch::Tensor>& b1,
+                              const std::vector<torch::Tensor>& w2, const std::vector<torch::Tensor>& b2,
+                              bool swiglu, torch::Tensor& y) {
+  const int64_t E = counts.size(), C = x.size(1), F = w2[0].size(1);  // experts, hidden, expert width
+  const bool bias = !b1.empty();
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
+  const T* xp = x.data_ptr<T>();
+  torch::Tensor act = torch::empty({start[E], F}, x.options());  // the activation of each row, fc2's input
+  T* ap = act.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  auto passes = [](int64_t rows) { return (rows + MAX_ROWS - 1) / MAX_ROWS; };
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t o = 0; o < F && counts[e]; o += BLOCK)
+      tasks.push_back({e, o, std::min(F, o + BLOCK), passes(counts[e]) * (std::min(F, o + BLOCK) - o)});
+  // fc1 and the activation: gate rows [o0, o1) and up rows F + [o0, o1) (swiglu), into act[:, o0:o1]
+  run_tasks(tasks, (swiglu ? 2 : 1) * C * int64_t(sizeof(T)), [&](const Task& t) {
+    const T* w = w1[t.expert].data_ptr<T>();
+    const T* b = bias ? b1[t.expert].data_ptr<T>() : nullptr;
+    const int64_t n = t.o1 - t.o0;
+    T g[MAX_ROWS * BLOCK], u[MAX_ROWS * BLOCK];
+    std::vector<float> scratch(MAX_ROWS * C);
+    for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
+      const int64_t M = std::min(MAX_ROWS, start[t.expert + 1] - r);
+      block_rows<T>(w + t.o0 * C, xp + r * C, b ? b + t.o0 : nullptr, g, M, C, BLOCK, n, scratch.data());
+      if (swiglu)
+        block_rows<T>(w + (F + t.o0) * C, xp + r * C, b ? b + F + t.o0 : nullptr, u, M, C, BLOCK, n, scratch.data());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t o = 0; o < n; ++o) {
+          T* out = ap + (r + m) * F + t.o0 + o;
+          if (swiglu)  // as F.silu(gate) * up in this dtype: silu rounded, then the product rounded
+            *out = static_cast<T>(static_cast<float>(static_cast<T>(silu(static_cast<float>(g[m * BLOCK + o])))) *
+                                  static_cast<float>(u[m * BLOCK + o]));
+          else
+            *out = static_cast<T>(gelu(static_cast<float>(g[m * BLOCK + o])));
+        }
+    }
+  });
+  tasks.clear();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t o = 0; o < C && counts[e]; o += BLOCK)
+      tasks.push_back({e, o, std::min(C, o + BLOCK), passes(counts[e]) * (std::min(C, o + BLOCK) - o)});
+  // fc2: output columns [o0, o1) of each of the expert's rows
+  run_tasks(tasks, F * int64_t(sizeof(T)), [&](const Task& t) {
+    const T* w = w2[t.expert].data_ptr<T>();
+    const T* b = bias ? b2[t.expert].data_ptr<T>() : nullptr;
+    std::vector<float> scratch(MAX_ROWS * F);
+    for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
+      const int64_t M = std::min(MAX_ROWS, start[t.expert + 1] - r);
+      block_rows<T>(w + t.o0 * F, ap + r * F, b ? b + t.o0 : nullptr, yp + r * C + t.o0, M, F, C, t.o1 - t.o0,
+                    scratch.data());
+    }
+  });
+}
+
+// The routed experts' MLPs over their rows: x [P, C] holds counts[0] rows of the first listed expert, then counts[1]
+// of the second, ...; expert i is w1[i] ([2F, C] swiglu as [gate; up], or [F, C]), b1[i] ([2F] or [F]), then the
+// activation (silu(gate) * up, or exact GeLU), then w2[i] ([C, F]), b2[i] ([C]); biases for every expert or none
+// (empty lists). y [P, C] in x's order. fp32 or bf16, all alike; rounded to it where F.linear, F.silu and the
+// product round.
+torch::Tensor expert_mlps(const torch::Tensor& x, const std::vector<int64_t>& counts, const std::vector<torch::Tensor>& w1,
+                          const std::vector<torch::Tensor>& b1, const std::vector<torch::Tensor>& w2,
+                          const std::vector<torch::Tensor>& b2, bool swiglu) {
+  RECORD_FUNCTION("moe_pipeline::expert_mlps", std::vector<c10::IValue>({x}));
+  const int64_t E = counts.size();
+  TORCH_CHECK(E > 0 && int64_t(w1.size()) == E && int64_t(w2.size()) == E &&
+                  (b1.empty() || int64_t(b1.size()) == E) && b1.size() == b2.size(),
+              "expert_mlps: a count, w1 and w2 per expert (and b1, b2 for all or none)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "expert_mlps: x [rows, hidden], contiguous CPU");
+  const int64_t C = x.size(1), F = w2[0].size(1);
+  int64_t rows = 0;
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "expert_mlps: fp32 or bf16, not ", dt);
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(counts[e] >= 0, "expert_mlps: negative count");
+    rows += counts[e];
+    TORCH_CHECK(w1[e].dim() == 2 && w1[e].size(0) == (swiglu ? 2 : 1) * F && w1[e].size(1) == C && w2[e].dim() == 2 &&
+                    w2[e].size(0) == C && w2[e].size(1) == F,
+                "expert_mlps: expert ", e, ": w1 ", w1[e].sizes(), ", w2 ", w2[e].sizes(), " for hidden ", C);
+    for (const torch::Tensor* t : {&w1[e], &w2[e]})
+      TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == dt,
+                  "expert_mlps: contiguous CPU weights of x's dtype");
+    if (!b1.empty())
+      TORCH_CHECK(b1[e].numel() == w1[e].size(0) && b2[e].numel() == C && b1[e].is_contiguous() &&
+                      b2[e].is_contiguous() && b1[e].scalar_type() == dt && b2[e].scalar_type() == dt,
+                  "expert_mlps: biases of the weights' sizes and dtype");
+  }
+  TORCH_CHECK(rows == x.size(0), "expert_mlps: the counts add up to ", rows, " rows, x has ", x.size(0));
+  torch::Tensor y = torch::empty({rows, C}, x.options());
+  if (rows == 0) return y;
+  if (dt == at::kFloat)
+    expert_mlps_typed<float>(x, counts, w1, b1, w2, b2, swiglu, y);
+  else
+    expert_mlps_typed<c10::BFloat16>(x, counts, w1, b1, w2, b2, swiglu, y);
+  return y;
+}
+
+// -- RMSNorm ----------------------------------------------------------------------------------------------------
+//
+// pipeline/model.py's RMSNorm (the Hugging Face families'): each row of C values normalised in fp32 by
+// 1 / sqrt(mean(x^2) + eps), rounded to x's dtype, then times the weight (rounded again). One call where the
+// module's seven operators each woke the thread pool: five norms a layer in Qwen3-MoE (two of them per head).
+template <typename T>
+static void rms_norm_rows(const T* x, const T* w, T* y, int64_t C, float eps, int64_t r0, int64_t r1) {
+  const int64_t Cv = C / VW * VW;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * C;
+    T* yr = y + r * C;
+    vf acc = vzero();
+    int64_t i = 0;
+    for (; i < Cv; i += VW) {
+      const vf v = vload_f(xr + i);
+      acc = vfma(v, v, acc);
+    }
+    float ss = vsum(acc);
+    for (; i < C; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
+    for (i = 0; i < C; ++i)
+      yr[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
+  }
+}
+
+// x [..., C] contiguous, weight [C], both fp32 or bf16 alike -> y of x's shape.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  RECORD_FUNCTION("moe_pipeline::rms_norm", std::vector<c10::IValue>({x}));
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: x [..., C], weight [C]");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.device().is_cpu() && weight.device().is_cpu(),
+              "rms_norm: contiguous CPU tensors");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && weight.scalar_type() == dt,
+              "rms_norm: x and weight fp32 or bf16, alike");
+  torch::Tensor y = torch::empty_like(x);
+  const int64_t C = x.size(-1), R = C ? x.numel() / C : 0;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / (C * int64_t(x.element_size()) + 1));
+  AT_DISPATCH_SWITCH(dt, "rms_norm", AT_DISPATCH_CASE(at::kFloat, [&] {
+    at::parallel_for(0, R, grain, [&](int64_t b, int64_t e) {
+      rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), C,
+                              static_cast<float>(eps), b, e);
+    });
+  }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+    at::parallel_for(0, R, grain, [&](int64_t b, int64_t e) {
+      rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), C,
+                              static_cast<float>(eps), b, e);
+    });
+  }));
+  return y;
+}
+
 // x [M, I] (1 <= M <= MAX_ROWS), w [O, I], both contiguous, fp32 or bf16 alike; bias [O] of that dtype or None.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   RECORD_FUNCTION("moe_pipeline::gemv", std::vector<c10::IValue>({x, w}));  // seen by torch.profiler
@@ -439,9 +650,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
       const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
       switch (M) {
         case 1: return row1_dp(wb, xb, bb, yb, I, o0, o1);
-        case 2: return rows_bf16<2>(wb, xb, bb, yb, I, O, o0, o1);
-        case 3: return rows_bf16<3>(wb, xb, bb, yb, I, O, o0, o1);
-        default: return rows_bf16<4>(wb, xb, bb, yb, I, O, o0, o1);
+        case 2: return rows_dp<2>(wb, xb, bb, yb, I, O, o0, o1);
+        case 3: return rows_dp<3>(wb, xb, bb, yb, I, O, o0, o1);
+        default: return rows_dp<4>(wb, xb, bb, yb, I, O, o0, o1);
       }
     });
 #else
@@ -459,5 +670,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "one new token per row: store its key and value in its row's block of a paged KV pool, attend over the "
         "row's keys through its block table");
+  m.def("expert_mlps", &expert_mlps,
+        "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from export.serve import linears
 from export.serve.linears import linear, serving_linears
 from export.serve.placement.algo import balancedness, native_table, route_pairs
 from export.serve.placement.residency import ExpertStore, Residency, ResidencyStats
@@ -211,20 +212,33 @@ class Exchange:
 
     def _run_experts(self, layer: int, got: torch.Tensor, sizes: list[list[int]]) -> torch.Tensor:
         """Each expert once over the tokens it received: `got` holds, for each source rank in order, `sizes[src][e]`
-        tokens of each expert e in order; outputs in the same order."""
+        tokens of each expert e in order; outputs in the same order. On the CPU with few rows an expert (decode
+        batches), every expert in one call of the kernel (export/serve/linears.py `expert_mlps`); else one expert
+        at a time, on the few-row kernel or oneDNN."""
         t0 = time.perf_counter()
         E = len(sizes[0])
+        per_expert = [sum(col) for col in zip(*sizes)]
+        active = [e for e, n in enumerate(per_expert) if n]  # the experts that received tokens
         offset = [0, *itertools.accumulate(n for row in sizes for n in row)]  # of source s's expert e: s * E + e
+        parts = {e: [(offset[s * E + e], sizes[s][e]) for s in range(len(sizes)) if sizes[s][e]] for e in active}
+        weights = [self.residency.weights(layer, e) for e in active]
+        if active and linears.grouped_experts(got, [per_expert[e] for e in active]):
+            where = None  # the rows in expert order, where they do not lie so already (several source ranks)
+            if len(sizes) > 1:
+                where = torch.cat([torch.arange(a, a + n, device=got.device) for e in active for a, n in parts[e]])
+            rows = got if where is None else got[where]
+            y = linears.expert_mlps(rows, [per_expert[e] for e in active], weights, self.cfg.activation == "swiglu")
+            out = y if where is None else torch.empty_like(got).index_copy_(0, where, y)
+            self.expert_s += time.perf_counter() - t0
+            return out
         out = torch.empty_like(got)
-        for e in [e for e, n in enumerate(map(sum, zip(*sizes))) if n]:  # the experts that received tokens
-            parts = [(offset[s * E + e], sizes[s][e]) for s in range(len(sizes)) if sizes[s][e]]
-            idx = parts[0] if len(parts) == 1 else None
+        for e, (w1, b1, w2, b2) in zip(active, weights):
+            idx = parts[e][0] if len(parts[e]) == 1 else None
             if idx is not None:
                 rows = got[idx[0]:idx[0] + idx[1]]
             else:
-                where = torch.cat([torch.arange(a, a + n, device=got.device) for a, n in parts])
-                rows = got[where]
-            w1, b1, w2, b2 = self.residency.weights(layer, e)
+                at = torch.cat([torch.arange(a, a + n, device=got.device) for a, n in parts[e]])
+                rows = got[at]
             h = linear(rows, w1, b1)
             if self.cfg.activation == "swiglu":  # fc1 = [gate; up]
                 gate, up = h.chunk(2, dim=-1)
@@ -235,7 +249,7 @@ class Exchange:
             if idx is not None:
                 out[idx[0]:idx[0] + idx[1]] = y
             else:
-                out[where] = y
+                out[at] = y
         self.expert_s += time.perf_counter() - t0
         return out
 
@@ -365,4 +379,5 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     load_weights(model, src, files=files)
     model = model.to(device=dist.device()).eval().requires_grad_(False)
     serving_linears(model)  # on the CPU: the few-row kernel and oneDNN (export/serve/linears.py)
+    linears.serving_norms(model)  # and RMSNorm in one call
     return PlacedModel(model, exchange, Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world))
