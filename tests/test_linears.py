@@ -12,7 +12,7 @@ from conftest import model_config
 
 
 def test_the_gemv_kernel_builds_here_and_equals_f_linear():
-    """csrc/gemv.cpp on this machine (AVX-512 or AVX2): every row count 1-4, both dtypes, odd sizes (a tail of
+    """csrc/gemv.cpp on this machine (AVX-512 or AVX2): every row count 1-8, both dtypes, odd sizes (a tail of
     input columns past the vector width, output rows past the row group), with and without a bias."""
     from export.serve.linears import kernel
 
@@ -22,6 +22,7 @@ def test_the_gemv_kernel_builds_here_and_equals_f_linear():
     check_attention(gemv)
     check_experts(gemv)
     check_norm(gemv)
+    check_argmax(gemv)
 
 
 def test_the_gemv_kernel_avx2_build_equals_f_linear():
@@ -34,6 +35,7 @@ def test_the_gemv_kernel_avx2_build_equals_f_linear():
     check_attention(build("AVX2"))
     check_experts(build("AVX2"))
     check_norm(build("AVX2"))
+    check_argmax(build("AVX2"))
 
 
 def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear():
@@ -47,24 +49,25 @@ def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear(
     check_attention(build("AVX512"))
     check_experts(build("AVX512"))
     check_norm(build("AVX512"))
+    check_argmax(build("AVX512"))
 
 
 def check_kernel(gemv):
-    assert gemv.MAX_ROWS == 4
+    assert gemv.MAX_ROWS == 8
     torch.manual_seed(0)
     for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:
         for out_f, in_f in [(512, 256), (7, 100), (513, 257), (1, 16), (3072, 1024)]:
             w = torch.randn(out_f, in_f).to(dtype)
             b = torch.randn(out_f).to(dtype)
-            for rows in (1, 2, 3, 4):
+            for rows in range(1, 9):
                 x = torch.randn(rows, in_f).to(dtype)
                 for bias in (None, b):
                     ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
                     got = gemv.linear(x, w, bias)
                     assert got.dtype == dtype and got.shape == (rows, out_f)
                     torch.testing.assert_close(got.float(), ref, atol=tol * in_f ** 0.5, rtol=tol)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        gemv.linear(torch.randn(5, 16), torch.randn(8, 16), None)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        gemv.linear(torch.randn(9, 16), torch.randn(8, 16), None)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         gemv.linear(torch.randn(1, 16).double(), torch.randn(8, 16).double(), None)
 
@@ -122,6 +125,17 @@ def check_norm(kernel):
             torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
+def check_argmax(kernel):
+    """argmax_rows of this build equals torch.argmax: fp32 and bf16 (whose many ties take the first index), a width
+    off the vector width, one row and many."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((1, 50304), (32, 1000), (3, 7)):
+            x = torch.randn(shape).to(dtype)
+            x[0, -1] = x[0].max()  # a tie: the first index wins
+            assert kernel.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+
+
 def check_attention(kernel):
     """paged_attention of this build against SDPA (tests/test_paged_attention.py): fp32 and bf16, grouped-query heads,
     a head size off the vector width."""
@@ -177,7 +191,7 @@ def test_a_serving_linear_is_the_linear(dtype, tol):
     assert served.served.gemv is not None and "GEMV kernel" in repr(served)
     assert served.served.weight.data_ptr() == layer.weight.data_ptr()  # the weight as it was: no second copy
     for shape in [(1, 256), (3, 256), (1, 4, 256), (2, 9, 256), (0, 1, 256), (40, 256), (3, 11, 256)]:
-        # the kernel (1-4 rows), F.linear (a small weight: more rows), no rows
+        # the kernel (1-8 rows), F.linear (a small weight: more rows), no rows
         x = torch.randn(*shape).to(dtype)
         with torch.no_grad():
             got = served(x)

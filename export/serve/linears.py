@@ -6,7 +6,7 @@
 PyTorch's CPU `F.linear` goes to MKL, which on this machine's AMD EPYC runs at half speed: ~20 GB/s of weight
 read at batch 1, fp32 (a plain read of the same bytes: ~42 GB/s), 2-3x slower than oneDNN at 2-512 rows.
 `torch.ops.mkldnn._linear_pointwise` (oneDNN) on the same plain weight is as fast as on one prepacked into its
-blocked layout, so weights stay as they are: no second copy, nothing to reorder when an expert loads. For 1-4
+blocked layout, so weights stay as they are: no second copy, nothing to reorder when an expert loads. For 1-8
 rows (batch-1 and small-batch decode) `csrc/gemv.cpp` reads the weight once at the memory's speed: ~42 GB/s
 where oneDNN reaches ~31 and MKL ~21, under a competing process ~28 against ~21. Measured by
 benchmarks/decode_bandwidth.py (batch-1 decode against the read-bandwidth bound). A weight under 1M elements
@@ -18,7 +18,7 @@ The kernel is built at first use with torch.utils.cpp_extension (a C++ compiler 
 ops need; cached under ~/.cache/torch_extensions, one build per instruction set: AVX-512, with AVX512_BF16's bf16
 dot products where the CPU has them, or AVX2 + FMA). Without it (another CPU, no compiler: one warning), few rows
 go where more rows go. fp32 and bf16 on a CPU with oneDNN only. Where oneDNN has no bf16 primitive (CPUs without
-AVX-512), bf16 rows past the kernel's go through the kernel four at a time (F.linear's bf16 fallback there took
+AVX-512), bf16 rows past the kernel's go through the kernel eight at a time (F.linear's bf16 fallback there took
 twice as long: 1.41 s against 0.69 s for 64 rows of a 50,304 x 512 lm_head, one AVX2 thread).
 MOE_PIPELINE_CPU_LINEARS=onednn leaves the kernel out, =0 leaves every layer as it is (F.linear).
 """
@@ -170,7 +170,7 @@ class ServingLinear(nn.Module):
         return self.served.linear(x, self.bias)
 
     def extra_repr(self) -> str:
-        how = "GEMV kernel for 1-4 rows, oneDNN" if self.served.gemv is not None else "oneDNN"
+        how = "GEMV kernel for 1-8 rows, oneDNN" if self.served.gemv is not None else "oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
 
 
@@ -213,6 +213,15 @@ def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu
     b1 = [w[1].contiguous() for w in weights] if weights[0][1] is not None else []
     b2 = [w[3].contiguous() for w in weights] if weights[0][3] is not None else []
     return kernel().expert_mlps(x.contiguous(), counts, w1, b1, w2, b2, swiglu)
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's argmax of logits [n, V] (torch.argmax's answer), in one parallel kernel call on the CPU."""
+    k = kernel()
+    if k is not None and hasattr(k, "argmax_rows") and x.device.type == "cpu" and x.dtype in (torch.float32,
+                                                                                                torch.bfloat16):
+        return k.argmax_rows(x.contiguous()).tolist()
+    return x.argmax(dim=-1).tolist()
 
 
 class ServingRMSNorm(nn.Module):

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from export.serve import linears
 from export.serve.kv_cache import PagedCache, served_kv
 from export.serve.placement.controller import Directive
 from export.serve.placement.exchange import Exchange
@@ -104,10 +105,10 @@ class Worker:
             plain = [j for j, b in enumerate(sampled) if rows[b].banned is None and b not in results
                      and self.samplers[rows[b].seq].plain_greedy]
             if len(plain) == len(sampled):
-                argmax = dict(enumerate(raw.argmax(dim=-1).tolist()))
+                argmax = dict(enumerate(linears.argmax_rows(raw)))
             elif plain:
                 index = torch.tensor(plain, device=raw.device)
-                argmax = dict(zip(plain, raw.index_select(0, index).argmax(dim=-1).tolist()))
+                argmax = dict(zip(plain, linears.argmax_rows(raw.index_select(0, index))))
             else:
                 argmax = {}
             for j, b in enumerate(sampled):

@@ -6,7 +6,7 @@
 // dtype. Built at first use by export/serve/linears.py (torch.utils.cpp_extension, the way DeepSpeed builds its
 // CPU ops), with AVX-512 or AVX2 + FMA. Output rows are split between torch's intra-op threads
 // (at::parallel_for), GROUP at a time. Each thread reads its weight rows one after another, one sequential stream,
-// each loaded vector multiplied with every input row's (1-4 rows, in L1), so the weight streams from memory
+// each loaded vector multiplied with every input row's (1-8 rows, in L1), so the weight streams from memory
 // once. fp32 accumulation (bf16 weights
 // widened by a shift, as oneDNN does; or with AVX512_BF16, bf16 pairs multiplied and summed into fp32 by
 // VDPBF16PS), the bias added in fp32, one rounding to the output dtype, no temporary tensors.
@@ -71,7 +71,7 @@ static inline vf vpow2(vf n) {
 #error "export/serve/csrc/gemv.cpp needs AVX-512 or AVX2 with FMA"
 #endif
 
-constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t MAX_ROWS = 8;
 
 // Row groups per thread's share: at least ~2 MB of weight. Waking a sleeping thread (OMP_WAIT_POLICY=PASSIVE)
 // costs ~45 us, the time to read ~2 MB, so a smaller weight is read faster by one thread than split.
@@ -108,13 +108,13 @@ static void row1(const W* w, const float* x, const W* bias, W* y, int64_t I, int
   }
 }
 
-// 2-4 input rows: as row1, each output row's weight read start to end once (one sequential stream a thread), every
+// 2-8 input rows: as row1, each output row's weight read start to end once (one sequential stream a thread), every
 // input row's x (M rows, in L1) multiplied with each loaded vector, U independent sums per input row. Reading
 // GROUP rows side by side instead (a weight vector of each, then all of x) ran at half this speed on an AMD EPYC
 // under KVM (bf16: 8-10 against 14-17 GB/s, 2 threads): the hardware prefetcher does not follow GROUP streams.
 template <typename W, int M>
 static void rows(const W* w, const float* x, const W* bias, W* y, int64_t I, int64_t O, int64_t o0, int64_t o1) {
-  constexpr int U = M <= 2 ? 4 : 2;
+  constexpr int U = M <= 2 ? 4 : M <= 4 ? 2 : 1;  // M x U sums in registers
   for (int64_t o = o0; o < o1; ++o) {
     const W* wr = w + o * I;
     vf acc[M][U];
@@ -138,6 +138,22 @@ static void rows(const W* w, const float* x, const W* bias, W* y, int64_t I, int
       for (int64_t j = i; j < I; ++j) s += static_cast<float>(wr[j]) * x[m * I + j];
       y[m * O + o] = static_cast<W>(bias ? s + static_cast<float>(bias[o]) : s);
     }
+  }
+}
+
+// M (1 to MAX_ROWS) input rows: the kernel instantiated for that many.
+template <typename W>
+static void rows_any(int64_t M, const W* w, const float* x, const W* bias, W* y, int64_t I, int64_t O, int64_t o0,
+                     int64_t o1) {
+  switch (M) {
+    case 1: return row1<W>(w, x, bias, y, I, o0, o1);
+    case 2: return rows<W, 2>(w, x, bias, y, I, O, o0, o1);
+    case 3: return rows<W, 3>(w, x, bias, y, I, O, o0, o1);
+    case 4: return rows<W, 4>(w, x, bias, y, I, O, o0, o1);
+    case 5: return rows<W, 5>(w, x, bias, y, I, O, o0, o1);
+    case 6: return rows<W, 6>(w, x, bias, y, I, O, o0, o1);
+    case 7: return rows<W, 7>(w, x, bias, y, I, O, o0, o1);
+    default: return rows<W, 8>(w, x, bias, y, I, O, o0, o1);
   }
 }
 
@@ -169,11 +185,11 @@ static void row1_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t
   }
 }
 
-// 2-4 input rows, bf16: rows' sequential stream with VDPBF16PS.
+// 2-8 input rows, bf16: rows' sequential stream with VDPBF16PS.
 template <int M>
 static void rows_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t O, int64_t o0,
                         int64_t o1) {
-  constexpr int U = M <= 2 ? 4 : 2;
+  constexpr int U = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   for (int64_t o = o0; o < o1; ++o) {
     const B16* wr = w + o * I;
     __m512 acc[M][U];
@@ -202,6 +218,19 @@ static void rows_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t
   }
 }
 
+static void rows_dp_any(int64_t M, const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t O,
+                        int64_t o0, int64_t o1) {
+  switch (M) {
+    case 1: return row1_dp(w, x, bias, y, I, o0, o1);
+    case 2: return rows_dp<2>(w, x, bias, y, I, O, o0, o1);
+    case 3: return rows_dp<3>(w, x, bias, y, I, O, o0, o1);
+    case 4: return rows_dp<4>(w, x, bias, y, I, O, o0, o1);
+    case 5: return rows_dp<5>(w, x, bias, y, I, O, o0, o1);
+    case 6: return rows_dp<6>(w, x, bias, y, I, O, o0, o1);
+    case 7: return rows_dp<7>(w, x, bias, y, I, O, o0, o1);
+    default: return rows_dp<8>(w, x, bias, y, I, O, o0, o1);
+  }
+}
 #endif
 
 template <typename W>
@@ -209,12 +238,7 @@ static void run(int64_t M, const W* w, const float* x, const W* bias, W* y, int6
   const int64_t groups = (O + GROUP - 1) / GROUP;
   at::parallel_for(0, groups, grain(I, sizeof(W)), [&](int64_t b, int64_t e) {
     const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
-    switch (M) {
-      case 1: return row1<W>(w, x, bias, y, I, o0, o1);
-      case 2: return rows<W, 2>(w, x, bias, y, I, O, o0, o1);
-      case 3: return rows<W, 3>(w, x, bias, y, I, O, o0, o1);
-      default: return rows<W, 4>(w, x, bias, y, I, O, o0, o1);
-    }
+    rows_any<W>(M, w, x, bias, y, I, O, o0, o1);
   });
 }
 
@@ -413,12 +437,7 @@ static void block_rows(const W* w, const W* x, const W* bias, W* y, int64_t M, i
                        float* scratch) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same<W, c10::BFloat16>::value) {
-    switch (M) {
-      case 1: return row1_dp(w, x, bias, y, I, 0, n);
-      case 2: return rows_dp<2>(w, x, bias, y, I, O, 0, n);
-      case 3: return rows_dp<3>(w, x, bias, y, I, O, 0, n);
-      default: return rows_dp<4>(w, x, bias, y, I, O, 0, n);
-    }
+    return rows_dp_any(M, w, x, bias, y, I, O, 0, n);
   }
 #endif
   const float* xf;
@@ -428,12 +447,7 @@ static void block_rows(const W* w, const W* x, const W* bias, W* y, int64_t M, i
     for (int64_t k = 0; k < M * I; ++k) scratch[k] = static_cast<float>(x[k]);
     xf = scratch;
   }
-  switch (M) {
-    case 1: return row1<W>(w, xf, bias, y, I, 0, n);
-    case 2: return rows<W, 2>(w, xf, bias, y, I, O, 0, n);
-    case 3: return rows<W, 3>(w, xf, bias, y, I, O, 0, n);
-    default: return rows<W, 4>(w, xf, bias, y, I, O, 0, n);
-  }
+  rows_any<W>(M, w, xf, bias, y, I, O, 0, n);
 }
 
 struct Task {
@@ -619,6 +633,48 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
+// -- greedy sampling -------------------------------------------------------------------------------------------
+//
+// The index of each row's largest value (the first of equal ones, as torch.argmax; in a row with a NaN, the first NaN
+// or largest value before it), rows split between the threads: torch's argmax over a decode batch's [32, 50304] bf16 logits took ~1.5 ms, more than the
+// step's attention.
+template <typename T>
+static int64_t argmax_row(const T* x, int64_t V) {
+  const int64_t Vv = V / VW * VW;
+  vf best = vset(-INFINITY);
+  for (int64_t i = 0; i < Vv; i += VW) best = vmaxv(best, vload_f(x + i));
+  float m = -INFINITY;
+  float lanes[VW];
+  vstore(lanes, best);
+  for (int j = 0; j < VW; ++j) m = std::max(m, lanes[j]);
+  for (int64_t i = Vv; i < V; ++i) m = std::max(m, static_cast<float>(x[i]));
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (v == m || std::isnan(v)) return i;
+  }
+  return 0;  // every value -inf
+}
+
+// x [n, V] contiguous, fp32 or bf16 -> [n] int64
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  RECORD_FUNCTION("moe_pipeline::argmax_rows", std::vector<c10::IValue>({x}));
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.is_contiguous() && x.device().is_cpu(),
+              "argmax_rows: x [rows, V], contiguous on the CPU");
+  const int64_t n = x.size(0), V = x.size(1);
+  torch::Tensor out = torch::empty({n}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  AT_DISPATCH_SWITCH(x.scalar_type(), "argmax_rows", AT_DISPATCH_CASE(at::kFloat, [&] {
+    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) op[r] = argmax_row<scalar_t>(x.data_ptr<scalar_t>() + r * V, V);
+    });
+  }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) op[r] = argmax_row<scalar_t>(x.data_ptr<scalar_t>() + r * V, V);
+    });
+  }));
+  return out;
+}
+
 // x [M, I] (1 <= M <= MAX_ROWS), w [O, I], both contiguous, fp32 or bf16 alike; bias [O] of that dtype or None.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   RECORD_FUNCTION("moe_pipeline::gemv", std::vector<c10::IValue>({x, w}));  // seen by torch.profiler
@@ -648,12 +704,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
     const int64_t groups = (O + GROUP - 1) / GROUP;
     at::parallel_for(0, groups, grain(I, sizeof(B)), [&](int64_t b, int64_t e) {
       const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
-      switch (M) {
-        case 1: return row1_dp(wb, xb, bb, yb, I, o0, o1);
-        case 2: return rows_dp<2>(wb, xb, bb, yb, I, O, o0, o1);
-        case 3: return rows_dp<3>(wb, xb, bb, yb, I, O, o0, o1);
-        default: return rows_dp<4>(wb, xb, bb, yb, I, O, o0, o1);
-      }
+      rows_dp_any(M, wb, xb, bb, yb, I, O, o0, o1);
     });
 #else
     std::vector<float> xf(M * I);  // the bf16 rows widened once (a few KB)
@@ -666,12 +717,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-4 rows of x, fp32 or bf16");
+  m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-8 rows of x, fp32 or bf16");
   m.def("paged_attention", &paged_attention,
         "one new token per row: store its key and value in its row's block of a paged KV pool, attend over the "
         "row's keys through its block table");
   m.def("expert_mlps", &expert_mlps,
         "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }
