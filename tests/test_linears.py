@@ -23,6 +23,7 @@ def test_the_gemv_kernel_builds_here_and_equals_f_linear():
     check_experts(gemv)
     check_norm(gemv)
     check_argmax(gemv)
+    check_routed(gemv)
 
 
 def test_the_gemv_kernel_avx2_build_equals_f_linear():
@@ -36,6 +37,7 @@ def test_the_gemv_kernel_avx2_build_equals_f_linear():
     check_experts(build("AVX2"))
     check_norm(build("AVX2"))
     check_argmax(build("AVX2"))
+    check_routed(build("AVX2"))
 
 
 def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear():
@@ -50,6 +52,7 @@ def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear(
     check_experts(build("AVX512"))
     check_norm(build("AVX512"))
     check_argmax(build("AVX512"))
+    check_routed(build("AVX512"))
 
 
 def check_kernel(gemv):
@@ -134,6 +137,39 @@ def check_argmax(kernel):
             x = torch.randn(shape).to(dtype)
             x[0, -1] = x[0].max()  # a tie: the first index wins
             assert kernel.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+def check_routed(kernel):
+    """route + routed_experts of this build against pipeline/model.py's `route` (no capacity) and the experts one at a
+    time, each token's choices weighted and added as PlacedMoE does: top-1 and top-2, renormalised or not, fp32
+    and bf16, an expert with no token."""
+    from pipeline.model import route
+
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for k, renorm in ((1, False), (2, True), (2, False)):
+            S, C, E, width = 9, 96, 6, 40
+            x = torch.randn(S, C).to(dtype)
+            wg = torch.randn(E, C)
+            wg[3] = -10 * x.float().mean(0)  # expert 3 is nobody's choice
+            mix, experts, counts = kernel.route(x, wg, k, renorm)
+            ref = route(F.linear(x.float(), wg), k, renorm)
+            assert experts.tolist() == ref.experts.tolist() and counts.tolist() == ref.counts.tolist()
+            torch.testing.assert_close(mix, ref.weights, atol=1e-6, rtol=1e-5)
+            assert counts[3] == 0
+            weights = {e: (torch.randn(2 * width, C).to(dtype), None, (torch.randn(C, width) * 0.1).to(dtype), None)
+                       for e in range(E)}
+            active = [e for e in range(E) if counts[e]]
+            got = kernel.routed_experts(x, experts, mix, active, [weights[e][0] for e in active], [],
+                                        [weights[e][2] for e in active], [], True)
+            want = torch.zeros(S, C, dtype=dtype)
+            for s in range(S):
+                for j in range(k):
+                    w1, _, w2, _ = weights[int(experts[s, j])]
+                    gate, up = F.linear(x[s:s + 1].float(), w1.float()).to(dtype).chunk(2, dim=-1)
+                    y = F.linear((F.silu(gate) * up).float(), w2.float()).to(dtype)[0]
+                    want[s] = y * mix[s, j].to(dtype) if j == 0 else want[s] + y * mix[s, j].to(dtype)
+            torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
 
 
 def check_attention(kernel):

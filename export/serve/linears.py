@@ -205,6 +205,33 @@ def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu
     """Every listed expert over its rows in one kernel call: x [rows, C] holds counts[i] rows of expert i in turn;
     weights[i] is its (fc1 weight, fc1 bias, fc2 weight, fc2 bias) (ServingWeight or tensor; biases for all or
     none). Returns [rows, C] in x's order: as fc2(act(fc1(x))) expert by expert, the same roundings."""
+    return kernel().expert_mlps(x.contiguous(), counts, *_expert_tensors(weights), swiglu)
+
+
+def local_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
+    """Whether `routed_layer` runs an MoE layer over these tokens: the kernel is here, x is on the CPU in its
+    dtype, the gate fp32, and the batch a decode batch's (a prefill's tokens go one expert at a time to oneDNN)."""
+    k = kernel()
+    return (k is not None and hasattr(k, "routed_experts") and x.device.type == "cpu" and 0 < x.shape[0]
+            and x.dtype in (torch.float32, torch.bfloat16) and wg.dtype == torch.float32
+            and x.shape[0] * top_k <= GROUPED_MAX_ROWS * wg.shape[0])
+
+
+def routed_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int, renormalize: bool, weights_of,
+                 swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE layer whose experts are all here, in two kernel calls: the routing (pipeline/model.py `route`, no
+    capacity) and every token's experts with their weighted sum. `weights_of(e)`: expert e's (fc1 weight, fc1 bias,
+    fc2 weight, fc2 bias). Returns (output [S, C], tokens per expert [E])."""
+    k = kernel()
+    x = x.contiguous()
+    mix, experts, counts = k.route(x, wg.contiguous(), top_k, renormalize)
+    active = [e for e, n in enumerate(counts.tolist()) if n]
+    weights = [weights_of(e) for e in active]
+    return k.routed_experts(x, experts, mix, active, *_expert_tensors(weights), swiglu), counts
+
+
+def _expert_tensors(weights: list[tuple]) -> tuple[list, list, list, list]:
+    """(w1s, b1s, w2s, b2s) as the kernel takes them: plain contiguous tensors, empty bias lists for none."""
     def raw(w):
         return w.weight if isinstance(w, ServingWeight) else w.contiguous()
 
@@ -212,7 +239,7 @@ def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu
     w2 = [raw(w[2]) for w in weights]
     b1 = [w[1].contiguous() for w in weights] if weights[0][1] is not None else []
     b2 = [w[3].contiguous() for w in weights] if weights[0][3] is not None else []
-    return kernel().expert_mlps(x.contiguous(), counts, w1, b1, w2, b2, swiglu)
+    return w1, b1, w2, b2
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

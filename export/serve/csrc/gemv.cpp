@@ -18,7 +18,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
+#include <limits>
+#include <tuple>
 #include <type_traits>
 #include <cmath>
 #include <vector>
@@ -582,6 +585,144 @@ torch::Tensor expert_mlps(const torch::Tensor& x, const std::vector<int64_t>& co
   return y;
 }
 
+// -- a whole MoE layer on one rank: routing, the experts, the weighted sum ----------------------------------------
+//
+// With every expert on this rank (1 rank), the layer's ~25 operators of routing and combining (router product in
+// fp32, softmax, top-k, renormalisation, grouping, gather, index_select, products) cost more at batch 1 than its
+// experts' read: here they are two calls, `route` and `routed_experts`.
+
+// x [S, C] (fp32 or bf16), wg [E, C] fp32: the router's probabilities softmax(x wg^T) in fp32 (pipeline/model.py
+// `router_logits` + `route`, no capacity), each token's top k (the larger first, the lower expert first among equal
+// ones) and their weights, divided by their sum with `renormalize`; and the tokens per expert.
+// Returns (weights [S, k] fp32, experts [S, k] int64, counts [E] int64).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& wg,
+                                                              int64_t k, bool renormalize) {
+  RECORD_FUNCTION("moe_pipeline::route", std::vector<c10::IValue>({x, wg}));
+  TORCH_CHECK(x.dim() == 2 && wg.dim() == 2 && x.size(1) == wg.size(1), "route: x [tokens, C], wg [experts, C]");
+  TORCH_CHECK(x.is_contiguous() && wg.is_contiguous() && x.device().is_cpu() && wg.device().is_cpu() &&
+                  wg.scalar_type() == at::kFloat && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "route: contiguous CPU x (fp32 or bf16) and fp32 wg");
+  const int64_t S = x.size(0), C = x.size(1), E = wg.size(0);
+  TORCH_CHECK(k >= 1 && k <= E, "route: top_k ", k, " of ", E, " experts");
+  torch::Tensor weights = torch::empty({S, k}, wg.options());
+  torch::Tensor experts = torch::empty({S, k}, wg.options().dtype(at::kLong));
+  float* wp = weights.data_ptr<float>();
+  int64_t* ep = experts.data_ptr<int64_t>();
+  const float* g = wg.data_ptr<float>();
+  const int64_t Cv = C / VW * VW;
+  auto one = [&](const float* xr, int64_t s, float* p) {  // token s, x widened to fp32 in xr; p: room for E
+    for (int64_t e = 0; e < E; ++e) {
+      const float* gr = g + e * C;
+      vf acc = vzero();
+      int64_t c = 0;
+      for (; c < Cv; c += VW) acc = vfma(vload(gr + c), vload(xr + c), acc);
+      float dot = vsum(acc);
+      for (; c < C; ++c) dot += gr[c] * xr[c];
+      p[e] = dot;
+    }
+    float m = -INFINITY, total = 0.0f;
+    for (int64_t e = 0; e < E; ++e) m = std::max(m, p[e]);
+    for (int64_t e = 0; e < E; ++e) total += (p[e] = std::exp(p[e] - m));
+    for (int64_t e = 0; e < E; ++e) p[e] /= total;
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {  // k passes: k is 1-8
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int64_t i = 0; i < j; ++i) taken |= ep[s * k + i] == e;
+        if (!taken && (best < 0 || p[e] > p[best])) best = e;
+      }
+      ep[s * k + j] = best;
+      chosen += (wp[s * k + j] = p[best]);
+    }
+    if (renormalize) {
+      const float d = std::max(chosen, std::numeric_limits<float>::epsilon());
+      for (int64_t j = 0; j < k; ++j) wp[s * k + j] /= d;
+    }
+  };
+  at::parallel_for(0, S, 64, [&](int64_t b, int64_t e) {
+    std::vector<float> xr(C), p(E);
+    for (int64_t s = b; s < e; ++s) {
+      if (x.scalar_type() == at::kFloat) {
+        const float* xs = x.data_ptr<float>() + s * C;
+        std::copy(xs, xs + C, xr.begin());
+      } else {
+        const c10::BFloat16* xs = x.data_ptr<c10::BFloat16>() + s * C;
+        for (int64_t c = 0; c < C; ++c) xr[c] = static_cast<float>(xs[c]);
+      }
+      one(xr.data(), s, p.data());
+    }
+  });
+  torch::Tensor counts = torch::zeros({E}, experts.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S * k; ++i) ++cp[ep[i]];
+  return {weights, experts, counts};
+}
+
+template <typename T>
+static void combine(const T* y, const float* weights, const std::vector<int64_t>& pair_row, T* out, int64_t S,
+                    int64_t k, int64_t C) {
+  at::parallel_for(0, S, 64, [&](int64_t b, int64_t e) {
+    for (int64_t s = b; s < e; ++s) {
+      T* o = out + s * C;
+      for (int64_t j = 0; j < k; ++j) {
+        const T* yr = y + pair_row[s * k + j] * C;
+        const float w = static_cast<float>(static_cast<T>(weights[s * k + j]));  // the weight in the output dtype
+        for (int64_t c = 0; c < C; ++c)  // as y0 * w0, then addcmul_: one rounding per choice
+          o[c] = static_cast<T>((j ? static_cast<float>(o[c]) : 0.0f) + static_cast<float>(yr[c]) * w);
+      }
+    }
+  });
+}
+
+// Every token's experts and their weighted sum: x [S, C] the layer's tokens, experts and weights [S, k] as `route`
+// gives them; `active`: the experts that received a token, in increasing order, with their w1, b1, w2, b2 (as
+// expert_mlps). Each expert runs once over its tokens (in token order), then out[s] = sum_j weights[s, j] *
+// y[s, j], the choices in order, rounded as `y0 * w0` and then `addcmul_` per further choice (the weights cast
+// to the output dtype first), as export/serve/placement/exchange.py's PlacedMoE.
+torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& experts, const torch::Tensor& weights,
+                             const std::vector<int64_t>& active, const std::vector<torch::Tensor>& w1,
+                             const std::vector<torch::Tensor>& b1, const std::vector<torch::Tensor>& w2,
+                             const std::vector<torch::Tensor>& b2, bool swiglu) {
+  RECORD_FUNCTION("moe_pipeline::routed_experts", std::vector<c10::IValue>({x}));
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && experts.dim() == 2 && experts.size(0) == x.size(0) &&
+                  experts.is_contiguous() && experts.scalar_type() == at::kLong && weights.sizes() == experts.sizes() &&
+                  weights.is_contiguous() && weights.scalar_type() == at::kFloat,
+              "routed_experts: x [S, C], experts [S, k] int64 and weights [S, k] fp32, contiguous");
+  const int64_t S = x.size(0), C = x.size(1), k = experts.size(1), A = active.size();
+  TORCH_CHECK(A > 0, "routed_experts: no active expert");
+  const int64_t top = *std::max_element(active.begin(), active.end());
+  std::vector<int64_t> slot(top + 1, -1);
+  for (int64_t i = 0; i < A; ++i) {
+    TORCH_CHECK(active[i] >= 0 && (i == 0 || active[i] > active[i - 1]), "routed_experts: active experts ascending");
+    slot[active[i]] = i;
+  }
+  const int64_t* ep = experts.data_ptr<int64_t>();
+  std::vector<int64_t> counts(A, 0);
+  for (int64_t i = 0; i < S * k; ++i) {
+    TORCH_CHECK(ep[i] >= 0 && ep[i] <= top && slot[ep[i]] >= 0, "routed_experts: token ", i / k, " chose expert ",
+                ep[i], ", not an active one");
+    ++counts[slot[ep[i]]];
+  }
+  std::vector<int64_t> start(A + 1, 0), pair_row(S * k);
+  for (int64_t i = 0; i < A; ++i) start[i + 1] = start[i] + counts[i];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < S * k; ++i) pair_row[i] = fill[slot[ep[i]]]++;  // token order within an expert
+  torch::Tensor rows = torch::empty({S * k, C}, x.options());
+  const int64_t bytes = C * x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* rp = static_cast<char*>(rows.data_ptr());
+  for (int64_t i = 0; i < S * k; ++i) std::memcpy(rp + pair_row[i] * bytes, xp + (i / k) * bytes, bytes);
+  torch::Tensor y = expert_mlps(rows, counts, w1, b1, w2, b2, swiglu);
+  torch::Tensor out = torch::empty_like(x);
+  if (x.scalar_type() == at::kFloat)
+    combine<float>(y.data_ptr<float>(), weights.data_ptr<float>(), pair_row, out.data_ptr<float>(), S, k, C);
+  else
+    combine<c10::BFloat16>(y.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), pair_row,
+                           out.data_ptr<c10::BFloat16>(), S, k, C);
+  return out;
+}
+
 // -- RMSNorm ----------------------------------------------------------------------------------------------------
 //
 // pipeline/model.py's RMSNorm (the Hugging Face families'): each row of C values normalised in fp32 by
@@ -723,6 +864,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row's keys through its block table");
   m.def("expert_mlps", &expert_mlps,
         "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes");
+  m.def("route", &route, "an MoE layer's top-k routing: (weights, experts, tokens per expert)");
+  m.def("routed_experts", &routed_experts, "every token's routed experts and their weighted sum");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)");
   m.attr("MAX_ROWS") = MAX_ROWS;

@@ -150,6 +150,17 @@ class Exchange:
             return self._by_reduce(layer, xs, order, send, sizes), total
         return self._by_all_to_all(layer, xs, order, send, sizes), total
 
+    def run_local(self, layer: int, xs: torch.Tensor, wg: torch.Tensor, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One rank (every expert here), a decode batch: the layer's routing, experts and weighted sum in two kernel
+        calls (export/serve/linears.py `routed_layer`). Returns (output [S, C], tokens per expert [E])."""
+        t0 = time.perf_counter()
+        out, counts = linears.routed_layer(xs, wg, top_k, renormalize, lambda e: self.residency.weights(layer, e),
+                                           self.cfg.activation == "swiglu")
+        self.meter.observe(layer, [len(xs) * top_k])
+        self.expert_s += time.perf_counter() - t0
+        return out, counts
+
     def last_loads(self) -> list[list[int]]:
         """The tokens each rank's experts received in each MoE layer of the last forward."""
         return [list(loads) for loads in self.meter.last]
@@ -303,17 +314,21 @@ class PlacedMoE(nn.Module):
         real = valid.reshape(-1).nonzero().squeeze(1) if valid is not None else None
         if real is not None:
             xs = xs[real]
-        weights, token, choice, per_expert = serving_route(xs, self.moe.deepspeed_moe.gate.wg.weight, cfg.top_k, E,
-                                                           cfg.renormalizes)
-        y, counts = self.exchange.run(self.index, xs[token], per_expert)  # [pairs, C]: each pair's expert output
-        # back in (token, choice) order, each token's choices weighted and added: a gather, where a scatter-add
-        # (index_add_) starts every intra-op thread even for one token (~0.2 ms a layer at batch 1 when they sleep)
-        k = cfg.top_k
-        mine = y.index_select(0, (token * k + choice).argsort()).view(-1, k, C)  # [S, k, C]
-        w = weights.to(y.dtype)
-        out = mine[:, 0] * w[:, 0, None]
-        for c in range(1, k):
-            out.addcmul_(mine[:, c], w[:, c, None])
+        wg = self.moe.deepspeed_moe.gate.wg.weight
+        if self.exchange.ep == 1 and linears.local_layer(xs, wg, cfg.top_k):  # 1 rank, a decode batch: 2 calls
+            out, counts = self.exchange.run_local(self.index, xs, wg, cfg.top_k, bool(cfg.renormalizes))
+        else:
+            weights, token, choice, per_expert = serving_route(xs, wg, cfg.top_k, E, cfg.renormalizes)
+            y, counts = self.exchange.run(self.index, xs[token], per_expert)  # [pairs, C]: each pair's expert output
+            # back in (token, choice) order, each token's choices weighted and added: a gather, where a scatter-add
+            # (index_add_) starts every intra-op thread even for one token (~0.2 ms a layer at batch 1 when they
+            # sleep)
+            k = cfg.top_k
+            mine = y.index_select(0, (token * k + choice).argsort()).view(-1, k, C)  # [S, k, C]
+            w = weights.to(y.dtype)
+            out = mine[:, 0] * w[:, 0, None]
+            for c in range(1, k):
+                out.addcmul_(mine[:, c], w[:, c, None])
         if real is not None:
             full = x.new_zeros(B * T, C)
             full[real] = out
