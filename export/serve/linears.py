@@ -5,8 +5,10 @@
 
 PyTorch's CPU `F.linear` goes to MKL, which on this machine's AMD EPYC runs at half speed: ~20 GB/s of weight
 read at batch 1, fp32 (a plain read of the same bytes: ~42 GB/s), 2-3x slower than oneDNN at 2-512 rows.
-`torch.ops.mkldnn._linear_pointwise` (oneDNN) on the same plain weight is as fast as on one prepacked into its
-blocked layout, so weights stay as they are: no second copy, nothing to reorder when an expert loads. For 1-8
+`torch.ops.mkldnn._linear_pointwise` (oneDNN) runs the dense layers' many rows on a copy of the weight prepacked
+into its blocked layout (1.1-1.6x faster than on the plain weight at 5-257 rows on an AMD EPYC with AVX512_BF16,
+the same results): a second copy of those weights (attention, dense MLPs, lm_head; not the experts, which stay as
+they are, nothing to reorder when one loads). For 1-8
 rows (batch-1 and small-batch decode) `csrc/gemv.cpp` reads the weight once at the memory's speed: ~42 GB/s
 where oneDNN reaches ~31 and MKL ~21, under a competing process ~28 against ~21. Measured by
 benchmarks/decode_bandwidth.py (batch-1 decode against the read-bandwidth bound). A weight under 1M elements
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.linear's call is cheapest)
 ONEDNN_FROM = 1 << 20  # below this, more than 4 rows go to F.linear: as fast there, and no primitive cache to grow
+PACK_ROWS = 32  # the row count oneDNN's packed weight layout is chosen for (a decode batch's)
 ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
@@ -102,12 +105,18 @@ def build(isa: str):
 class ServingWeight:
     """A [out, in] weight (as it was: contiguous, its own dtype) and the linear that fits a call's row count."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, pack: bool = False):
         self.weight = weight.detach().contiguous()
         self.gemv = kernel()
         # more rows: oneDNN, where it runs this dtype (bf16 needs AVX-512: on an AVX2 CPU it has no bf16 primitive)
         self.onednn = self.weight.numel() >= ONEDNN_FROM and (
             self.weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        # `pack`: oneDNN's own blocked copy of the weight, beside the plain one the few-row kernel reads: 1.1-1.6x
+        # faster at 5-257 rows here (bf16 lm_head at 32 rows: 16.4 -> 10.2 ms), the same results to the bit. Dense
+        # layers only: an expert stays one copy (residency loads and drops experts as they are)
+        self.packed = self.weight
+        if pack and self.onednn and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
@@ -125,10 +134,10 @@ class ServingWeight:
             # single-threaded)
         padded = bucket(rows)
         if padded == rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         flat = x.new_zeros(padded, x.shape[-1])
         flat[:rows] = x.reshape(rows, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, bias, "none", [], "")[:rows]
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")[:rows]
         return y.view(*x.shape[:-1], self.weight.shape[0])
 
 
@@ -163,7 +172,7 @@ class ServingLinear(nn.Module):
     def __init__(self, layer: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.served = ServingWeight(layer.weight)
+        self.served = ServingWeight(layer.weight, pack=True)
         self.bias = layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +191,7 @@ class FusedQKV:
     def __init__(self, attn: nn.Module):
         layers = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.sizes = [l.weight.shape[0] for l in layers]
-        self.weight = ServingWeight(torch.cat([l.weight.detach() for l in layers]))
+        self.weight = ServingWeight(torch.cat([l.weight.detach() for l in layers]), pack=True)
         biases = [l.bias for l in layers]
         self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
 
