@@ -200,8 +200,9 @@ def decode_run(engine, prompt: list[int], new_tokens: int) -> dict:
 def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
     """Seconds per decode token by category, from one more run timed by forward hooks. The MoE layer's time less
     its residual MLP and its experts is `gate_routing` (gate, routing, dispatch); the experts are timed as modules
-    (the reference MoE) or, with the engine's expert exchange, around its `_run_experts` (else they stay in
-    gate_routing: `experts_timed` False). `other`: the rest of the step (embeddings, norms, residual adds, sampling,
+    (the reference MoE) or, with the engine's expert exchange, around its `_run_experts` and `run_local` (the
+    latter, 1 rank's decode path, routes too: its routing counts as experts; else they stay in gate_routing:
+    `experts_timed` False). `other`: the rest of the step (embeddings, norms, residual adds, sampling,
     the engine's Python)."""
     import torch
 
@@ -248,6 +249,11 @@ def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
         run_experts = exchange._run_experts
         exchange._run_experts = timed("gate_routing", timed("experts", run_experts), -1.0)
         undo.append(lambda: delattr(exchange, "_run_experts"))
+        # on 1 rank a decode batch's layer runs routing and experts in one kernel pair (Exchange.run_local): all of
+        # it counted as experts
+        run_local = exchange.run_local
+        exchange.run_local = timed("gate_routing", timed("experts", run_local), -1.0)
+        undo.append(lambda: delattr(exchange, "run_local"))
         experts_timed = True
     watch(model.lm_head, "lm_head")
     steps = []
