@@ -12,6 +12,26 @@ RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE
              "CROSS_RANK", "CROSS_SIZE")
 
 
+ISA = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # the flags that decide which kernels a server picks
+
+
+def cpu_info() -> dict:
+    """lscpu's model name, the cores this process may use and which of `ISA` the CPU has: printed with every figure
+    (the machines here differ between sessions)."""
+    import subprocess
+
+    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+    flags = set(field.get("Flags", "").split())
+    return {"model": field.get("Model name", "?"), "cores": len(os.sched_getaffinity(0)),
+            **{f: f in flags for f in ISA}}
+
+
+def cpu_line(cpu: dict) -> str:
+    """`cpu_info()` in one line: model, cores, the flags it has."""
+    return f"{cpu['model']}, {cpu['cores']} cores; " + ", ".join(f"{f} {'yes' if cpu[f] else 'no'}" for f in ISA)
+
+
 def cli_command() -> list[str]:
     """`moe-pipeline` from this interpreter's environment (or `python -m pipeline.cli`)."""
     script = Path(sys.executable).parent / "moe-pipeline"

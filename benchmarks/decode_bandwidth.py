@@ -38,14 +38,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, best_seconds, random_package  # noqa: E402
+from common import ROOT, best_seconds, cpu_info, cpu_line, random_package  # noqa: E402
 
 sys.path.insert(1, str(ROOT))  # this checkout's pipeline/, export/
 
@@ -461,27 +460,12 @@ def run(dtypes: list[str], work: Path, out: Path, layers: int = 4, overrides: li
             spec_file.write_text(json.dumps(spec))
         results.append({**measure(pkg, threads, new_tokens, repeats, buffer_gib, breakdown_tokens, backends),
                         "spec": spec})
-    res = {"results": results, "machine": {"cpu_count": os.cpu_count(), "cpu": cpu_name(), "flags": cpu_flags(),
+    res = {"results": results, "machine": {"cpu_count": os.cpu_count(), "cpu": cpu_info(),
                                            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_bandwidth.json").write_text(json.dumps(res, indent=1) + "\n")
     plot(results, out / "decode_bandwidth.png")
     return res
-
-
-def cpu_name() -> str:
-    """lscpu's model name (the machines here differ between sessions)."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-def cpu_flags() -> str:
-    """Which of the instruction sets the kernels choose between this CPU has."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no AVX2"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -511,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     what = (f"package {args.package}" if args.package else
             f"recipes/350m.yaml cut to {a['layers']} layers, random weights {' '.join(a['overrides'])}")
     print(f"\n== batch-1 decode vs read-bandwidth bound: {what}, {r0['threads']} threads, {r0['new_tokens']} tokens "
-          f"a run; CPU: {cpu_name()} ({cpu_flags()}) ==")
+          f"a run; CPU: {cpu_line(cpu_info())} ==")
     print(table(res["results"]))
     print(f"wrote {args.out / 'decode_bandwidth.json'} and decode_bandwidth.png")
     return 0

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, child_env, cli_command, run_logged  # noqa: E402
+from common import ROOT, child_env, cli_command, cpu_info, cpu_line, run_logged  # noqa: E402
 
 PEERS = ROOT / ".peers"
 VLLM_PY = PEERS / "vllm" / "bin" / "python"
@@ -45,7 +45,6 @@ LLAMA_SERVER = PEERS / "llama.cpp" / "build" / "bin" / "llama-server"
 SERVERS = {"ours": "ours", "vllm": "vLLM CPU", "llama": "llama.cpp"}
 REFERENCE = "transformers fp32"
 MODEL_NAME = "peer-qwen3-moe"  # the peers' served name (ours answers to its package's name)
-ISA = ("avx512f", "avx512_bf16", "amx_tile")
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time there was a little house",
            "The capital of France is", "In the beginning God created the heaven and the earth.",
            "Water boils at one hundred degrees", "She opened the door and saw", "The stock market fell sharply today",
@@ -69,15 +68,6 @@ p = FlexibleArgumentParser()
 add_cli_args(p)
 main(p.parse_args(sys.argv[1:]))
 """
-
-
-def cpu_info() -> dict:
-    """lscpu's model name, the core count we use and the ISA flags that decide each server's kernels."""
-    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
-    flags = set(field.get("Flags", "").split())
-    return {"model": field.get("Model name", "?"), "cores": len(os.sched_getaffinity(0)),
-            **{f: f in flags for f in ISA}}
 
 
 # -- the model, three ways ---------------------------------------------------------------------------------------
@@ -438,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     cpu = cpu_info()
-    print(f"CPU: {cpu['model']}, {cpu['cores']} cores; " + ", ".join(f"{f} {'yes' if cpu[f] else 'no'}" for f in ISA))
+    print(f"CPU: {cpu_line(cpu)}")
 
     missing = {"vllm": None if (VLLM_PY.is_file() and any((PEERS / "vllm" / "lib").glob("python3*/site-packages/vllm")))
                else f"{VLLM_PY} with vllm", "llama": None if LLAMA_SERVER.is_file() else str(LLAMA_SERVER)}

@@ -202,12 +202,16 @@ class FusedQKV:
 GROUPED_MAX_ROWS = 16  # experts' mean rows up to which `expert_mlps` runs a layer's experts (more: oneDNN's GEMM)
 
 
+def _kernel_has(op: str, x: torch.Tensor) -> bool:
+    """Whether the kernel is here with `op` and takes x: on the CPU, fp32 or bf16."""
+    k = kernel()
+    return k is not None and hasattr(k, op) and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+
 def grouped_experts(x: torch.Tensor, counts: list[int]) -> bool:
     """Whether `expert_mlps` runs these experts: the kernel is here, x is on the CPU in its dtype, and the experts
     have few rows each (a decode batch's; a prefill's go one expert at a time to oneDNN's GEMM)."""
-    k = kernel()
-    return (k is not None and hasattr(k, "expert_mlps") and x.device.type == "cpu" and bool(counts)
-            and x.dtype in (torch.float32, torch.bfloat16) and sum(counts) <= GROUPED_MAX_ROWS * len(counts))
+    return _kernel_has("expert_mlps", x) and bool(counts) and sum(counts) <= GROUPED_MAX_ROWS * len(counts)
 
 
 def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu: bool) -> torch.Tensor:
@@ -220,9 +224,7 @@ def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu
 def local_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
     """Whether `routed_layer` runs an MoE layer over these tokens: the kernel is here, x is on the CPU in its
     dtype, the gate fp32, and the batch a decode batch's (a prefill's tokens go one expert at a time to oneDNN)."""
-    k = kernel()
-    return (k is not None and hasattr(k, "routed_experts") and x.device.type == "cpu" and 0 < x.shape[0]
-            and x.dtype in (torch.float32, torch.bfloat16) and wg.dtype == torch.float32
+    return (_kernel_has("routed_experts", x) and 0 < x.shape[0] and wg.dtype == torch.float32
             and x.shape[0] * top_k <= GROUPED_MAX_ROWS * wg.shape[0])
 
 
@@ -253,10 +255,8 @@ def _expert_tensors(weights: list[tuple]) -> tuple[list, list, list, list]:
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
     """Each row's argmax of logits [n, V] (torch.argmax's answer), in one parallel kernel call on the CPU."""
-    k = kernel()
-    if k is not None and hasattr(k, "argmax_rows") and x.device.type == "cpu" and x.dtype in (torch.float32,
-                                                                                                torch.bfloat16):
-        return k.argmax_rows(x.contiguous()).tolist()
+    if _kernel_has("argmax_rows", x):
+        return kernel().argmax_rows(x.contiguous()).tolist()
     return x.argmax(dim=-1).tolist()
 
 

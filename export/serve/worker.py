@@ -99,18 +99,16 @@ class Worker:
                 last = h[:, 0]
             else:
                 last = h[sampled, [counts[b] - 1 for b in sampled]]  # [n, C]: each row's last real position
-            raw = self._project(last, exact=False)  # [n, V] in the model's dtype
+            raw = self._project(last, fp32=False)  # [n, V] in the model's dtype
             # plain greedy rows (no log-probabilities, no banned token): one argmax for all of them, on the logits as
             # the head wrote them (widening to fp32 is exact: the same argmax)
             plain = [j for j, b in enumerate(sampled) if rows[b].banned is None and b not in results
                      and self.samplers[rows[b].seq].plain_greedy]
-            if len(plain) == len(sampled):
-                argmax = dict(enumerate(linears.argmax_rows(raw)))
-            elif plain:
-                index = torch.tensor(plain, device=raw.device)
-                argmax = dict(zip(plain, linears.argmax_rows(raw.index_select(0, index))))
-            else:
-                argmax = {}
+            argmax = {}
+            if plain:
+                picked = raw if len(plain) == len(sampled) else \
+                    raw.index_select(0, torch.tensor(plain, device=raw.device))
+                argmax = dict(zip(plain, linears.argmax_rows(picked)))
             for j, b in enumerate(sampled):
                 row, res = rows[b], results.get(b, RowResult(rows[b].seq))
                 if j in argmax:
@@ -139,8 +137,8 @@ class Worker:
             return RowResult(row.seq, error=error)
         return RowResult(row.seq, score_start=row.start, scores=scores)
 
-    def _project(self, h: torch.Tensor, exact: bool = True) -> torch.Tensor:
-        """Logits [n, V] of hidden states [n, C] (as [1, n, C]: DeepSpeed's sliced output layer takes 3-D input): fp32,
-        or with `exact` False in the head's own dtype."""
+    def _project(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Logits [n, V] of hidden states [n, C] (as [1, n, C]: DeepSpeed's sliced output layer takes 3-D input), in
+        fp32 or, `fp32` False, in the head's own dtype."""
         logits = self.model.lm_head(h[None])[0]
-        return logits.float() if exact else logits
+        return logits.float() if fp32 else logits
