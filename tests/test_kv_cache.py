@@ -150,3 +150,52 @@ def test_a_stop_string_counts_only_from_min_tokens_on():
     for ch in "d\ne":
         req.append(ord(ch), None, None, None, Decode())
     assert req.finished and req.finish_reason == "stop" and req.text == "a\nbcd"
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_a_packed_forward_of_decode_tokens_and_prompt_chunks_equals_each_row_alone(dtype, tol):
+    """Rows of different lengths packed one after another ([1, N], no padding: how decode tokens and prompt chunks
+    share a forward) give each row the hidden states, and write the keys, that it gets in a forward of its own: a
+    decode token after 5 cached, a prompt from position 0, a chunk after a 4-token prefix, a second decode token;
+    rotary positions, grouped-query attention with per-head q/k norms, as Qwen3-MoE."""
+    from export.serve.kv_cache import PagedCache
+    from pipeline.model import GPT, init_weights
+
+    cfg = model_config(vocab_size=256, seq_len=64, hidden=64, heads=4, kv_heads=2, positions="rope", norm="rmsnorm",
+                       qk_norm="head", activation="swiglu", mlp_type="standard", experts=(4, 4), top_k=2,
+                       tie_embeddings=False)
+    model = GPT(cfg, moe_impl="reference")
+    init_weights(model, 3)
+    model = model.eval().to(dtype)
+
+    def cache():
+        c = PagedCache(cfg, blocks=16, block_size=4, heads=2, dtype=dtype)
+        if not c.packs:
+            pytest.skip("the CPU attention kernel is not available here")
+        for seq, blocks in {0: [3, 9], 1: [1, 5], 2: [7, 2, 11], 3: [4, 8]}.items():
+            c.extend(seq, blocks)
+        return c
+
+    gen = torch.Generator().manual_seed(0)
+    history = {0: 5, 1: 0, 2: 4, 3: 6}  # tokens cached before the forward
+    new = {0: 1, 1: 7, 2: 3, 3: 1}
+    tokens = {s: torch.randint(0, 256, (history[s] + new[s],), generator=gen) for s in history}
+    with torch.no_grad():
+        alone, packed = cache(), cache()
+        for c in (alone, packed):  # each row's history, row by row
+            for s, n in history.items():
+                if n:
+                    model(tokens[s][None, :n], cache=c.select([s], [0], [n]), hidden_only=True)
+        want = {s: model(tokens[s][None, history[s]:], cache=alone.select([s], [history[s]], [new[s]]),
+                         hidden_only=True).hidden[0] for s in history}
+        seqs = list(history)
+        flat = torch.cat([tokens[s][history[s]:] for s in seqs])[None]
+        got = model(flat, cache=packed.select(seqs, [history[s] for s in seqs], [new[s] for s in seqs], packed=True),
+                    hidden_only=True).hidden[0]
+    off = 0
+    for s in seqs:
+        torch.testing.assert_close(got[off:off + new[s]].float(), want[s].float(), atol=tol, rtol=tol)
+        off += new[s]
+    for layer in range(cfg.layers):
+        torch.testing.assert_close(packed.k[layer], alone.k[layer], atol=tol, rtol=tol)
+        torch.testing.assert_close(packed.v[layer], alone.v[layer], atol=tol, rtol=tol)

@@ -115,6 +115,24 @@ def test_max_prefill_seqs_splits_a_step_into_several_prefill_forwards():
     assert [[len(rs) for rs in f.rows] for f in plan.step.forwards] == [[1, 1], [1, 0]]  # every rank runs both
 
 
+def test_mixed_steps_put_decode_tokens_and_prompt_chunks_in_one_forward_within_the_token_budget():
+    sched = Scheduler(ranks=1, blocks=64, block_size=4, max_batch=8, max_batched_tokens=12, mixed=True)
+    sched.add(request(0, range(5), max_tokens=8))
+    first = run_step(sched)  # the first prompt alone
+    assert [f.kind for f in first.step.forwards] == ["prefill"] and first.decode_rows == 0
+    sched.add(request(1, range(100, 120), max_tokens=8))  # 20 tokens: chunks of what the budget leaves
+    chunks = []
+    for _ in range(2):
+        plan = run_step(sched)
+        assert [f.kind for f in plan.step.forwards] == ["mixed"] and plan.decode_rows == 1
+        (decode, *prompt), = plan.step.forwards[0].rows
+        assert decode.seq == 0 and len(decode.tokens) == 1 and decode.sample  # decode rows first
+        chunks += [(r.start, len(r.tokens)) for r in prompt]
+    assert chunks == [(0, 11), (11, 9)]  # 12 tokens a step: 1 decode token, the rest of the budget the prompt's
+    plan = run_step(sched)
+    assert [f.kind for f in plan.step.forwards] == ["decode"] and plan.decode_rows == 2
+
+
 def test_a_new_sequence_goes_to_the_least_loaded_rank_or_where_its_prefix_is_cached():
     sched = Scheduler(ranks=2, blocks=64, block_size=4, max_batch=8, max_batched_tokens=256)
     a, b = request(0, range(40)), request(1, range(100, 110))

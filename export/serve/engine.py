@@ -191,8 +191,11 @@ class Engine:
         self.worker = Worker(model, kv.blocks, kv.block_size, rank if self.dp > 1 else 0, single=world == 1,
                              exchange=exchange)
         self.device = self.worker.device
+        # decode tokens and prompt chunks in one forward where the ranks pack rows of different lengths (the CPU
+        # attention kernel), and no placement policy plans prefill and decode forwards apart
         self.scheduler = Scheduler(self.dp, kv.blocks, kv.block_size, max_batch, max_batched_tokens,
-                                   max_prefill_seqs, prefix_caching, eos=tokenizer.eos_token_id)
+                                   max_prefill_seqs, prefix_caching, eos=tokenizer.eos_token_id,
+                                   mixed=self.worker.cache.packs and controller is None)
         self.max_batch = max_batch
         self.ids = itertools.count()
         self.steps = 0
@@ -343,7 +346,7 @@ class Engine:
             self.stats["decode_steps"] += 1
             if self.on_decode is not None:
                 self.on_decode(decode_rows)
-        self.stats["prefill_forwards"] += sum(f.kind == "prefill" for f in step.forwards)
+        self.stats["prefill_forwards"] += sum(f.kind != "decode" for f in step.forwards)
         if self.world > 1:
             rank_msgs.send(step)
         mine = self.worker.execute(step)

@@ -18,6 +18,11 @@ forward on the CPU (one new token a row) attends in csrc/gemv.cpp's `paged_atten
 writes the token's key and value and reads the row's keys in place through its block table; other
 forwards (prefill, and every forward on CUDA) gather each row's blocks into a contiguous view and run
 scaled_dot_product_attention.
+
+Packed forwards (`select(..., packed=True)`, where the kernel is here: `packs`): the rows' new tokens one after
+another as one sequence [1, sum(counts)], no padding, so decode tokens and prompt chunks share one forward (each
+weight read once for both, as vLLM's chunked prefill does). Attention then goes row by row: the one-token rows
+together in `paged_attention`, each longer row's queries over its own blocks in scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -110,10 +115,19 @@ class PagedCache(Cache):
     def drop(self, seq: int) -> None:
         self.tables.pop(seq, None)
 
-    def select(self, seqs: list[int], starts: list[int], counts: list[int]) -> "PagedCache":
-        """The rows of the next forward, in the order of its batch: their sequences, tokens cached, new tokens."""
+    @property
+    def packs(self) -> bool:
+        """Whether this cache runs packed forwards (`select(..., packed=True)`): the attention kernel is here."""
+        return self._kernel is not None
+
+    def select(self, seqs: list[int], starts: list[int], counts: list[int], packed: bool = False) -> "PagedCache":
+        """The rows of the next forward, in the order of its batch: their sequences, tokens cached, new tokens.
+        `packed`: the forward's input is the rows' new tokens one after another, [1, sum(counts)] (see the module)."""
+        if packed and not self.packs:
+            raise ValueError("a packed forward needs the CPU attention kernel (csrc/gemv.cpp paged_attention)")
         self.seqs, self._start, self.counts = list(seqs), list(starts), list(counts)
-        self._padded = len(set(self.counts)) > 1
+        self._packed = packed
+        self._padded = len(set(self.counts)) > 1 and not packed
         self._pos: dict[int, torch.Tensor] = {}
         self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         end = max((s + n for s, n in zip(self._start, self.counts)), default=0)
@@ -127,21 +141,42 @@ class PagedCache(Cache):
             table.append(blocks[:width] + [0] * (width - len(blocks[:width])))  # past a row's end: masked
         self._table = torch.tensor(table, dtype=torch.long).view(len(table), width)  # [B, blocks]
         self._table_dev = self._table.to(self.device) if self.device is not None else self._table
+        if packed:
+            self._plan_packed()
         return self
+
+    def _plan_packed(self) -> None:
+        """A packed forward's plan: each token's position and slot, the one-token rows (for the kernel) and the
+        longer rows (token offset, cached tokens, new tokens, table row)."""
+        offsets = [0]
+        for n in self.counts:
+            offsets.append(offsets[-1] + n)
+        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(self._start, self.counts)]) if self.counts else \
+            torch.zeros(0, dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(self.counts)), torch.tensor(self.counts, dtype=torch.long))
+        blocks = self._table[rows, pos // self.block_size]
+        self._packed_pos = pos[None].to(self.device) if self.device is not None else pos[None]
+        self._packed_slots = blocks, pos % self.block_size
+        one = [b for b, n in enumerate(self.counts) if n == 1]
+        self._one_tokens = torch.tensor([offsets[b] for b in one], dtype=torch.long)  # their tokens' indices
+        self._one_table = self._table[one] if one else self._table[:0]
+        self._one_starts = [self._start[b] for b in one]
+        self._long = [(offsets[b], s, n, b) for b, (s, n) in enumerate(zip(self._start, self.counts)) if n > 1]
 
     # -- pipeline.model.Cache -------------------------------------------------------------------------------------
     @property
     def length(self) -> int:
         """For the model's context check and the keys read: the longest row before this forward, or with a padded
-        batch, the longest row after it less the forward's T (so that length + T is that row's end)."""
-        if self._padded:
+        or packed batch, the longest row after it less the forward's T (so that length + T is that row's end; packed,
+        it may be negative)."""
+        if self._padded or self._packed:
             return max(s + n for s, n in zip(self._start, self.counts)) - max(self.counts)
         return max(self._start, default=0)
 
     def advance(self, T: int) -> None:  # after a forward: every row is its count longer
         self._start = [s + n for s, n in zip(self._start, self.counts)]
         self._pos, self._slots = {}, {}
-        self._padded = False
+        self._padded = self._packed = False
 
     def _offsets(self, T: int) -> torch.Tensor:
         """[B, T]: each new token's position in its row (padding included, past its row's end)."""
@@ -149,6 +184,8 @@ class PagedCache(Cache):
         return start[:, None] + torch.arange(T, device=self.device)
 
     def positions(self, T: int) -> torch.Tensor:
+        if self._packed:
+            return self._packed_pos  # [1, T]
         if T not in self._pos:
             pos = self._offsets(T)
             self._pos[T] = pos.clamp_max(self.max_len - 1) if self._padded else pos  # padding stays in range
@@ -197,11 +234,41 @@ class PagedCache(Cache):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         B, H, T, D = q.shape
         K = self.k[layer]
+        if self._packed:
+            return self._attend_packed(layer, q, k, v)
         if self._kernel is None or T != 1 or self._padded or B == 0 or q.dtype != K.dtype:
             return None
         y = self._kernel.paged_attention(q.reshape(B, H, D).contiguous(), k.reshape(B, -1, D).contiguous(),
                                          v.reshape(B, -1, D).contiguous(), K, self.v[layer], self._table, self._start)
         return y.view(B, H, 1, D)
+
+    def _attend_packed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A packed forward's attention (q [1, H, N, D], k and v [1, Hkv, N, D]): the one-token rows in one kernel
+        call (which writes their keys and values), then each longer row: its keys and values written at its slots,
+        its queries over its own blocks, causal after its cached tokens."""
+        K, V = self.k[layer], self.v[layer]
+        H, Hkv, D = q.shape[1], k.shape[1], q.shape[3]
+        y = torch.empty_like(q)
+        if len(self._one_starts):
+            idx = self._one_tokens
+            one = self._kernel.paged_attention(q[0, :, idx].transpose(0, 1).contiguous(),
+                                               k[0, :, idx].transpose(0, 1).contiguous(),
+                                               v[0, :, idx].transpose(0, 1).contiguous(), K, V, self._one_table,
+                                               self._one_starts)  # [rows, H, D]
+            y[0, :, idx] = one.transpose(0, 1)
+        blocks, offsets = self._packed_slots
+        for off, start, n, b in self._long:
+            end = start + n
+            K[blocks[off:off + n], :, offsets[off:off + n]] = k[0, :, off:off + n].transpose(0, 1)
+            V[blocks[off:off + n], :, offsets[off:off + n]] = v[0, :, off:off + n].transpose(0, 1)
+            table = self._table_dev[b, :_cdiv(end, self.block_size)]
+            keys = K[table].transpose(0, 1).reshape(Hkv, -1, D)[None, :, :end]  # [1, Hkv, end, D]
+            values = V[table].transpose(0, 1).reshape(Hkv, -1, D)[None, :, :end]
+            mask = None if start == 0 else \
+                torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+            y[:, :, off:off + n] = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, off:off + n], keys, values, attn_mask=mask, is_causal=start == 0, enable_gqa=H != Hkv)
+        return y
 
     def attention_mask(self, T: int) -> torch.Tensor | None:
         """[B, 1, T, keys]: query t of a row sees that row's keys at positions <= its own. None for one row: the

@@ -136,9 +136,7 @@ class Plan:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def decode_rows(self) -> int:
-        return sum(len(rows) for f in self.step.forwards if f.kind == "decode" for rows in f.rows)
+    decode_rows: int = 0  # sequences that decode a token in this step, over every rank
 
 
 class Scheduler:
@@ -147,17 +145,20 @@ class Scheduler:
     `ranks`: data-parallel ranks (each its own sequences and pool; 1 when every rank runs the same rows);
     `blocks` per rank of `block_size` tokens; `max_batch`: sequences a rank runs at once; `max_batched_tokens`:
     tokens a rank runs in a step; `max_prefill_seqs`: prompts per prefill forward on a rank (None: all of the
-    step's in one); `eos`: the end token (not sampled before a request's min_tokens). Thread safe: `add` and
-    `abort` from any thread; the rest from the engine's."""
+    step's in one); `eos`: the end token (not sampled before a request's min_tokens); `mixed`: the decode tokens
+    ride in the (first) prefill forward, one "mixed" forward (the ranks pack rows of different lengths:
+    export/serve/kv_cache.py), else a forward of their own after the prefill ones. Thread safe: `add` and `abort`
+    from any thread; the rest from the engine's."""
 
     def __init__(self, ranks: int, blocks: int, block_size: int, max_batch: int, max_batched_tokens: int,
-                 max_prefill_seqs: int | None = None, prefix_caching: bool = True, eos: int | None = None):
+                 max_prefill_seqs: int | None = None, prefix_caching: bool = True, eos: int | None = None,
+                 mixed: bool = False):
         if max_batched_tokens < max_batch:
             raise ValueError(f"--max-batched-tokens {max_batched_tokens}: below --max-batch {max_batch}, a step "
                              f"could have no room for a new sequence; give at least {max_batch}")
         self.ranks, self.block_size = ranks, block_size
         self.max_batch, self.max_batched_tokens, self.max_prefill_seqs = max_batch, max_batched_tokens, max_prefill_seqs
-        self.eos = eos
+        self.eos, self.mixed = eos, mixed
         self.pools = [BlockPool(blocks, block_size, prefix_caching) for _ in range(ranks)]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the first preempted
@@ -318,6 +319,7 @@ class Scheduler:
             add(req, prefill, self._row(req, min(req.num_tokens - req.num_computed, budget[req.rank]),
                                         list(self.tables[req.id])))
         forwards = self._forwards(prefill, decode)
+        plan.decode_rows = sum(len(rows) for rows in decode)
         if forwards:  # freed and ended sequences travel with the next step that runs something
             plan.step = Step(forwards, plan.step.new, self._freed, self._ended)
             self._freed, self._ended = [], []
@@ -366,14 +368,18 @@ class Scheduler:
 
     def _forwards(self, prefill: list[list[Row]], decode: list[list[Row]]) -> list[Forward]:
         """The prefill forwards (at most `max_prefill_seqs` prompts of a rank each; every rank runs as many: one
-        with fewer joins with an empty batch), then the decode forward."""
+        with fewer joins with an empty batch), then the decode forward; `mixed`, the decode rows go first in the
+        first prefill forward instead."""
         out = []
         if any(prefill):
             n = self.max_prefill_seqs or max(len(rows) for rows in prefill)
             for j in range(max(cdiv(len(rows), n) for rows in prefill)):
                 out.append(Forward("prefill", [rows[j * n:(j + 1) * n] for rows in prefill]))
         if any(decode):
-            out.append(Forward("decode", decode))
+            if self.mixed and out:
+                out[0] = Forward("mixed", [d + p for d, p in zip(decode, out[0].rows)])
+            else:
+                out.append(Forward("decode", decode))
         return out
 
     def computed(self, plan: Plan) -> None:

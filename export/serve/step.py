@@ -73,9 +73,10 @@ class Row:
 @dataclass(frozen=True)
 class Forward:
     """One forward on every rank: `rows[r]` are data-parallel rank r's rows (one list when every rank runs the
-    same rows: tensor or expert slicing). `placement`: the expert placement directive, carried opaquely."""
+    same rows: tensor or expert slicing). `kind`: prompt chunks, one token of each decoding sequence, or both
+    ("mixed": the decode rows first). `placement`: the expert placement directive, carried opaquely."""
 
-    kind: Literal["prefill", "decode"]
+    kind: Literal["prefill", "decode", "mixed"]
     rows: list[list[Row]]
     placement: dict | None = None
 

@@ -13,6 +13,7 @@ when asked for) travel back to rank 0.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import torch
@@ -81,24 +82,37 @@ class Worker:
         self.forwards += 1
         counts = [len(row.tokens) for row in rows]
         T = max(counts, default=1)
-        tokens = torch.zeros(len(rows), T, dtype=torch.long)
-        for b, row in enumerate(rows):
-            tokens[b, :counts[b]] = torch.tensor(row.tokens)
-        cache = self.cache.select([r.seq for r in rows], [r.start for r in rows], counts)
+        # rows of different lengths (prompt chunks, with or without decode tokens): packed one after another where
+        # the cache can (no padding), else a padded batch
+        packed = len(set(counts)) > 1 and self.cache.packs
+        if packed:
+            tokens = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.long)[None]  # [1, N]
+        else:
+            tokens = torch.zeros(len(rows), T, dtype=torch.long)
+            for b, row in enumerate(rows):
+                tokens[b, :counts[b]] = torch.tensor(row.tokens)
+        cache = self.cache.select([r.seq for r in rows], [r.start for r in rows], counts, packed=packed)
         out = self.model(tokens.to(self.device), cache=cache, hidden_only=True)
         loads = self.exchange.last_loads() if self.exchange is not None else None
         self.counts.append((out.expert_counts, loads))
-        h = out.hidden  # [B, T, C]
+        offsets = list(itertools.accumulate(counts, initial=0))
+        if packed:
+            flat = out.hidden[0]  # [N, C]
+            hidden = [flat[offsets[b]:offsets[b + 1]] for b in range(len(rows))]
+        else:
+            hidden = [out.hidden[b, :counts[b]] for b in range(len(rows))]  # [B, T, C] -> each row's real positions
         results: dict[int, RowResult] = {}
         for b, row in enumerate(rows):  # prompts being scored: every position, SCORE_ROWS at a time
             if row.score >= 0:
-                results[b] = self._score(row, h[b, :counts[b]])
+                results[b] = self._score(row, hidden[b])
         sampled = [b for b, row in enumerate(rows) if row.sample]
         if sampled:
             if T == 1 and len(sampled) == len(rows):  # a decode step's rows: each row's one position
-                last = h[:, 0]
+                last = out.hidden[:, 0]
+            elif packed:  # [n, C]: each row's last position
+                last = flat.index_select(0, torch.tensor([offsets[b + 1] - 1 for b in sampled], device=flat.device))
             else:
-                last = h[sampled, [counts[b] - 1 for b in sampled]]  # [n, C]: each row's last real position
+                last = out.hidden[sampled, [counts[b] - 1 for b in sampled]]  # [n, C]: each row's last real position
             raw = self._project(last, fp32=False)  # [n, V] in the model's dtype
             # plain greedy rows (no log-probabilities, no banned token): one argmax for all of them, on the logits as
             # the head wrote them (widening to fp32 is exact: the same argmax)
