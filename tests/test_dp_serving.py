@@ -65,6 +65,9 @@ def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tm
     """Both exchanges (all-to-all; auto: DeepSpeed's shared-memory all-reduce on this CPU machine)."""
     two = scenarios(package, tmp_path / "out.json", placement, ranks=2, exchange=exchange)
     assert two["dp"] == 2 and two["exchange"] == ("all-reduce" if exchange == "auto" else exchange)
+    # on one machine (the shared-memory all-reduce) decode batches' MoE layers run gathered: route, expert_pairs and
+    # combine_pairs between two all-reduces (a replica table's hot experts split between their holders)
+    assert (two["gathered_layers"] > 0) == (two["exchange"] == "all-reduce")
     for name in ("staggered", "chunked"):
         assert tokens(two[name]["requests"]) == tokens(one_rank[name]["requests"]), name
     # the sequences really were split between the ranks, and one rank sat with no rows while the other decoded

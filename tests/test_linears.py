@@ -170,6 +170,16 @@ def check_routed(kernel):
                     y = F.linear((F.silu(gate) * up).float(), w2.float()).to(dtype)[0]
                     want[s] = y * mix[s, j].to(dtype) if j == 0 else want[s] + y * mix[s, j].to(dtype)
             torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
+            # expert parallelism's halves: each "rank" computes its experts' pairs (-1: another's, left zero); their
+            # sum (an all-reduce), combined, is routed_experts' answer to the bit
+            def pairs(mine):
+                keep = torch.where(torch.isin(experts, torch.tensor(mine)), experts, -1)
+                here = [e for e in active if e in mine]
+                return kernel.expert_pairs(x, keep, mix, here, [weights[e][0] for e in here], [],
+                                           [weights[e][2] for e in here], [], True)
+            halves = pairs([0, 1, 2]), pairs([4, 5])  # expert 3: nobody's choice, held by neither
+            assert halves[0][torch.isin(experts, torch.tensor([4, 5]))].abs().sum() == 0
+            assert torch.equal(kernel.combine_pairs(halves[0] + halves[1], mix), got)
 
 
 def check_attention(kernel):

@@ -241,6 +241,34 @@ def routed_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int, renormalize: boo
     return k.routed_experts(x, experts, mix, active, *_expert_tensors(weights), swiglu), counts
 
 
+def gathered_layer(total: int, x: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
+    """Whether `route`, `expert_pairs` and `combine_pairs` run an expert-parallel MoE layer of `total` tokens over
+    every rank (the same answer on every rank: nothing here depends on this rank's own rows): the kernel is here,
+    x on the CPU in its dtype, the gate fp32, and a decode-sized batch."""
+    return (_kernel_has("expert_pairs", x) and 0 < total and wg.dtype == torch.float32
+            and total * top_k <= GROUPED_MAX_ROWS * wg.shape[0])
+
+
+def route(x: torch.Tensor, wg: torch.Tensor, top_k: int, renormalize: bool):
+    """pipeline/model.py's routing in one kernel call: (weights [S, k] fp32, experts [S, k], tokens per expert [E])."""
+    return kernel().route(x.contiguous(), wg.contiguous(), top_k, renormalize)
+
+
+def expert_pairs(x: torch.Tensor, experts: torch.Tensor, mix: torch.Tensor, weights_of, swiglu: bool) -> torch.Tensor:
+    """The outputs [S, k, C] of the (token, choice) pairs `experts` [S, k] names (-1: another rank's pair, left zero),
+    each expert once over its tokens; `weights_of(e)`: expert e's (fc1 weight, fc1 bias, fc2 weight, fc2 bias)."""
+    active = sorted(set(experts[experts >= 0].tolist()))
+    if not active:
+        return x.new_zeros(x.shape[0], experts.shape[1], x.shape[1])
+    return kernel().expert_pairs(x.contiguous(), experts.contiguous(), mix.contiguous(), active,
+                                 *_expert_tensors([weights_of(e) for e in active]), swiglu)
+
+
+def combine_pairs(y: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """Each token's choices [S, k, C] weighted by mix [S, k] and summed, rounded as `routed_layer` rounds."""
+    return kernel().combine_pairs(y.contiguous(), mix.contiguous())
+
+
 def _expert_tensors(weights: list[tuple]) -> tuple[list, list, list, list]:
     """(w1s, b1s, w2s, b2s) as the kernel takes them: plain contiguous tensors, empty bias lists for none."""
     def raw(w):

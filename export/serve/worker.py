@@ -67,6 +67,7 @@ class Worker:
                 self.cache.extend(row.seq, row.blocks)
             if self.exchange is not None:
                 self.exchange.apply(Directive.from_json(fwd.placement) if fwd.placement is not None else None)
+                self.exchange.begin([sum(len(row.tokens) for row in rows) for rows in fwd.rows])
             t0 = time.perf_counter()
             try:
                 results += self._forward(rows)
@@ -74,6 +75,9 @@ class Worker:
                 if not self.single:
                     raise  # the other ranks may be inside this forward's collectives: the engine cannot go on
                 results += [RowResult(row.seq, error=_error(err)) for row in rows]
+            finally:
+                if self.exchange is not None:
+                    self.exchange.begin(None)
             self.forward_s += time.perf_counter() - t0
         return results
 

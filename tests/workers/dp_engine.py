@@ -88,6 +88,7 @@ def scenarios(engine: Engine) -> dict:
     out["dp"] = engine.dp
     placement = engine.placement_stats()
     out["exchange"] = placement.exchange.transport if placement.exchange is not None else None
+    out["gathered_layers"] = placement.exchange.gathered if placement.exchange is not None else 0
     if placement.controller is not None:
         out["placement_balancedness"] = placement.exchange.balancedness
         out["table_changes"] = placement.controller.table_changes

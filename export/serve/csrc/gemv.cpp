@@ -675,6 +675,60 @@ static void combine(const T* y, const float* weights, const std::vector<int64_t>
   });
 }
 
+// The (token, choice) pairs of the experts in `active` (ascending, with their w1, b1, w2, b2 as expert_mlps), each
+// expert once over its pairs' tokens (in token order): x [S, C], experts and weights [S, k] as `route` gives them.
+// Returns the experts' outputs [pairs, C] and each pair's row in it (pair i = token i / k's choice i % k), -1 for a
+// pair whose expert is not in `active` (`partial`: another rank computes it; else that is an error).
+static std::pair<torch::Tensor, std::vector<int64_t>> run_pairs(
+    const char* op, const torch::Tensor& x, const torch::Tensor& experts, const torch::Tensor& weights,
+    const std::vector<int64_t>& active, const std::vector<torch::Tensor>& w1, const std::vector<torch::Tensor>& b1,
+    const std::vector<torch::Tensor>& w2, const std::vector<torch::Tensor>& b2, bool swiglu, bool partial) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && experts.dim() == 2 && experts.size(0) == x.size(0) &&
+                  experts.is_contiguous() && experts.scalar_type() == at::kLong && weights.sizes() == experts.sizes() &&
+                  weights.is_contiguous() && weights.scalar_type() == at::kFloat,
+              op, ": x [S, C], experts [S, k] int64 and weights [S, k] fp32, contiguous");
+  const int64_t S = x.size(0), C = x.size(1), k = experts.size(1), A = active.size();
+  TORCH_CHECK(A > 0, op, ": no active expert");
+  const int64_t top = *std::max_element(active.begin(), active.end());
+  std::vector<int64_t> slot(top + 1, -1);
+  for (int64_t i = 0; i < A; ++i) {
+    TORCH_CHECK(active[i] >= 0 && (i == 0 || active[i] > active[i - 1]), op, ": active experts ascending");
+    slot[active[i]] = i;
+  }
+  const int64_t* ep = experts.data_ptr<int64_t>();
+  auto slot_of = [&](int64_t e) { return e >= 0 && e <= top ? slot[e] : -1; };
+  std::vector<int64_t> counts(A, 0);
+  for (int64_t i = 0; i < S * k; ++i) {
+    const int64_t sl = slot_of(ep[i]);
+    TORCH_CHECK(sl >= 0 || partial, op, ": token ", i / k, " chose expert ", ep[i], ", not an active one");
+    if (sl >= 0) ++counts[sl];
+  }
+  std::vector<int64_t> start(A + 1, 0), pair_row(S * k, -1);
+  for (int64_t i = 0; i < A; ++i) start[i + 1] = start[i] + counts[i];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < S * k; ++i)
+    if (slot_of(ep[i]) >= 0) pair_row[i] = fill[slot_of(ep[i])]++;  // token order within an expert
+  torch::Tensor rows = torch::empty({start[A], C}, x.options());
+  const int64_t bytes = C * x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* rp = static_cast<char*>(rows.data_ptr());
+  for (int64_t i = 0; i < S * k; ++i)
+    if (pair_row[i] >= 0) std::memcpy(rp + pair_row[i] * bytes, xp + (i / k) * bytes, bytes);
+  return {expert_mlps(rows, counts, w1, b1, w2, b2, swiglu), pair_row};
+}
+
+static torch::Tensor combined(const torch::Tensor& y, const torch::Tensor& weights, const std::vector<int64_t>& pair_row,
+                              int64_t S, int64_t C) {
+  const int64_t k = weights.size(1);
+  torch::Tensor out = torch::empty({S, C}, y.options());
+  if (y.scalar_type() == at::kFloat)
+    combine<float>(y.data_ptr<float>(), weights.data_ptr<float>(), pair_row, out.data_ptr<float>(), S, k, C);
+  else
+    combine<c10::BFloat16>(y.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), pair_row,
+                           out.data_ptr<c10::BFloat16>(), S, k, C);
+  return out;
+}
+
 // Every token's experts and their weighted sum: x [S, C] the layer's tokens, experts and weights [S, k] as `route`
 // gives them; `active`: the experts that received a token, in increasing order, with their w1, b1, w2, b2 (as
 // expert_mlps). Each expert runs once over its tokens (in token order), then out[s] = sum_j weights[s, j] *
@@ -685,42 +739,40 @@ torch::Tensor routed_experts(const torch::Tensor& x, const torch::Tensor& expert
                              const std::vector<torch::Tensor>& b1, const std::vector<torch::Tensor>& w2,
                              const std::vector<torch::Tensor>& b2, bool swiglu) {
   RECORD_FUNCTION("moe_pipeline::routed_experts", std::vector<c10::IValue>({x}));
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && experts.dim() == 2 && experts.size(0) == x.size(0) &&
-                  experts.is_contiguous() && experts.scalar_type() == at::kLong && weights.sizes() == experts.sizes() &&
-                  weights.is_contiguous() && weights.scalar_type() == at::kFloat,
-              "routed_experts: x [S, C], experts [S, k] int64 and weights [S, k] fp32, contiguous");
-  const int64_t S = x.size(0), C = x.size(1), k = experts.size(1), A = active.size();
-  TORCH_CHECK(A > 0, "routed_experts: no active expert");
-  const int64_t top = *std::max_element(active.begin(), active.end());
-  std::vector<int64_t> slot(top + 1, -1);
-  for (int64_t i = 0; i < A; ++i) {
-    TORCH_CHECK(active[i] >= 0 && (i == 0 || active[i] > active[i - 1]), "routed_experts: active experts ascending");
-    slot[active[i]] = i;
-  }
-  const int64_t* ep = experts.data_ptr<int64_t>();
-  std::vector<int64_t> counts(A, 0);
-  for (int64_t i = 0; i < S * k; ++i) {
-    TORCH_CHECK(ep[i] >= 0 && ep[i] <= top && slot[ep[i]] >= 0, "routed_experts: token ", i / k, " chose expert ",
-                ep[i], ", not an active one");
-    ++counts[slot[ep[i]]];
-  }
-  std::vector<int64_t> start(A + 1, 0), pair_row(S * k);
-  for (int64_t i = 0; i < A; ++i) start[i + 1] = start[i] + counts[i];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t i = 0; i < S * k; ++i) pair_row[i] = fill[slot[ep[i]]]++;  // token order within an expert
-  torch::Tensor rows = torch::empty({S * k, C}, x.options());
+  auto [y, pair_row] = run_pairs("routed_experts", x, experts, weights, active, w1, b1, w2, b2, swiglu, false);
+  return combined(y, weights, pair_row, x.size(0), x.size(1));
+}
+
+// Expert parallelism's half of routed_experts: the outputs of the pairs whose expert is in `active` (this rank's),
+// y [S, k, C] with zeros where another rank's expert was chosen, so that a sum over the ranks (an all-reduce: x + 0
+// = x, exact) is every pair's output; then `combine_pairs` on the sum is routed_experts' answer to the bit.
+torch::Tensor expert_pairs(const torch::Tensor& x, const torch::Tensor& experts, const torch::Tensor& weights,
+                           const std::vector<int64_t>& active, const std::vector<torch::Tensor>& w1,
+                           const std::vector<torch::Tensor>& b1, const std::vector<torch::Tensor>& w2,
+                           const std::vector<torch::Tensor>& b2, bool swiglu) {
+  RECORD_FUNCTION("moe_pipeline::expert_pairs", std::vector<c10::IValue>({x}));
+  const int64_t S = x.size(0), C = x.size(1), k = experts.size(1);
+  auto [y, pair_row] = run_pairs("expert_pairs", x, experts, weights, active, w1, b1, w2, b2, swiglu, true);
+  torch::Tensor out = torch::zeros({S, k, C}, x.options());
   const int64_t bytes = C * x.element_size();
-  const char* xp = static_cast<const char*>(x.data_ptr());
-  char* rp = static_cast<char*>(rows.data_ptr());
-  for (int64_t i = 0; i < S * k; ++i) std::memcpy(rp + pair_row[i] * bytes, xp + (i / k) * bytes, bytes);
-  torch::Tensor y = expert_mlps(rows, counts, w1, b1, w2, b2, swiglu);
-  torch::Tensor out = torch::empty_like(x);
-  if (x.scalar_type() == at::kFloat)
-    combine<float>(y.data_ptr<float>(), weights.data_ptr<float>(), pair_row, out.data_ptr<float>(), S, k, C);
-  else
-    combine<c10::BFloat16>(y.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), pair_row,
-                           out.data_ptr<c10::BFloat16>(), S, k, C);
+  const char* yp = static_cast<const char*>(y.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < S * k; ++i)
+    if (pair_row[i] >= 0) std::memcpy(op + i * bytes, yp + pair_row[i] * bytes, bytes);
   return out;
+}
+
+// out[s] = sum_j weights[s, j] * y[s, j] over y [S, k, C] (fp32 or bf16), rounded as routed_experts rounds.
+torch::Tensor combine_pairs(const torch::Tensor& y, const torch::Tensor& weights) {
+  RECORD_FUNCTION("moe_pipeline::combine_pairs", std::vector<c10::IValue>({y}));
+  TORCH_CHECK(y.dim() == 3 && y.is_contiguous() && weights.dim() == 2 && weights.is_contiguous() &&
+                  weights.scalar_type() == at::kFloat && weights.size(0) == y.size(0) && weights.size(1) == y.size(1) &&
+                  (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16),
+              "combine_pairs: y [S, k, C] fp32 or bf16 and weights [S, k] fp32, contiguous");
+  const int64_t S = y.size(0), k = y.size(1);
+  std::vector<int64_t> pair_row(S * k);
+  for (int64_t i = 0; i < S * k; ++i) pair_row[i] = i;
+  return combined(y, weights, pair_row, S, y.size(2));
 }
 
 // -- RMSNorm ----------------------------------------------------------------------------------------------------
@@ -866,6 +918,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes");
   m.def("route", &route, "an MoE layer's top-k routing: (weights, experts, tokens per expert)");
   m.def("routed_experts", &routed_experts, "every token's routed experts and their weighted sum");
+  m.def("expert_pairs", &expert_pairs, "the (token, choice) outputs of some of the experts, zeros for the others");
+  m.def("combine_pairs", &combine_pairs, "each token's choices' outputs weighted and summed, as routed_experts");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)");
   m.attr("MAX_ROWS") = MAX_ROWS;

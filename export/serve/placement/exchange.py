@@ -61,6 +61,7 @@ class ExchangeStats:
     expert_s: float
     exchange_s: float
     residency: ResidencyStats
+    gathered: int = 0  # MoE layers run by `run_gathered` (the decode batches of ranks on one machine)
 
 
 class LoadMeter:
@@ -113,6 +114,9 @@ class Exchange:
         self.meter = LoadMeter(len(cfg.experts), ep)
         self.expert_s = 0.0  # seconds this rank computed experts
         self.exchange_s = 0.0  # seconds in the exchange's collectives (the transfers, and waiting for the other ranks)
+        self.tokens: list[int] | None = None  # the forward under way: the real tokens of each rank (`begin`)
+        self.gathered = 0  # MoE layers run by run_gathered
+        self._owner: dict[int, torch.Tensor] = {}  # layer -> each expert's one holder, under a table without replicas
 
     def apply(self, directive: Directive | None) -> None:
         """Before a forward: the prefetch under way finishes; then `directive`'s table is in force from this forward
@@ -123,6 +127,7 @@ class Exchange:
             return
         if directive.table is not None and directive.table != self.table:
             self.table = directive.table
+            self._owner = {}
             self.residency.hold(self.table)
         if directive.expect is not None:
             self.residency.prefetch(directive.expect)
@@ -150,6 +155,76 @@ class Exchange:
             return self._by_reduce(layer, xs, order, send, sizes), total
         return self._by_all_to_all(layer, xs, order, send, sizes), total
 
+    def begin(self, tokens: list[int] | None) -> None:
+        """Before a forward (None after it): the real tokens each rank runs in it, which every rank knows from the
+        step; `gathers` decides the same on every rank from them."""
+        self.tokens = tokens
+
+    def gathers(self, xs: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
+        """Whether `run_gathered` runs this MoE layer: several ranks on one machine (the shared-memory all-reduce),
+        the forward's token counts known, and a decode-sized batch over all ranks for the kernels. The same answer on
+        every rank."""
+        return (self.ep > 1 and self.transport == "all-reduce" and self.tokens is not None
+                and linears.gathered_layer(sum(self.tokens), xs, wg, top_k))
+
+    def run_gathered(self, layer: int, xs: torch.Tensor, wg: torch.Tensor, top_k: int,
+                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """An expert-parallel MoE layer of a decode-sized batch in two all-reduces and three kernel calls: every
+        rank's tokens gathered (one all-reduce of a table where each rank writes its rows: exact), routed on every
+        rank alike (`route` is per token), this rank's pairs computed (`expert_pairs`: the experts the table gives
+        it; a replicated expert's pairs split between its holders as `route_pairs` water-fills them), every pair's
+        output summed over the ranks (the second all-reduce: the others' pairs are zeros), and this rank's tokens'
+        choices combined as the 1-rank kernel does. Returns (output [S, C], tokens per expert over all ranks [E])."""
+        from pipeline import dist
+
+        t0 = time.perf_counter()
+        me, S, C = self.rank, xs.shape[0], xs.shape[1]
+        if S != self.tokens[me]:
+            raise RuntimeError(f"MoE layer {layer}: {S} tokens on rank {me}, the step says {self.tokens[me]}")
+        off = sum(self.tokens[:me])
+        every = xs.new_zeros(sum(self.tokens), C)
+        every[off:off + S] = xs
+        dist.fast_all_reduce_(every)
+        t1 = time.perf_counter()
+        mix, experts, counts = linears.route(every, wg, top_k, renormalize)
+        mine, loads = self._my_pairs(layer, experts, counts.tolist())
+        pairs = linears.expert_pairs(every, mine, mix, lambda e: self.residency.weights(layer, e),
+                                     self.cfg.activation == "swiglu")
+        t2 = time.perf_counter()
+        dist.fast_all_reduce_(pairs)
+        t3 = time.perf_counter()
+        out = linears.combine_pairs(pairs[off:off + S], mix[off:off + S])
+        self.meter.observe(layer, loads)
+        self.gathered += 1
+        self.exchange_s += (t1 - t0) + (t3 - t2)
+        self.expert_s += (t2 - t1) + (time.perf_counter() - t3)
+        return out, counts
+
+    def _my_pairs(self, layer: int, experts: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """`experts` [S, k] with -1 where another rank computes the pair, and the pairs each rank computes. An
+        expert with one holder: that rank's; a replicated one: its pairs in (token, choice) order, split into runs
+        between its holders by `route_pairs` (the same split on every rank)."""
+        holders, world = self.table[layer], self.ep
+        if all(len(h) == 1 for h in holders):
+            if layer not in self._owner:
+                self._owner[layer] = torch.tensor([h[0] for h in holders], dtype=torch.long)
+            owner = self._owner[layer]
+            loads = [0] * world
+            for e, n in enumerate(counts):
+                loads[holders[e][0]] += n
+            return torch.where(owner[experts] == self.rank, experts, -1), loads
+        send = route_pairs([counts], holders, world)[0]  # [holder][expert] pairs
+        loads = [sum(row) for row in send]
+        lo = torch.tensor([sum(send[h][e] for h in range(self.rank)) for e in range(len(counts))], dtype=torch.long)
+        hi = lo + torch.tensor(send[self.rank], dtype=torch.long)
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        first = torch.tensor([0, *itertools.accumulate(counts)][:-1], dtype=torch.long)
+        nth = torch.empty_like(flat)
+        nth[order] = torch.arange(len(flat)) - first[flat[order]]  # each pair's place among its expert's pairs
+        keep = (nth >= lo[flat]) & (nth < hi[flat])
+        return torch.where(keep, flat, -1).view_as(experts), loads
+
     def run_local(self, layer: int, xs: torch.Tensor, wg: torch.Tensor, top_k: int,
                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One rank (every expert here), a decode batch: the layer's routing, experts and weighted sum in two kernel
@@ -168,7 +243,7 @@ class Exchange:
     def stats(self) -> ExchangeStats:
         m = self.meter
         return ExchangeStats(self.transport, m.forwards, m.balancedness(), m.step_balancedness(), self.expert_s,
-                             self.exchange_s, self.residency.stats())
+                             self.exchange_s, self.residency.stats(), self.gathered)
 
     def _by_all_to_all(self, layer: int, xs: torch.Tensor, order: torch.Tensor, send, sizes) -> torch.Tensor:
         """The exchange as two all-to-alls with variable splits: each rank receives only the pairs sent to it."""
@@ -317,6 +392,8 @@ class PlacedMoE(nn.Module):
         wg = self.moe.deepspeed_moe.gate.wg.weight
         if self.exchange.ep == 1 and linears.local_layer(xs, wg, cfg.top_k):  # 1 rank, a decode batch: 2 calls
             out, counts = self.exchange.run_local(self.index, xs, wg, cfg.top_k, bool(cfg.renormalizes))
+        elif self.exchange.gathers(xs, wg, cfg.top_k):  # ranks of one machine, a decode batch: 2 all-reduces
+            out, counts = self.exchange.run_gathered(self.index, xs, wg, cfg.top_k, bool(cfg.renormalizes))
         else:
             weights, token, choice, per_expert = serving_route(xs, wg, cfg.top_k, E, cfg.renormalizes)
             y, counts = self.exchange.run(self.index, xs[token], per_expert)  # [pairs, C]: each pair's expert output
