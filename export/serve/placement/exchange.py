@@ -16,6 +16,12 @@ expert runs once over the tokens of every rank, and the outputs travel back the 
 with no tokens still joins both exchanges. Without `--placement` the table is the native one.
 The tokens each rank's experts receive are its measured load (`LoadMeter`: the balancedness in
 /metrics). Outputs do not depend on the table (tests: same logits, same greedy tokens).
+
+Between the ranks of one CPU machine (the shared-memory all-reduce) a decode batch's layer takes a shorter
+way, `Exchange.run_gathered`: the step tells every rank how many tokens each rank runs (`begin`), one
+all-reduce gathers all of them everywhere, every rank routes them alike, computes its own pairs, and a second
+all-reduce sums the pairs (two collectives and three kernel calls, where the general exchange takes three
+collectives and the Python between them).
 """
 
 from __future__ import annotations
