@@ -152,6 +152,18 @@ def test_a_stop_string_counts_only_from_min_tokens_on():
     assert req.finished and req.finish_reason == "stop" and req.text == "a\nbcd"
 
 
+def qwen_like(dtype, seq_len: int = 64):
+    """A tiny model with rotary positions, grouped-query attention with per-head q/k norms, SwiGLU top-2 experts."""
+    from pipeline.model import GPT, init_weights
+
+    cfg = model_config(vocab_size=256, seq_len=seq_len, hidden=64, heads=4, kv_heads=2, positions="rope",
+                       norm="rmsnorm", qk_norm="head", activation="swiglu", mlp_type="standard", experts=(4, 4),
+                       top_k=2, tie_embeddings=False)
+    model = GPT(cfg, moe_impl="reference")
+    init_weights(model, 3)
+    return model.eval().to(dtype)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_a_packed_forward_of_decode_tokens_and_prompt_chunks_equals_each_row_alone(dtype, tol):
     """Rows of different lengths packed one after another ([1, N], no padding: how decode tokens and prompt chunks
@@ -159,14 +171,9 @@ def test_a_packed_forward_of_decode_tokens_and_prompt_chunks_equals_each_row_alo
     decode token after 5 cached, a prompt from position 0, a chunk after a 4-token prefix, a second decode token;
     rotary positions, grouped-query attention with per-head q/k norms, as Qwen3-MoE."""
     from export.serve.kv_cache import PagedCache
-    from pipeline.model import GPT, init_weights
 
-    cfg = model_config(vocab_size=256, seq_len=64, hidden=64, heads=4, kv_heads=2, positions="rope", norm="rmsnorm",
-                       qk_norm="head", activation="swiglu", mlp_type="standard", experts=(4, 4), top_k=2,
-                       tie_embeddings=False)
-    model = GPT(cfg, moe_impl="reference")
-    init_weights(model, 3)
-    model = model.eval().to(dtype)
+    model = qwen_like(dtype)
+    cfg = model.cfg
 
     def cache():
         c = PagedCache(cfg, blocks=16, block_size=4, heads=2, dtype=dtype)
@@ -199,3 +206,26 @@ def test_a_packed_forward_of_decode_tokens_and_prompt_chunks_equals_each_row_alo
     for layer in range(cfg.layers):
         torch.testing.assert_close(packed.k[layer], alone.k[layer], atol=tol, rtol=tol)
         torch.testing.assert_close(packed.v[layer], alone.v[layer], atol=tol, rtol=tol)
+
+
+def test_a_packed_forward_may_reach_the_context_end_and_not_past_it():
+    """The context check of a packed forward is each row's own end: rows of 15 + 1 and 10 + 6 tokens in a context of
+    16 run (16 new tokens in all), one row past it is refused with the context named."""
+    from export.serve.kv_cache import PagedCache
+
+    model = qwen_like(torch.float32, seq_len=16)
+    cache = PagedCache(model.cfg, blocks=16, block_size=4, heads=2)
+    if not cache.packs:
+        pytest.skip("the CPU attention kernel is not available here")
+    cache.extend(0, [0, 1, 2, 3])
+    cache.extend(1, [4, 5, 6, 7])
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 10)), cache=cache.select([0, 1], [0, 0], [10, 10]), hidden_only=True)
+        model(torch.randint(0, 256, (1, 5)), cache=cache.select([0], [10], [5]), hidden_only=True)
+        out = model(torch.randint(0, 256, (1, 7)), cache=cache.select([0, 1], [15, 10], [1, 6], packed=True),
+                    hidden_only=True)
+        assert out.hidden.shape == (1, 7, model.cfg.hidden)
+        cache.extend(0, [8])  # room in the cache: the model refuses it
+        with pytest.raises(ValueError, match="17 tokens exceed the model's context of 16"):
+            model(torch.randint(0, 256, (1, 2)), cache=cache.select([0, 1], [16, 14], [1, 1], packed=True),
+                  hidden_only=True)

@@ -169,8 +169,9 @@ class PagedCache(Cache):
         """For the model's context check and the keys read: the longest row before this forward, or with a padded
         or packed batch, the longest row after it less the forward's T (so that length + T is that row's end; packed,
         it may be negative)."""
-        if self._padded or self._packed:
-            return max(s + n for s, n in zip(self._start, self.counts)) - max(self.counts)
+        if self._padded or self._packed:  # T: the longest row's count, or packed, every row's
+            T = sum(self.counts) if self._packed else max(self.counts)
+            return max(s + n for s, n in zip(self._start, self.counts)) - T
         return max(self._start, default=0)
 
     def advance(self, T: int) -> None:  # after a forward: every row is its count longer

@@ -100,15 +100,11 @@ class Worker:
         loads = self.exchange.last_loads() if self.exchange is not None else None
         self.counts.append((out.expert_counts, loads))
         offsets = list(itertools.accumulate(counts, initial=0))
-        if packed:
-            flat = out.hidden[0]  # [N, C]
-            hidden = [flat[offsets[b]:offsets[b + 1]] for b in range(len(rows))]
-        else:
-            hidden = [out.hidden[b, :counts[b]] for b in range(len(rows))]  # [B, T, C] -> each row's real positions
+        flat = out.hidden[0] if packed else None  # [N, C] packed, else [B, T, C]
         results: dict[int, RowResult] = {}
         for b, row in enumerate(rows):  # prompts being scored: every position, SCORE_ROWS at a time
             if row.score >= 0:
-                results[b] = self._score(row, hidden[b])
+                results[b] = self._score(row, flat[offsets[b]:offsets[b + 1]] if packed else out.hidden[b, :counts[b]])
         sampled = [b for b, row in enumerate(rows) if row.sample]
         if sampled:
             if T == 1 and len(sampled) == len(rows):  # a decode step's rows: each row's one position
