@@ -69,7 +69,7 @@ def start_server(pkg: Path, extra: list[str] = (), threads: int | None = None, e
         try:
             if requests.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not up yet, or too busy starting to answer in 2 s
             time.sleep(0.5)
     proc.kill()
     raise SystemExit("the server did not come up")

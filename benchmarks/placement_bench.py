@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (pkg / "predictor.json").is_file():
         shutil.rmtree(pkg, ignore_errors=True)
         shutil.copytree(args.package, pkg)
+    if not (pkg / "predictor.json").is_file():  # the package's own predictor, else one trained here
         subprocess.run([*cli_command(), "predictor", "train", str(pkg)], cwd=ROOT, env=child_env(), check=True)
     predictor = json.loads((pkg / "predictor.json").read_text())["held_out"]
     loads = workloads(pkg, args.requests, args.prompt_len, args.seed)
