@@ -2,6 +2,12 @@
 
     .venv/bin/python benchmarks/placement_bench.py                 # runs/tiny/package, EP 2, budget 0.25
     .venv/bin/python benchmarks/placement_bench.py --budget 0.5 --requests 96
+    .venv/bin/python benchmarks/placement_bench.py --expert-heavy --budget 0.5 --repeats 2 --requests 48  # ~45 min
+
+`--expert-heavy`: instead of --package, a package whose experts dominate the step, made once under `--out`
+(benchmarks/common.py `random_package`: hidden 512, 4 layers, MoE layers 2 and 4 with 8 experts each, top-1,
+experts 512 -> 8192 -> 512, GPT-2's vocabulary, random weights, bf16: 348 MB of which 268 MB experts) with a
+predictor trained on a short trace (32 blocks of 2048 tokens, 40 steps: ~12 minutes here).
 
 One run. The package is copied to `--out`/pkg and its predictor trained there if it has none
 (`moe-pipeline predictor train`). Two workloads of token-id prompts (32 tokens each, 32 new tokens,
@@ -207,6 +213,21 @@ def rank_times(ranks: list[dict]) -> dict:
             "expert_fraction": expert[top] / busy[top] if busy and busy[top] else None}
 
 
+HEAVY = ["model.hidden=512", "model.heads=8", "model.experts=[8, 8]", "model.ffn_mult=16", "model.mlp_type=standard",
+         "model.top_k=1"]
+
+
+def expert_heavy_package(out: Path) -> Path:
+    """`--expert-heavy`'s package (made once, reused) with its predictor."""
+    from common import random_package
+
+    if not (out / "predictor.json").is_file():
+        random_package(out, layers=4, overrides=HEAVY)
+        subprocess.run([*cli_command(), "predictor", "train", str(out), "--train-blocks", "32", "--val-blocks", "8",
+                        "--steps", "40"], cwd=ROOT, env=child_env(), check=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--package", type=Path, default=ROOT / "runs" / "tiny" / "package")
@@ -218,9 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="runs of each workload per server; the median tokens/s")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "placement")
+    p.add_argument("--expert-heavy", action="store_true",
+                   help="a random package whose experts dominate the step, made under --out, instead of --package")
     p.add_argument("--ceilings-only", action="store_true",
                    help="only the balancedness a table could reach on the workloads' routes (no servers)")
     args = p.parse_args(argv)
+    if args.expert_heavy:
+        args.package = expert_heavy_package(args.out / "expert-heavy")
     if not is_package(args.package):
         p.error(f"--package {args.package}: not a package; run README command 1 first")
     os.chdir(ROOT)
