@@ -233,12 +233,11 @@ def routed_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int, renormalize: boo
     """An MoE layer whose experts are all here, in two kernel calls: the routing (pipeline/model.py `route`, no
     capacity) and every token's experts with their weighted sum. `weights_of(e)`: expert e's (fc1 weight, fc1 bias,
     fc2 weight, fc2 bias). Returns (output [S, C], tokens per expert [E])."""
-    k = kernel()
     x = x.contiguous()
-    mix, experts, counts = k.route(x, wg.contiguous(), top_k, renormalize)
+    mix, experts, counts = route(x, wg, top_k, renormalize)
     active = [e for e, n in enumerate(counts.tolist()) if n]
     weights = [weights_of(e) for e in active]
-    return k.routed_experts(x, experts, mix, active, *_expert_tensors(weights), swiglu), counts
+    return kernel().routed_experts(x, experts, mix, active, *_expert_tensors(weights), swiglu), counts
 
 
 def gathered_layer(total: int, x: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
