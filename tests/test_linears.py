@@ -27,17 +27,33 @@ def test_the_gemv_kernel_builds_here_and_equals_f_linear():
 
 
 def test_the_gemv_kernel_avx2_build_equals_f_linear():
-    """The AVX2 + FMA variant (CPUs without AVX-512: most laptops), built here too where the CPU can run it."""
-    from export.serve.linears import build
+    """The AVX2 + FMA variant (CPUs without AVX-512: most laptops), built here too where the CPU can run it, with the
+    prefetch hint this CPU's own build does not take (so that both hints' code is compiled and checked here)."""
+    from export.serve.linears import build, prefetch_hint
 
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU runs neither variant")
-    check_kernel(build("AVX2"))
-    check_attention(build("AVX2"))
-    check_experts(build("AVX2"))
-    check_norm(build("AVX2"))
-    check_argmax(build("AVX2"))
-    check_routed(build("AVX2"))
+    gemv = build("AVX2", hint="nta" if prefetch_hint() == "t0" else "t0")
+    check_kernel(gemv)
+    check_attention(gemv)
+    check_experts(gemv)
+    check_norm(gemv)
+    check_argmax(gemv)
+    check_routed(gemv)
+
+
+def test_the_prefetch_hint_follows_the_cpu_or_the_environment(monkeypatch):
+    from export.serve.linears import PREFETCH_ENV, prefetch_hint
+
+    vendor = next(line for line in open("/proc/cpuinfo") if line.startswith("vendor_id"))
+    monkeypatch.delenv(PREFETCH_ENV, raising=False)
+    assert prefetch_hint() == ("t0" if "GenuineIntel" in vendor else "nta")
+    for hint in ("t0", "NTA"):
+        monkeypatch.setenv(PREFETCH_ENV, hint)
+        assert prefetch_hint() == hint.lower()
+    monkeypatch.setenv(PREFETCH_ENV, "l2")
+    with pytest.raises(ValueError, match="MOE_PIPELINE_PREFETCH='l2': use t0 or nta"):
+        prefetch_hint()
 
 
 def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear():
