@@ -18,12 +18,7 @@ def test_the_gemv_kernel_builds_here_and_equals_f_linear():
 
     gemv = kernel()
     assert gemv is not None, "the GEMV kernel did not build on this machine (see the warning)"
-    check_kernel(gemv)
-    check_attention(gemv)
-    check_experts(gemv)
-    check_norm(gemv)
-    check_argmax(gemv)
-    check_routed(gemv)
+    check_all(gemv)
 
 
 def test_the_gemv_kernel_avx2_build_equals_f_linear():
@@ -34,12 +29,7 @@ def test_the_gemv_kernel_avx2_build_equals_f_linear():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU runs neither variant")
     gemv = build("AVX2", hint="nta" if prefetch_hint() == "t0" else "t0")
-    check_kernel(gemv)
-    check_attention(gemv)
-    check_experts(gemv)
-    check_norm(gemv)
-    check_argmax(gemv)
-    check_routed(gemv)
+    check_all(gemv)
 
 
 def test_the_prefetch_hint_follows_the_cpu_or_the_environment(monkeypatch):
@@ -63,12 +53,17 @@ def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear(
 
     if cpu_isa() != "AVX512_BF16":
         pytest.skip("this CPU has no AVX512_BF16: the default build is already the plain AVX-512 one")
-    check_kernel(build("AVX512"))
-    check_attention(build("AVX512"))
-    check_experts(build("AVX512"))
-    check_norm(build("AVX512"))
-    check_argmax(build("AVX512"))
-    check_routed(build("AVX512"))
+    check_all(build("AVX512"))
+
+
+def check_all(gemv):
+    """Every op of a build of csrc/gemv.cpp against its reference."""
+    check_kernel(gemv)
+    check_attention(gemv)
+    check_experts(gemv)
+    check_norm(gemv)
+    check_argmax(gemv)
+    check_routed(gemv)
 
 
 def check_kernel(gemv):

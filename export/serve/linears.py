@@ -82,17 +82,21 @@ def kernel():
         return _kernel
 
 
+def _cpuinfo(key: str) -> str:
+    """The first /proc/cpuinfo line starting with `key` ("flags", "vendor_id"); "" where there is none (not Linux)."""
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(key)), "")
+    except OSError:
+        return ""
+
+
 def cpu_isa() -> str:
     """torch's CPU capability, as AVX512_BF16 where the CPU also has AVX512_BF16 (VDPBF16PS: bf16 dot products,
-    Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on); torch does not report that one."""
+    Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on); torch does not report that one. Without /proc/cpuinfo
+    (not Linux): the AVX-512 build, whose bf16 path needs no extension."""
     isa = torch.backends.cpu.get_cpu_capability()
-    if isa == "AVX512":
-        try:
-            flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-        except OSError:  # not Linux: the AVX-512 build, whose bf16 path needs no extension
-            flags = ""
-        if "avx512_bf16" in flags.split():
-            return "AVX512_BF16"
+    if isa == "AVX512" and "avx512_bf16" in _cpuinfo("flags").split():
+        return "AVX512_BF16"
     return isa
 
 
@@ -108,12 +112,7 @@ def prefetch_hint() -> str:
         return hint
     if hint:
         raise ValueError(f"{PREFETCH_ENV}={hint!r}: use t0 or nta (or leave it unset: t0 on Intel CPUs, else nta)")
-    try:
-        vendor = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                       if line.startswith("vendor_id")), "")
-    except OSError:
-        vendor = ""
-    return "t0" if "GenuineIntel" in vendor else "nta"
+    return "t0" if "GenuineIntel" in _cpuinfo("vendor_id") else "nta"
 
 
 def build(isa: str, hint: str | None = None):

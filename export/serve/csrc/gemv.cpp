@@ -89,10 +89,11 @@ static int64_t grain(int64_t I, size_t elem) {
 // Intel (Sapphire Rapids, MOE_PREFETCH_T0): into every cache level; a core there reads ~8.5 GB/s alone, and the
 // NTA hint left the 2-core lm_head at 11.7 GB/s where T0 reads 14.2 (experts: 11.6 -> 12.8).
 #if defined(MOE_PREFETCH_T0)
-static inline void ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + 2048, _MM_HINT_T0); }
+#define AHEAD_HINT _MM_HINT_T0
 #else
-static inline void ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + 2048, _MM_HINT_NTA); }
+#define AHEAD_HINT _MM_HINT_NTA
 #endif
+static inline void ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + 2048, AHEAD_HINT); }
 
 // One input row (batch-1 decode): output rows one after another, each read start to end with U independent sums,
 // so a thread's share of the weight is one sequential stream. The hardware prefetcher follows one stream far
