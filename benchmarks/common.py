@@ -7,9 +7,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# set by a launcher or by pipeline.dist.init(); a child that inherits them thinks it is a rank already
-RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "CROSS_RANK", "CROSS_SIZE")
+# set by a launcher (DeepSpeed's, mpirun, srun) or by pipeline.dist.init(); a child that inherits them thinks it is a
+# rank already (pipeline/dist.py's LAUNCH_VARS, spelled out here: this module is imported before the checkout's path)
+RANK_VARS = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
+             "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
+             "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "RANK", "SLURM_LOCALID",
+             "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE")
 
 
 ISA = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # the flags that decide which kernels a server picks

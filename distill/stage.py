@@ -28,7 +28,7 @@ from pipeline.dist import Ranks, barrier
 from pipeline.artifacts import CONFIG, DTYPES, TOKENIZER, atomic_write_text
 from pipeline.model import GPT, init_weights
 from pipeline.recipe import Recipe, RecipeError
-from pipeline.build import build_model, load_frozen, meta_counts
+from pipeline.build import build_model, expert_parallel_degrees, load_frozen, meta_counts
 from pipeline.runs import RunDir, check_world_size
 from pipeline.teacher import STAGE as TEACHER, prepare
 from pipeline.train import evaluate, train_model
@@ -153,7 +153,8 @@ def run_student(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
                            "teacher": str(teacher_dir.resolve())},
                 **summary, "teacher_val_loss": teacher_val, "kd_stop_step": recipe.kd_stop_step(),
                 "kept_teacher_layers": kept, "params": meta_counts(cfg), "teacher_params": meta_counts(teacher.cfg),
-                "world_size": ranks.world, "wall_seconds": round(time.time() - t0, 1)}
+                "world_size": ranks.world, "expert_parallel": expert_parallel_degrees(student),
+                "wall_seconds": round(time.time() - t0, 1)}
         run.finish(STAGE, info)
         print(f"[student] done in {info['wall_seconds']:.0f}s: validation loss {summary['val_loss']:.4f} "
               f"(teacher {teacher_val:.4f}), kept teacher layers {kept} -> {run.stage(STAGE)}", flush=True)

@@ -64,6 +64,14 @@ def set_groups(model: GPT) -> None:
             moe.moe.set_deepspeed_parallelism()
 
 
+def expert_parallel_degrees(model: GPT) -> list[int]:
+    """Each MoE layer's expert-parallel degree as its process group has it (the ranks its all-to-all spans)."""
+    import torch.distributed as td
+
+    return [td.get_world_size(moe.moe.deepspeed_moe.ep_group) if moe.impl == "deepspeed" else 1
+            for moe in model.moe_layers()]
+
+
 def build_model(cfg: ModelConfig, world: int = 1, ep_size: int | None = None, impl: str = "deepspeed",
                 meta: bool = False, groups: bool = True) -> GPT:
     """The GPT of `cfg` for `world` ranks: DeepSpeed's MoE layers expert parallel with degree `ep_size`

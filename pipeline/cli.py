@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -278,8 +277,8 @@ def cmd_serve(args, argv: list[str]) -> int:
     from pipeline import dist
 
     flags = {k: v for k, v in vars(args).items() if k in ServeConfig.model_fields}
-    if dist.under_launcher():  # relaunched (or started by the launcher): the ranks that are running
-        flags["nproc"] = int(os.environ["WORLD_SIZE"])
+    if (running := dist.launched_world()) is not None:  # relaunched, or started by a launcher: the running ranks
+        flags["nproc"] = running
     try:
         config = ServeConfig.from_flags(flags)  # validated here, once, before any rank starts
     except ServeConfigError as err:
@@ -367,7 +366,7 @@ def cmd_stages(args, argv: list[str]) -> int:
     from pipeline import dist
     from pipeline.teacher import check_hardware
 
-    running = int(os.environ["WORLD_SIZE"]) if dist.under_launcher() else None
+    running = dist.launched_world()  # started by a launcher (DeepSpeed's, mpirun, srun): its ranks
     if running is not None and args.nproc not in (None, running):
         raise RecipeError("--nproc", args.nproc, f"the launcher started {running} ranks: drop --nproc, "
                           f"or launch {args.nproc}")

@@ -1,8 +1,13 @@
 """Process set-up: one rank or many, always through DeepSpeed.
 
-`init()` joins the ranks started by the DeepSpeed launcher (or makes a 1-rank group when run
-directly), and `relaunch()` restarts the current command under the launcher when more ranks are
-asked for than are running, as `accelerate launch` / `torchrun` users expect.
+`init()` joins the ranks a launcher started (or makes a 1-rank group when run directly), and `relaunch()`
+restarts the current command under the DeepSpeed launcher when more ranks are asked for than are running, as
+`accelerate launch` / `torchrun` users expect. Every launcher DeepSpeed's runner drives is recognised:
+its own (`deepspeed --num_gpus N`, or a hostfile over pdsh: RANK, LOCAL_RANK, WORLD_SIZE are set) and
+`--launcher openmpi | mvapich | mpich | impi | slurm` (mpirun or srun start the ranks and set only their own
+variables). `launch_env()` reads them; `python -m pipeline.dist` prints what it sees, e.g.
+
+    deepspeed --hostfile HOSTS --launcher openmpi --launcher_args "--allow-run-as-root" --module pipeline.dist
 """
 
 from __future__ import annotations
@@ -25,8 +30,106 @@ class Ranks:
     local_world: int
 
 
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What a launcher told this process: which launcher, and this rank's place (before any process group)."""
+    launcher: str
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+
+# (rank, world size, local rank, local world size) as each launcher names them, tried in this order. DeepSpeed's
+# own launcher (its local and pdsh runners) and torchrun set the first; mpirun and srun only their own. DeepSpeed
+# finds the MPI ones itself (`mpi_discovery` in `deepspeed.init_distributed`) but only when it is asked to set up
+# the group from scratch; SLURM's are what srun sets per job step (SLURM_STEP_*: a batch script's own SLURM_NTASKS
+# counts the allocation's tasks, not running ranks).
+LAUNCHER_VARS = {
+    "deepspeed": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    "slurm": ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
+}
+# every variable by which a process may take itself for a rank: a child process (a test, a benchmark) drops them
+LAUNCH_VARS = tuple(sorted({v for names in LAUNCHER_VARS.values() for v in names}
+                           | {"LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE"}))
+
+
+def _slurm_tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """SLURM_STEP_TASKS_PER_NODE ("2(x3),1": 2 tasks on each of 3 nodes, then 1) at node index `node`."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        n, _, rep = part.partition("(x")
+        counts += [int(n)] * (int(rep.rstrip(")")) if rep else 1)
+    return counts[node]
+
+
+def launch_env(environ=None) -> LaunchEnv | None:
+    """The launcher that started this process as one of several ranks, and this rank's place; None when this
+    process runs alone (no launcher, or a launcher of one rank other than DeepSpeed's). Reads only variables."""
+    env = os.environ if environ is None else environ
+    for launcher, (rank, world, local_rank, local_world) in LAUNCHER_VARS.items():
+        if launcher == "deepspeed":
+            if "LOCAL_RANK" not in env or "WORLD_SIZE" not in env:
+                continue
+        elif world not in env:
+            continue
+        try:
+            size = int(env[world])
+            if launcher == "deepspeed":
+                local = int(env.get(local_world, env.get("LOCAL_SIZE", "1")))
+            elif launcher == "slurm":
+                local = _slurm_tasks_on_node(env[local_world], int(env.get("SLURM_NODEID", "0")))
+            else:
+                local = int(env[local_world])
+            place = LaunchEnv(launcher, int(env.get(rank, "0")), size, int(env[local_rank]), local)
+        except (KeyError, ValueError, IndexError) as err:
+            raise RuntimeError(f"started by {launcher} but its variables are incomplete or malformed ({err}): "
+                               f"{', '.join(f'{v}={env.get(v)!r}' for v in LAUNCHER_VARS[launcher])}") from None
+        if launcher != "deepspeed" and size == 1:
+            return None  # `mpirun -n 1`, a 1-task srun step: alone
+        return place
+    return None
+
+
 def under_launcher() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """Started by a launcher as one of its ranks (DeepSpeed's, torchrun, mpirun, srun)."""
+    return launch_env() is not None
+
+
+def launched_world() -> int | None:
+    """The number of ranks the launcher started, or None outside a launcher."""
+    place = launch_env()
+    return None if place is None else place.world
+
+
+def _adopt_launcher_env(place: LaunchEnv) -> None:
+    """Give ranks started by mpirun or srun the variables DeepSpeed's own launcher sets (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_SIZE, MASTER_ADDR, MASTER_PORT), so that the process group and DeepSpeed's shared-memory all-reduce
+    (which reads LOCAL_SIZE) form as under `deepspeed --num_gpus`. Rank 0's address: MASTER_ADDR if the job
+    exported it (mpirun -x, srun --export), else DeepSpeed's own MPI discovery through mpi4py, which also checks
+    the ranks' numbering against MPI's."""
+    os.environ.setdefault("LOCAL_SIZE", str(place.local_world))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(place.local_world))
+    if "MASTER_ADDR" in os.environ:
+        os.environ.update(RANK=str(place.rank), WORLD_SIZE=str(place.world), LOCAL_RANK=str(place.local_rank))
+        os.environ.setdefault("MASTER_PORT", "29500")  # DeepSpeed's and torch's default
+        return
+    from deepspeed.comm.comm import mpi_discovery
+
+    try:
+        mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT", "29500")), verbose=False)
+    except ImportError as err:  # mpi4py is not installed
+        raise RuntimeError(f"started by {place.launcher} ({place.world} ranks) without MASTER_ADDR: rank 0's address "
+                           f"comes from DeepSpeed's MPI discovery, which needs mpi4py ({err}): pip install mpi4py, "
+                           f"or export MASTER_ADDR (and MASTER_PORT) to every rank") from None
+    if (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) != (place.rank, place.world):
+        raise RuntimeError(f"{place.launcher} says rank {place.rank} of {place.world}, MPI says "
+                           f"{os.environ['RANK']} of {os.environ['WORLD_SIZE']}: mpi4py is built against another MPI "
+                           f"than the one that launched this job")
 
 
 def free_port() -> int:
@@ -98,13 +201,19 @@ def tune_cpu_allocator() -> bool:
                                                (m_top_pad, 64 << 20)))
 
 
+_LOCAL_WORLD: int | None = None  # init()'s count of the ranks on this machine
+
+
 def init() -> Ranks:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU) and size the thread pool."""
     quiet_cpu_accelerator()
     import deepspeed
     import torch.distributed as td
 
-    alone = not under_launcher()
+    place = launch_env()
+    alone = place is None
+    if place is not None and place.launcher != "deepspeed":  # mpirun, srun: their variables, then DeepSpeed's
+        _adopt_launcher_env(place)
     if alone:  # a 1-rank group
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -125,16 +234,29 @@ def init() -> Ranks:
             import atexit
 
             atexit.register(_shutdown)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per local rank
-    else:
+    # the ranks sharing this machine's cores and memory, counted (once, when the group forms), not taken from the
+    # launcher: a hostfile's two "nodes" can be one machine
+    global _LOCAL_WORLD
+    if _LOCAL_WORLD is None or alone:
+        _LOCAL_WORLD = 1 if alone else _ranks_on_this_machine()
+    local_world = _LOCAL_WORLD
+    if get_accelerator().device_name() == "cpu":
         # without core binding every rank would use all cores: split them between the local ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         tune_cpu_allocator()
     return Ranks(td.get_rank(), td.get_world_size(), int(os.environ["LOCAL_RANK"]), local_world)
+
+
+def _ranks_on_this_machine() -> int:
+    """The group's ranks on this machine, by host name (as DeepSpeed's MPI discovery numbers local ranks). Collective."""
+    import hashlib
+
+    key = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:6], "big")  # 48 bits: exact in float64
+    return sum(int(row[0]) == key for row in gather_numbers([float(key)]))
 
 
 def device() -> torch.device:
@@ -345,7 +467,9 @@ def launcher_command(nproc: int, module: str, args: list[str]) -> list[str]:
     """`python -m module args` on `nproc` local ranks through the DeepSpeed launcher, as a command (printed)."""
     print(f"launching {nproc} ranks: deepspeed --num_gpus {nproc} --module {module} {' '.join(args)}",
           file=sys.stderr, flush=True)
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+    # --hostfile: none. Without it DeepSpeed's runner reads /job/hostfile where one exists (a cluster's job
+    # file) and would spread these ranks over every host in it; a missing hostfile means this machine alone
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", os.devnull, "--num_gpus", str(nproc),
             "--master_port", str(free_port()), "--no_local_rank", "--module", module, *args]
 
 
@@ -353,3 +477,23 @@ def relaunch(nproc: int, module: str, args: list[str]) -> int:
     """Run `python -m module args` on `nproc` local ranks through the DeepSpeed launcher; its exit status. (A server
     relaunches itself with export/serve/lifecycle.py instead: signals to rank 0, a watch on this process.)"""
     return subprocess.call(launcher_command(nproc, module, args))
+
+
+def main() -> int:
+    """Print what this rank's launcher said and the process group it joined (one JSON line per rank)."""
+    import json
+
+    import torch.distributed as td
+
+    place = launch_env()
+    ranks = init()
+    t = all_reduce_(torch.ones(1, device=device()))  # every rank really is in the group
+    print(json.dumps({"launcher": place.launcher if place else None, "rank": ranks.rank, "world": ranks.world,
+                      "local_rank": ranks.local_rank, "local_world": ranks.local_world, "backend": td.get_backend(),
+                      "all_reduce": t.item(), "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,7 +23,8 @@ from pipeline.artifacts import CONFIG, INDEX, TOKENIZER, WEIGHTS, atomic_write_t
 from pipeline import dist
 from pipeline.dist import Ranks, barrier
 from pipeline.artifacts import DTYPES
-from pipeline.build import build_model, load_frozen, load_hf_teacher, meta_counts, teacher_config
+from pipeline.build import (build_model, expert_parallel_degrees, load_frozen, load_hf_teacher, meta_counts,
+                            teacher_config)
 from pipeline.model import ModelConfig, init_weights
 from pipeline.recipe import Recipe, RecipeError
 from pipeline.runs import RunDir, check_world_size
@@ -122,7 +123,8 @@ def check_hardware(recipe: Recipe) -> None:
     for name, train in (("teacher.train", recipe.teacher.train), ("student.train", recipe.student.train)):
         if train.precision == "fp16" and not torch.cuda.is_available():
             raise RecipeError(f"{name}.precision", "fp16", "bf16 or fp32 on a machine without GPUs "
-                              "(DeepSpeed's fp16 loss scaling is for GPUs), e.g. --set " + f"{name}.precision=bf16")
+                              "(DeepSpeed's fp16 loss scaling is for GPUs), e.g. --set " + f"{name}.precision=bf16 "
+                              f"(with {name}.zero_stage 1 or 2)")
 
 
 def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -> Path:
@@ -188,6 +190,7 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
     if ranks.rank == 0:
         write_stage_files(work, cfg, prepared)
         info.update(summary, params=meta_counts(cfg), world_size=ranks.world,
+                    expert_parallel=expert_parallel_degrees(model),
                     wall_seconds=round(time.time() - t0, 1),
                     # the same tokens val_loss scores (EOD included): the loss a unigram model would get
                     val_unigram_entropy=data_lib.unigram_entropy(prepared.val))

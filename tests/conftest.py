@@ -56,9 +56,9 @@ def small_run(tmp_path_factory) -> Path:
     return run
 
 
-# set in this process by in-process dist.init() (adapter, load_package): a child that inherited them
-# would believe it runs under the DeepSpeed launcher
-RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# set in this process by in-process dist.init() (adapter, load_package), or by a launcher (mpirun, srun) that started
+# the tests: a child that inherited them would believe it is one of a launcher's ranks
+from pipeline.dist import LAUNCH_VARS as RANK_VARS  # noqa: E402
 
 
 def child_env(**extra: str) -> dict[str, str]:
