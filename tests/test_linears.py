@@ -51,7 +51,7 @@ def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear(
     Lake, Zen 4 before the flag is read) widens bf16 by a shift instead: built and checked here too."""
     from export.serve.linears import build, cpu_isa
 
-    if cpu_isa() != "AVX512_BF16":
+    if cpu_isa() not in ("AVX512_BF16", "AMX_BF16"):  # AMX_BF16's build holds AVX512_BF16's code and AMX's ops
         pytest.skip("this CPU has no AVX512_BF16: the default build is already the plain AVX-512 one")
     check_all(build("AVX512"))
 
@@ -64,6 +64,35 @@ def check_all(gemv):
     check_norm(gemv)
     check_argmax(gemv)
     check_routed(gemv)
+    if hasattr(gemv, "amx_linear"):
+        check_amx(gemv)
+
+
+def check_amx(gemv):
+    """amx_linear (AMX builds) against F.linear in fp32: 1 to 256 rows (one or two row tiles, several 32-row
+    blocks, a partial one), outputs past a 32-output pair (padded with zeros), with and without a bias; each row's
+    result the same whatever rows come with it; the wrong shapes named."""
+    assert gemv.amx_ready(), "this CPU has AMX but Linux did not give the process its tile state"
+    torch.manual_seed(0)
+    for out_f, in_f in [(512, 256), (7, 64), (1000, 96), (50, 1024)]:
+        w = torch.randn(out_f, in_f).bfloat16()
+        b = torch.randn(out_f).bfloat16()
+        packed = gemv.amx_pack(w)
+        x = torch.randn(256, in_f).bfloat16()
+        for bias in (None, b):
+            alone = gemv.amx_linear(x[:1].contiguous(), packed, out_f, bias)
+            for rows in (1, 2, 15, 16, 17, 31, 32, 33, 100, 256):
+                ref = F.linear(x[:rows].float(), w.float(), None if bias is None else bias.float())
+                got = gemv.amx_linear(x[:rows].contiguous(), packed, out_f, bias)
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, out_f)
+                torch.testing.assert_close(got.float(), ref, atol=1e-2 * in_f ** 0.5, rtol=1e-2)
+                assert torch.equal(got[:1], alone)
+    with pytest.raises(RuntimeError, match="in a multiple of 32"):
+        gemv.amx_pack(torch.randn(8, 40).bfloat16())
+    with pytest.raises(RuntimeError, match=r"packed is amx_pack of a \[40, 64\] weight"):
+        gemv.amx_linear(torch.randn(2, 64).bfloat16(), gemv.amx_pack(torch.randn(8, 64).bfloat16()), 40, None)
+    with pytest.raises(RuntimeError, match="1 to 256 rows"):
+        gemv.amx_linear(torch.randn(257, 64).bfloat16(), gemv.amx_pack(torch.randn(8, 64).bfloat16()), 8, None)
 
 
 def check_kernel(gemv):
@@ -265,6 +294,26 @@ def test_a_large_serving_linear_pads_rows_for_onednn():
         x = torch.randn(rows, 1024)
         with torch.no_grad():
             torch.testing.assert_close(served(x), layer(x), atol=1e-4, rtol=1e-4)
+
+
+def test_a_large_bf16_serving_linear_takes_2_to_256_rows_to_amx():
+    """On a CPU with AMX a large bf16 weight's second copy is the kernel's AMX packing (not oneDNN's): 1 row goes to
+    the GEMV kernel, 2-256 rows to amx_linear, more to oneDNN on the plain weight; all F.linear's outputs."""
+    from export.serve.linears import ONEDNN_FROM, ServingLinear, cpu_isa, kernel
+
+    if cpu_isa() != "AMX_BF16":
+        pytest.skip("this CPU has no AMX: bf16 rows past the GEMV kernel's go to oneDNN's packed weight")
+    layer = nn.Linear(1024, ONEDNN_FROM // 1024).bfloat16().eval()
+    served = ServingLinear(layer)
+    assert served.served.amx is not None and served.served.packed is served.served.weight
+    assert "AMX for 2-256" in repr(served)
+    with torch.no_grad():
+        for rows in (1, 2, 9, 33, 256, 300):
+            x = torch.randn(rows, 1024).bfloat16()
+            got = served(x)
+            torch.testing.assert_close(got.float(), layer(x).float(), atol=3e-2, rtol=3e-2)
+            if 1 < rows <= 256:
+                assert torch.equal(got, kernel().amx_linear(x, served.served.amx, layer.out_features, layer.bias))
 
 
 def test_row_buckets_bound_the_shapes_onednn_compiles():

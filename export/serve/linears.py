@@ -10,7 +10,9 @@ into its blocked layout (1.1-1.6x faster than on the plain weight at 5-257 rows 
 the same results): a second copy of those weights (attention, dense MLPs, lm_head; not the experts, which stay as
 they are, nothing to reorder when one loads). For 1-8
 rows (batch-1 and small-batch decode) `csrc/gemv.cpp` reads the weight once at the memory's speed: ~42 GB/s
-where oneDNN reaches ~31 and MKL ~21, under a competing process ~28 against ~21. Measured by
+where oneDNN reaches ~31 and MKL ~21, under a competing process ~28 against ~21. On a CPU with AMX (Intel Sapphire Rapids on) the
+second copy of a bf16 weight is packed for the kernel's `amx_linear` instead, which streams it once for 2-256 rows
+(VDPBF16PS and oneDNN's AMX GEMM both fell to a half or less of the memory's speed at 8-32 rows there). Measured by
 benchmarks/decode_bandwidth.py (batch-1 decode against the read-bandwidth bound). A weight under 1M elements
 (the tiny recipe's) goes to F.linear for more rows: as fast as oneDNN at that size, and oneDNN compiles and keeps
 a primitive for every row count it meets (a soak's RSS grew 5-7%); for larger ones oneDNN sees row counts rounded
@@ -44,7 +46,8 @@ ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 PREFETCH_ENV = "MOE_PIPELINE_PREFETCH"  # t0 | nta; unset: `prefetch_hint`'s choice for this CPU
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
-ISA_FLAGS = {"AVX512_BF16": [*_AVX512, "-mavx512bf16"], "AVX512": _AVX512, "AVX2": ["-mavx2", "-mfma"]}
+ISA_FLAGS = {"AMX_BF16": [*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"], "AVX512_BF16": [*_AVX512, "-mavx512bf16"],
+             "AVX512": _AVX512, "AVX2": ["-mavx2", "-mfma"]}
 
 _kernel_lock = threading.Lock()
 _kernel: object | None = None
@@ -92,11 +95,13 @@ def _cpuinfo(key: str) -> str:
 
 def cpu_isa() -> str:
     """torch's CPU capability, as AVX512_BF16 where the CPU also has AVX512_BF16 (VDPBF16PS: bf16 dot products,
-    Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on); torch does not report that one. Without /proc/cpuinfo
-    (not Linux): the AVX-512 build, whose bf16 path needs no extension."""
+    Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on), and as AMX_BF16 where it also has AMX's bf16 tiles
+    (Intel Sapphire Rapids on); torch reports neither. Without /proc/cpuinfo (not Linux): the AVX-512 build, whose
+    bf16 path needs no extension."""
     isa = torch.backends.cpu.get_cpu_capability()
-    if isa == "AVX512" and "avx512_bf16" in _cpuinfo("flags").split():
-        return "AVX512_BF16"
+    flags = set(_cpuinfo("flags").split())
+    if isa == "AVX512" and "avx512_bf16" in flags:
+        return "AMX_BF16" if {"amx_tile", "amx_bf16"} <= flags else "AVX512_BF16"
     return isa
 
 
@@ -135,15 +140,23 @@ class ServingWeight:
         # more rows: oneDNN, where it runs this dtype (bf16 needs AVX-512: on an AVX2 CPU it has no bf16 primitive)
         self.onednn = self.weight.numel() >= ONEDNN_FROM and (
             self.weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        # `pack`: oneDNN's own blocked copy of the weight, beside the plain one the few-row kernel reads: 1.1-1.6x
-        # faster at 5-257 rows here (bf16 lm_head at 32 rows: 16.4 -> 10.2 ms), the same results to the bit. Dense
-        # layers only: an expert stays one copy (residency loads and drops experts as they are)
-        self.packed = self.weight
-        if pack and self.onednn and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        # `pack`: a second copy of the weight for more rows, beside the plain one the few-row kernel reads. Dense
+        # layers only: an expert stays one copy (residency loads and drops experts as they are). On a CPU with AMX
+        # (bf16): packed into AMX tiles for the kernel's `amx_linear`, 2 to AMX_MAX_ROWS rows at the memory's speed
+        # (Sapphire Rapids, 2 cores, bf16 lm_head: 8 rows 7.8 ms, 32 rows 11.5 ms, where oneDNN's AMX GEMM took
+        # 13.5 and 20.0); otherwise oneDNN's own blocked copy: 1.1-1.6x faster at 5-257 rows than on the plain one
+        # (bf16 lm_head at 32 rows on an AMD EPYC: 16.4 -> 10.2 ms), the same results to the bit
+        self.packed, self.amx = self.weight, None
+        if pack and self.onednn and amx_packs(self.weight):
+            self.amx = self.gemv.amx_pack(self.weight)
+        elif pack and self.onednn and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
+        if self.amx is not None and 1 < rows <= self.gemv.AMX_MAX_ROWS and x.dtype == self.weight.dtype:
+            y = self.gemv.amx_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.amx, self.weight.shape[0], bias)
+            return y.view(*x.shape[:-1], self.weight.shape[0])
         if self.gemv is not None and 0 < rows <= self.gemv.MAX_ROWS and x.dtype == self.weight.dtype:
             y = self.gemv.linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, bias)
             return y.view(*x.shape[:-1], self.weight.shape[0])
@@ -163,6 +176,14 @@ class ServingWeight:
         flat[:rows] = x.reshape(rows, x.shape[-1])
         y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")[:rows]
         return y.view(*x.shape[:-1], self.weight.shape[0])
+
+
+def amx_packs(weight: torch.Tensor) -> bool:
+    """Whether `weight` goes to the kernel's AMX linear for 2 to AMX_MAX_ROWS rows: a bf16 weight of a multiple of
+    32 inputs, on a CPU with AMX whose kernel build has it and whose process Linux gave the tile state."""
+    k = kernel()
+    return (k is not None and hasattr(k, "amx_linear") and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % 32 == 0 and weight.device.type == "cpu" and k.amx_ready())
 
 
 def bucket(rows: int) -> int:
@@ -204,6 +225,8 @@ class ServingLinear(nn.Module):
 
     def extra_repr(self) -> str:
         how = "GEMV kernel for 1-8 rows, oneDNN" if self.served.gemv is not None else "oneDNN"
+        if self.served.amx is not None:
+            how = f"GEMV kernel for 1 row, AMX for 2-{self.served.gemv.AMX_MAX_ROWS}, oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
 
 
