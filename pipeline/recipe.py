@@ -123,7 +123,7 @@ class TrainSpec(Section):
     betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 uses a dynamic loss scale (GPU only)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 (GPU only, dynamic loss scale) and bf16: ZeRO 1-2
     zero_stage: Literal[0, 1, 2] = 0  # DeepSpeed's MoE supports ZeRO 0-2
     checkpoint_every: int = Field(100, ge=1)
     checkpoint_keep: int = Field(2, ge=1)  # newest DeepSpeed checkpoints kept on disk
@@ -399,6 +399,15 @@ class Recipe(Section):
                 raise RecipeError(f"{name}.warmup_steps", train.warmup_steps, f"<= {name}.steps ({train.steps})")
             if not all(0 <= b < 1 for b in train.betas):
                 raise RecipeError(f"{name}.betas", train.betas, "two numbers in [0, 1)")
+            trains = name == "student.train" or (self.teacher.load is None and self.hf_teacher() is None)
+            if train.precision != "fp32" and train.zero_stage == 0 and trains:
+                # without ZeRO, DeepSpeed's engine never scales an fp16 loss though its fp16 optimizers divide the
+                # gradients by the loss scale (updates 2^16 times too small, no clipping), and sums bf16 gradients
+                # over the micro-steps in bf16; its ZeRO optimizers scale fp16 losses, accumulate bf16 in fp32
+                # (data_types.grad_accum_dtype) and clip by the norm of every gradient, the experts' included
+                why = "its loss scaled" if train.precision == "fp16" else "gradients accumulated and reduced in fp32"
+                raise RecipeError(f"{name}.zero_stage", 0, f"1 or 2 with {name}.precision {train.precision} ({why}), "
+                                  f"e.g. --set {name}.zero_stage=1; or precision fp32")
         return self
 
     @model_validator(mode="after")

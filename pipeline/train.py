@@ -41,6 +41,9 @@ def deepspeed_config(train: TrainSpec, world: int, monitors: dict | None = None)
         "gradient_clipping": train.grad_clip,
         "zero_optimization": {"stage": train.zero_stage},
         "bf16": {"enabled": train.precision == "bf16"},
+        # bf16 (ZeRO 1-2, as the recipe checks): gradients accumulated over the micro-steps and reduced between the
+        # ranks in fp32 (DeepSpeed's BF16 optimizer at stage 1, ZeRO's separate accumulation buffer at 2), not in bf16
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if train.precision == "bf16" else {}),
         # loss_scale 0: dynamic loss scaling, as the paper's fp16 runs
         "fp16": {"enabled": train.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "steps_per_print": 1 << 30,  # our progress bar and metrics.jsonl report instead
@@ -70,6 +73,25 @@ def param_groups(model: GPT, weight_decay: float) -> list[dict]:
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
+def make_optimizer(model: GPT, train: TrainSpec) -> torch.optim.Optimizer:
+    """AdamW over `param_groups`: in fp16 and bf16 DeepSpeed's ZeRO optimizer wraps it (the recipe asks for ZeRO 1-2
+    there), which scales the loss, accumulates as `deepspeed_config` says and clips by the norm of every gradient,
+    the experts' summed over the expert-parallel group; in fp32 it is the optimizer."""
+    return torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr, betas=tuple(train.betas),
+                             eps=train.eps)
+
+
+def make_engine(model: GPT, train: TrainSpec, world: int, monitors: dict | None = None):
+    """`deepspeed.initialize` of `model` for the recipe's training section: (engine, scheduler)."""
+    import deepspeed
+
+    optimizer = make_optimizer(model, train)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(train, world, monitors))
+    return engine, scheduler
 
 
 def lm_step(engine, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -129,15 +151,8 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
     named values are averaged into metrics.jsonl. `val_extra` is logged next to each validation loss.
     `monitor` (the recipe's section) also sends every record to DeepSpeed's monitors, as job `job`.
     """
-    import deepspeed
-
     ckpt_dir = work_dir / CHECKPOINTS
-    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay), lr=train.lr,
-                                  betas=tuple(train.betas), eps=train.eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(train, ranks.world,
-                                                                   deepspeed_sections(monitor, run.root, job or stage)))
+    engine, scheduler = make_engine(model, train, ranks.world, deepspeed_sections(monitor, run.root, job or stage))
 
     start = 0
     if (ckpt_dir / "latest").is_file():

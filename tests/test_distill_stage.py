@@ -139,7 +139,8 @@ def test_the_teacher_is_frozen_with_fp32_gates_and_does_not_run_after_the_stop(d
     from pipeline.artifacts import read_model_config
     from pipeline.recipe import load_recipe
 
-    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [*RUN, "student.train.precision=bf16"])
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [*RUN, "student.train.precision=bf16",
+                                                               "student.train.zero_stage=1"])
     teacher = load_teacher(distilled / "teacher", recipe, dist.init())
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
     dtypes = {n: p.dtype for n, p in teacher.named_parameters()}

@@ -32,8 +32,12 @@ def test_memory_shrinks_with_expert_parallelism_and_zero():
     big = plan(recipe, world=128)["teacher"]
     assert big["ep_size"] == [64] * 10 + [128] * 2 and small["ep_size"] == [8] * 12
     assert big["memory_per_rank_bytes"] < small["memory_per_rank_bytes"]
-    zero1 = plan(load_recipe(ROOT / "recipes" / "1.3b.yaml", ["teacher.train.zero_stage=1"]), world=128)["teacher"]
-    assert zero1["memory_per_rank_breakdown"]["optimizer"] < big["memory_per_rank_breakdown"]["optimizer"]
+    fp32 = ["teacher.train.precision=fp32", "student.train.precision=fp32"]
+    zero0, zero1 = (plan(load_recipe(ROOT / "recipes" / "1.3b.yaml", [*fp32, f"teacher.train.zero_stage={z}"]),
+                         world=128)["teacher"] for z in (0, 1))
+    assert zero1["memory_per_rank_breakdown"]["optimizer"] < zero0["memory_per_rank_breakdown"]["optimizer"]
+    zero2 = plan(load_recipe(ROOT / "recipes" / "1.3b.yaml", ["teacher.train.zero_stage=2"]), world=128)["teacher"]
+    assert zero2["memory_per_rank_breakdown"]["gradients"] < big["memory_per_rank_breakdown"]["gradients"]
 
 
 def test_plan_json_cli():
@@ -60,8 +64,8 @@ def test_fp16_needs_a_gpu(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    proc = cli("teacher", "recipes/tiny.yaml", "--set", "teacher.train.precision=fp16", "--run-dir", str(tmp_path / "r"),
-               check=False)
+    proc = cli("teacher", "recipes/tiny.yaml", "--set", "teacher.train.precision=fp16", "--set",
+               "teacher.train.zero_stage=1", "--run-dir", str(tmp_path / "r"), check=False)
     assert proc.returncode == 2 and "teacher.train.precision = 'fp16': bf16 or fp32" in proc.stderr
     assert not (tmp_path / "r").exists()
 
