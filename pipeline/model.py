@@ -601,14 +601,16 @@ class GPT(nn.Module):
         else:
             logits = self.lm_head(self.ln_f(x))  # [B, T, vocab]
             out = Output(logits=logits, expert_counts=counts)
-        # a dense model (no MoE layer) has no balancing loss
-        aux = torch.stack([a.float() for a in aux_losses]).sum() if aux_losses else x.new_zeros((), dtype=torch.float32)
+        # a dense model (no MoE layer) has no balancing loss; each block's on its own device (blocks placed on
+        # several GPUs, as transformers' device_map="auto" splits a package), summed on the last one
+        aux = torch.stack([a.float().to(x.device) for a in aux_losses]).sum() if aux_losses else \
+            x.new_zeros((), dtype=torch.float32)
         out.aux_loss = self.cfg.aux_loss_coef * aux
         if labels is not None:
             if hidden_only:
                 raise ValueError("labels need logits: drop hidden_only")
             out.lm_loss = masked_cross_entropy(logits, labels, loss_mask)
-            out.loss = out.lm_loss + out.aux_loss
+            out.loss = out.lm_loss + out.aux_loss.to(out.lm_loss.device)
         return out
 
 
