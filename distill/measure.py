@@ -18,7 +18,9 @@ the held-out blocks from the validation split. Printed as a table (or one JSON o
 total and active parameters, and drawn as a PNG (held-out loss against active and against total
 parameters) into `--out` (default RUN/plan/): the table a user picks `student.layers`, `student.experts`
 and the selection rules from. The models run on one process (every expert local), on the accelerator
-if there is one.
+if there is one, one at a time, in the recipe's precision (bf16 for a bf16 or fp16 recipe: the 1.3b teacher is
+63 GB so, 126 GB in fp32), built on the meta device and allocated there directly; a model larger than the
+device's free memory is refused before anything is allocated, naming both sizes.
 """
 
 from __future__ import annotations
@@ -36,12 +38,11 @@ from distill.student import (METHODS, EXPERT_METHODS, block_importance, expert_s
                              select_experts, select_layers, student_config)
 from pipeline import data as data_lib
 from pipeline.artifacts import atomic_write_text, cache_root, read_model_config
-from pipeline.build import meta_counts
+from pipeline.build import empty_model, load_frozen, meta_counts
 from pipeline.dist import Ranks, device
-from pipeline.model import GPT, ModelConfig
+from pipeline.model import ModelConfig
 from pipeline.recipe import Recipe, RecipeError
 from pipeline.train import evaluate
-from pipeline.weights import load_weights
 
 FRACTIONS = (0.75, 0.5)
 
@@ -109,6 +110,26 @@ def teacher_dir_of(recipe: Recipe, run_dir: Path) -> Path:
     return stage
 
 
+def free_bytes(on: torch.device) -> int:
+    """Memory free for one model on `on`: the GPU's free memory, or the host's available memory."""
+    if on.type == "cuda":
+        return torch.cuda.mem_get_info(on)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_fits(cfg: ModelConfig, dtype: torch.dtype, on: torch.device, teacher_dir: Path | str = "") -> None:
+    """Refuse a teacher whose weights alone exceed 90% of the memory free on `on` (its candidates are no larger)."""
+    need = meta_counts(cfg)["total"] * torch.finfo(dtype).bits // 8
+    free = free_bytes(on)
+    if need > 0.9 * free:
+        raise RecipeError("--measure", str(teacher_dir), f"plan --measure holds the whole teacher on one device: "
+                          f"{need / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')}, with {free / 2**30:.1f} "
+                          f"GiB free on {on}; run it where the teacher fits (a larger GPU, or the host's memory "
+                          f"with CUDA_VISIBLE_DEVICES=''), or choose the student with `moe-pipeline plan` alone")
+
+
 def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool = True) -> dict:
     """The held-out loss of every candidate (see the module docstring), with their sizes."""
     from tqdm.auto import tqdm
@@ -122,9 +143,9 @@ def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool 
     micro = recipe.student.train.micro_batch_size
     one = Ranks(rank=0, world=1, local_rank=0, local_world=1)
 
-    teacher = GPT(teacher_cfg, moe_impl="reference")
-    load_weights(teacher, teacher_dir)
-    teacher = teacher.to(on).eval().requires_grad_(False)
+    dtype = torch.float32 if recipe.student.train.precision == "fp32" else torch.bfloat16
+    check_fits(teacher_cfg, dtype, on, teacher_dir)
+    teacher = load_frozen(teacher_dir, 1, None, on, dtype, impl="reference")
     importance = block_importance(teacher, calibration_batches(recipe, train, one))  # the student stage's, rank 0
     scores = {rule: expert_scores(teacher, calibration_batches(recipe, train, one), rule) for rule in EXPERT_METHODS}
     del teacher
@@ -133,12 +154,12 @@ def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool 
     for c in tqdm(candidates(recipe, teacher_cfg, importance, scores), desc="scoring candidates", unit="model",
                   disable=not progress):
         cfg = student_config(teacher_cfg, c.kept, c.experts) if c.kind != "teacher" else teacher_cfg
-        model = GPT(cfg, moe_impl="reference")
         if c.kind == "teacher":
-            load_weights(model, teacher_dir)
+            model = load_frozen(teacher_dir, 1, None, on, dtype, impl="reference")
         else:
+            model = empty_model(cfg, dtype, on)
             init_from_teacher(model, teacher_dir, c.kept, c.kept_experts)
-        loss = evaluate(model.to(on).requires_grad_(False), val, batches, micro, one)
+        loss = evaluate(model.requires_grad_(False), val, batches, micro, one)
         counts = meta_counts(cfg)
         rows.append({"name": c.name, "kind": c.kind, "rule": c.rule, "layers": cfg.layers,
                      "kept_teacher_layers": c.kept, "experts": list(cfg.experts),

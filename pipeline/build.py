@@ -99,6 +99,12 @@ def load_frozen(stage_dir: Path, world: int, ep_size: int | None, device: torch.
     return model.eval().requires_grad_(False)
 
 
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> GPT:
+    """The 1-rank model of `cfg` (every expert local) in `dtype` with fp32 gates, allocated on `device` and not
+    initialised: to be filled from a checkpoint (a candidate student cut from its teacher)."""
+    return _allocated(build_model(cfg, 1, None, impl="reference", meta=True, groups=False), dtype, device)
+
+
 def load_stage_model(stage_dir: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> GPT:
     """`load_frozen` on one rank with every expert local (the reference MoE): what export writes out."""
     return load_frozen(stage_dir, 1, None, device, dtype, impl="reference")

@@ -159,3 +159,18 @@ def test_the_teacher_stage_refuses_an_architecture_without_weights_before_writin
                check=False)
     assert proc.returncode == 2 and "teacher.architecture" in proc.stderr and "set teacher.load" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_measure_refuses_a_teacher_larger_than_the_free_memory_before_allocating_it():
+    import torch
+
+    from distill.measure import check_fits
+    from pipeline.build import meta_counts, teacher_config
+    from pipeline.recipe import RecipeError
+
+    cfg = teacher_config(load_recipe(ROOT / "recipes" / "1.3b.yaml", ["model.hidden=16384", "model.heads=128"]))
+    size = meta_counts(cfg)["total"] * 2 / 2**30  # bf16: ~8 TiB, more than any host here
+    with pytest.raises(RecipeError, match=rf"--measure = 'runs/big/teacher': plan --measure holds the whole teacher "
+                                          rf"on one device: {size:.1f} GiB in bfloat16, with .* GiB free on cpu"):
+        check_fits(cfg, torch.bfloat16, torch.device("cpu"), "runs/big/teacher")
+    check_fits(teacher_config(load_recipe(ROOT / "recipes" / "tiny.yaml")), torch.float32, torch.device("cpu"))
