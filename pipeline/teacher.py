@@ -35,13 +35,12 @@ STAGE = "teacher"
 
 
 def prepare(recipe: Recipe, ranks: Ranks) -> data_lib.PreparedData:
-    """Tokenize once (local rank 0 builds the cache, the others then read it)."""
+    """Tokenize once: every rank asks for the cache; the first builds it under the cache's file lock while the others
+    wait on the lock, not in a collective (whose 30-minute timeout a paper-scale corpus outlasts), then read it. A
+    failed build fails each rank the same way. On several nodes each node's ranks share their node's cache (or one
+    on shared storage)."""
     try:
-        if ranks.local_rank == 0:
-            prepared = data_lib.prepare_data(recipe.data, cache_root())
-        barrier()
-        if ranks.local_rank != 0:
-            prepared = data_lib.prepare_data(recipe.data, cache_root())
+        prepared = data_lib.prepare_data(recipe.data, cache_root())
     except ValueError as err:  # data errors name their recipe key
         raise RecipeError.from_message(str(err)) from None
     if prepared.vocab_size > recipe.vocab_size():

@@ -215,7 +215,9 @@ def _mapped(name_map: dict[str, list[str]], name: str, src: Path) -> list[str]:
 def read_source(stage_dir: Path) -> tuple[Path, dict[str, list[str]]]:
     """(the checkpoint directory, the name map) that `stage_dir/source.json` records, after checking each recorded
     file is still there with the size and modification time it had when its sha256 was taken (a ValueError names
-    the file and the fix). Hashing is the teacher stage's, once: a load never re-reads the whole checkpoint."""
+    the file and the fix). Hashing is the teacher stage's, once: a load never re-reads the whole checkpoint, except
+    a file whose modification time differs (a copy on another node's own disk, made at another time): that file is
+    hashed, once per machine (`_same_contents`), and read if its sha256 is the recorded one."""
     record = json.loads((Path(stage_dir) / SOURCE).read_text())
     src = Path(record["path"])
     redo = (f"the teacher stage ({stage_dir}) recorded it from {src} with its sha256; restore that file, or record "
@@ -226,11 +228,30 @@ def read_source(stage_dir: Path) -> tuple[Path, dict[str, list[str]]]:
             st = path.stat()
         except OSError:
             raise ValueError(f"{path}: missing: {redo}") from None
-        if (st.st_size, st.st_mtime_ns) != (facts["size"], facts["mtime_ns"]):
-            what = (f"{st.st_size} bytes, {facts['size']} when recorded" if st.st_size != facts["size"]
-                    else "modified since it was recorded")
-            raise ValueError(f"{path}: {what}: {redo}")
+        if st.st_size != facts["size"]:
+            raise ValueError(f"{path}: {st.st_size} bytes, {facts['size']} when recorded: {redo}")
+        if st.st_mtime_ns != facts["mtime_ns"] and not _same_contents(path, st, facts["sha256"]):
+            raise ValueError(f"{path}: modified since it was recorded (its sha256 differs): {redo}")
     return src, record["name_map"]
+
+
+def _same_contents(path: Path, st: os.stat_result, sha256: str) -> bool:
+    """Whether `path` (whose modification time is not the recorded one) has the recorded `sha256`. A match is kept
+    as a stamp in this machine's data cache, keyed by the path, size, modification time and inode, so that the
+    file is hashed once per machine, not at every load; any change to the file makes a new key."""
+    import hashlib
+
+    from pipeline.artifacts import cache_root
+
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{sha256}".encode()).hexdigest()
+    stamp = cache_root() / "verified" / key
+    if stamp.is_file():
+        return True
+    if sha256_file(path) != sha256:
+        return False
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(stamp, json.dumps({"path": str(path.resolve()), "sha256": sha256}))
+    return True
 
 
 def file_facts(src: Path, names: list[str]) -> dict[str, dict]:

@@ -107,12 +107,24 @@ def test_distill_on_a_hugging_face_teacher_then_export_it_in_its_family(family, 
         assert main("export", str(run), "--stage", "teacher", "--out", str(tmp_path / "teacher-pkg"))[0] == 0
         shard = checkpoints[family] / "model.safetensors"
         st = shard.stat()
+        # the same bytes with another modification time (a node's own copy of the checkpoint): hashed, then read
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
         try:
-            rc, err = main("export", str(run), "--stage", "teacher", "--out", str(tmp_path / "again"))
+            assert main("export", str(run), "--stage", "teacher", "--out", str(tmp_path / "copy"))[0] == 0
+            with open(shard, "r+b") as f:  # one byte of the last tensor changed, the size kept
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 1]))
+            try:
+                rc, err = main("export", str(run), "--stage", "teacher", "--out", str(tmp_path / "again"))
+            finally:
+                with open(shard, "r+b") as f:
+                    f.seek(-1, os.SEEK_END)
+                    f.write(last)
         finally:
             os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
-        assert rc == 2 and "modified since it was recorded" in err and "teacher RECIPE --redo" in err
+        assert rc == 2 and "modified since it was recorded (its sha256 differs)" in err and "teacher RECIPE --redo" in err
 
 
 @pytest.mark.slow
