@@ -87,6 +87,8 @@ def check_amx(gemv):
                 assert got.dtype == torch.bfloat16 and got.shape == (rows, out_f)
                 torch.testing.assert_close(got.float(), ref, atol=1e-2 * in_f ** 0.5, rtol=1e-2)
                 assert torch.equal(got[:1], alone)
+    # expert_mlps' AMX path: experts of more rows than one pass (9-40; 1 and 3 stay on VDPBF16PS), widths of 32s
+    check_experts(gemv, C=256, width=96, counts=(1, 9, 40, 17, 3, 32))
     with pytest.raises(RuntimeError, match="in a multiple of 32"):
         gemv.amx_pack(torch.randn(8, 40).bfloat16())
     with pytest.raises(RuntimeError, match=r"packed is amx_pack of a \[40, 64\] weight"):
@@ -115,15 +117,15 @@ def check_kernel(gemv):
         gemv.linear(torch.randn(1, 16).double(), torch.randn(8, 16).double(), None)
 
 
-def check_experts(kernel):
+def check_experts(kernel, C=200, width=70, counts=(1, 3, 5, 2, 9, 4)):
     """expert_mlps of this build against the experts one at a time (F.linear, F.silu or F.gelu, F.linear): SwiGLU
     and GeLU, with and without biases, experts of 1 to 9 rows (past the kernel's 4 a pass), a width off the
     kernel's blocks, both dtypes; bf16 equal to the bit where F.linear's sums round alike."""
     torch.manual_seed(0)
+    counts = list(counts)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for swiglu in (True, False):
             for bias in (False, True):
-                C, width, counts = 200, 70, [1, 3, 5, 2, 9, 4]
                 weights = []
                 for _ in counts:
                     w1 = torch.randn((2 if swiglu else 1) * width, C).to(dtype)

@@ -249,6 +249,17 @@ class FusedQKV:
 GROUPED_MAX_ROWS = 16  # experts' mean rows up to which `expert_mlps` runs a layer's experts (more: oneDNN's GEMM)
 
 
+def grouped_max_rows(x: torch.Tensor) -> int:
+    """Experts' mean rows up to which `expert_mlps` runs a layer's experts over x's rows: GROUPED_MAX_ROWS (a decode
+    batch's), or any number for bf16 on a CPU with AMX (its experts of more rows than a pass of VDPBF16PS go to AMX
+    tiles that read the expert's weight as it is: a prefill too, in one call where oneDNN took two GEMMs and ~10
+    operators an expert)."""
+    k = kernel()
+    if k is not None and hasattr(k, "amx_ready") and x.dtype == torch.bfloat16 and k.amx_ready():
+        return 1 << 40
+    return GROUPED_MAX_ROWS
+
+
 def _kernel_has(op: str, x: torch.Tensor) -> bool:
     """Whether the kernel is here with `op` and takes x: on the CPU, fp32 or bf16."""
     k = kernel()
@@ -257,8 +268,9 @@ def _kernel_has(op: str, x: torch.Tensor) -> bool:
 
 def grouped_experts(x: torch.Tensor, counts: list[int]) -> bool:
     """Whether `expert_mlps` runs these experts: the kernel is here, x is on the CPU in its dtype, and the experts
-    have few rows each (a decode batch's; a prefill's go one expert at a time to oneDNN's GEMM)."""
-    return _kernel_has("expert_mlps", x) and bool(counts) and sum(counts) <= GROUPED_MAX_ROWS * len(counts)
+    have few rows each (a decode batch's; a prefill's go one expert at a time to oneDNN's GEMM), or any number in
+    bf16 where the kernel has AMX (`grouped_max_rows`)."""
+    return _kernel_has("expert_mlps", x) and bool(counts) and sum(counts) <= grouped_max_rows(x) * len(counts)
 
 
 def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu: bool) -> torch.Tensor:
@@ -270,9 +282,10 @@ def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu
 
 def local_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
     """Whether `routed_layer` runs an MoE layer over these tokens: the kernel is here, x is on the CPU in its
-    dtype, the gate fp32, and the batch a decode batch's (a prefill's tokens go one expert at a time to oneDNN)."""
+    dtype, the gate fp32, and the batch a decode batch's (a prefill's tokens go one expert at a time to oneDNN) or
+    any batch in bf16 where the kernel has AMX (`grouped_max_rows`)."""
     return (_kernel_has("routed_experts", x) and 0 < x.shape[0] and wg.dtype == torch.float32
-            and x.shape[0] * top_k <= GROUPED_MAX_ROWS * wg.shape[0])
+            and x.shape[0] * top_k <= grouped_max_rows(x) * wg.shape[0])
 
 
 def routed_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int, renormalize: bool, weights_of,
@@ -292,7 +305,7 @@ def gathered_layer(total: int, x: torch.Tensor, wg: torch.Tensor, top_k: int) ->
     every rank (the same answer on every rank: nothing here depends on this rank's own rows): the kernel is here,
     x on the CPU in its dtype, the gate fp32, and a decode-sized batch."""
     return (_kernel_has("expert_pairs", x) and 0 < total and wg.dtype == torch.float32
-            and total * top_k <= GROUPED_MAX_ROWS * wg.shape[0])
+            and total * top_k <= grouped_max_rows(x) * wg.shape[0])
 
 
 def route(x: torch.Tensor, wg: torch.Tensor, top_k: int, renormalize: bool):

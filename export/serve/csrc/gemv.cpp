@@ -431,6 +431,200 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
   return y;
 }
 
+// -- bf16 linears for 2 to AMX_MAX_ROWS rows on CPUs with AMX (Intel Sapphire Rapids on) -------------------------
+//
+// VDPBF16PS above does 32 multiply-adds per 64 bytes of weight and row: at 8 rows and more the kernel is compute-
+// bound (the bf16 lm_head at 8 rows read 8.3 GB/s where 1 row reads 13.7), and oneDNN's AMX GEMM reached 4-6 GB/s
+// at 8-32 rows on a 2-core Sapphire Rapids. AMX's TDPBF16PS multiplies a 16 x 32 tile of rows by a 32 x 16 tile of
+// the weight (8192 multiply-adds) in one instruction, so a weight streamed once serves 32 rows at the memory's
+// speed. The weight is kept in a second copy packed for it (`amx_pack`: the tiles one after another in the order
+// a thread reads them; it takes the place of oneDNN's packed copy). Each thread takes pairs of 16-output blocks:
+// for every 32 rows, 4 accumulator tiles (2 row tiles x 2 output blocks) over the whole input, fp32 sums, the
+// bias added in fp32, one rounding to bf16. A row's sums do not depend on how many rows come with it.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+constexpr int64_t AMX_MAX_ROWS = 256;  // more rows: oneDNN's GEMM (as fast or faster from ~512 rows here)
+
+// Linux hands the AMX tile state to a process only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool amx_ready() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: sums (row tile r, output block j) = 2r + j; 4-5: the row tiles; 6-7: the weight's two output blocks.
+static TileConfig tile_config(int rows) {
+  TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  const int r0 = std::min(rows, 16), r1 = rows - r0;
+  for (int t : {0, 1, 4}) c.rows[t] = r0, c.colsb[t] = 64;
+  for (int t : {6, 7}) c.rows[t] = 16, c.colsb[t] = 64;
+  if (r1 > 0)
+    for (int t : {2, 3, 5}) c.rows[t] = r1, c.colsb[t] = 64;
+  return c;
+}
+
+// w [O, I] bf16 (I a multiple of 32) -> for each pair of 16-output blocks (O padded with zeros to 32), for each 32
+// inputs, two 16 x 32 tiles: tile row p holds the block's 16 outputs' inputs 2p and 2p + 1, side by side.
+torch::Tensor amx_pack(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) % 32 == 0,
+              "amx_pack: a contiguous bf16 [out, in] weight, in a multiple of 32");
+  const int64_t O = w.size(0), I = w.size(1), pairs = (O + 31) / 32, KB = I / 32;
+  torch::Tensor packed = torch::zeros({pairs * KB * 1024}, w.options());
+  const B16* src = w.data_ptr<B16>();
+  B16* dst = packed.data_ptr<B16>();
+  at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
+    for (int64_t np = b; np < e; ++np)
+      for (int64_t kb = 0; kb < KB; ++kb)
+        for (int64_t o = np * 32; o < std::min(O, np * 32 + 32); ++o) {
+          B16* tile = dst + (np * KB + kb) * 1024 + ((o - np * 32) / 16) * 512 + (o % 16) * 2;
+          const B16* in = src + o * I + kb * 32;
+          for (int p = 0; p < 16; ++p) tile[p * 32] = in[2 * p], tile[p * 32 + 1] = in[2 * p + 1];
+        }
+  });
+  return packed;
+}
+
+// Rows [m0, m0 + rows), rows <= 32, times one pair of output blocks (tiles at t, I / 32 pairs of them), into c.
+static inline void amx_block(const B16* x, const B16* t, int64_t I, int rows, float (*c)[32]) {
+  const bool two = rows > 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < I / 32; ++kb, t += 1024) {
+    for (int l = 0; l < 32; ++l) _mm_prefetch(reinterpret_cast<const char*>(t) + 2048 + 64 * l, _MM_HINT_T0);
+    _tile_loadd(4, x + kb * 32, I * 2);
+    if (two) _tile_loadd(5, x + 16 * I + kb * 32, I * 2);
+    _tile_loadd(6, t, 64);
+    _tile_loadd(7, t + 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, &c[0][0], 128);
+  _tile_stored(1, &c[0][16], 128);
+  if (two) {
+    _tile_stored(2, &c[16][0], 128);
+    _tile_stored(3, &c[16][16], 128);
+  }
+}
+
+// x [M, I] (2 <= M <= AMX_MAX_ROWS) bf16 contiguous, packed = amx_pack(w) of w [O, I]; bias [O] bf16 or None.
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t O,
+                         const c10::optional<torch::Tensor>& bias) {
+  RECORD_FUNCTION("moe_pipeline::amx_linear", std::vector<c10::IValue>({x, packed}));
+  TORCH_CHECK(amx_ready(), "amx_linear: the kernel did not give this process the AMX tile state");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) % 32 == 0 &&
+                  x.size(0) >= 1 && x.size(0) <= AMX_MAX_ROWS,
+              "amx_linear: x [1 to ", AMX_MAX_ROWS, " rows, in], contiguous bf16, in a multiple of 32");
+  const int64_t M = x.size(0), I = x.size(1), pairs = (O + 31) / 32;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.numel() == pairs * I * 32,
+              "amx_linear: packed is amx_pack of a [", O, ", ", I, "] weight");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == O,
+                "amx_linear: a contiguous bf16 bias, one per output");
+  torch::Tensor y = torch::empty({M, O}, x.options());
+  const B16* xb = x.data_ptr<B16>();
+  const B16* pb = packed.data_ptr<B16>();
+  const B16* bb = has_bias ? bias->data_ptr<B16>() : nullptr;
+  B16* yb = y.data_ptr<B16>();
+  const TileConfig full = tile_config(32), tail = tile_config(M % 32);
+  // at least ~2 MB of weight a thread, as `grain`
+  at::parallel_for(0, pairs, std::max<int64_t>(1, (int64_t(2) << 20) / (I * 64)), [&](int64_t b, int64_t e) {
+    alignas(64) float c[32][32];
+    const TileConfig* loaded = nullptr;
+    for (int64_t np = b; np < e; ++np) {
+      const int64_t o0 = np * 32, on = std::min<int64_t>(32, O - o0);
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
+        const TileConfig* want = rows == 32 ? &full : &tail;
+        if (want != loaded) {
+          _tile_loadconfig(want);
+          loaded = want;
+        }
+        amx_block(xb + m0 * I, pb + np * I * 32, I, rows, c);
+        for (int m = 0; m < rows; ++m)
+          for (int64_t o = 0; o < on; ++o)
+            yb[(m0 + m) * O + o0 + o] = static_cast<B16>(bb ? c[m][o] + static_cast<float>(bb[o0 + o]) : c[m][o]);
+      }
+    }
+    if (loaded) _tile_release();
+  });
+  return y;
+}
+// The experts' rows for AMX, where an expert has more rows than VDPBF16PS's passes take well (a prefill's): here
+// the weight is the first operand, read as it is (a 16 x 32 tile is 16 outputs' next 32 inputs, rows I apart: no
+// second copy of any expert), and the expert's rows are packed for the second (`amx_pack_rows`, once per pass).
+// Row chunks of 16 (the last padded with zeros), for each 32 inputs a 16 x 32 tile whose row p holds the chunk's
+// 16 rows' inputs 2p and 2p + 1 side by side.
+static void amx_pack_rows(const B16* x, int64_t rows, int64_t I, B16* out) {
+  const int64_t KB = I / 32;
+  const B16 zero(0.0f);
+  for (int64_t c = 0; c * 16 < rows; ++c)
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      B16* tile = out + (c * KB + kb) * 512;
+      for (int j = 0; j < 16; ++j) {
+        const int64_t r = c * 16 + j;
+        const B16* in = x + r * I + kb * 32;
+        for (int p = 0; p < 16; ++p) {
+          tile[p * 32 + 2 * j] = r < rows ? in[2 * p] : zero;
+          tile[p * 32 + 2 * j + 1] = r < rows ? in[2 * p + 1] : zero;
+        }
+      }
+    }
+}
+
+// Sums [output o][row j] of outputs [0, n) (n <= 32: the weight's rows at w, I apart) against `chunks` (1 or 2)
+// packed row chunks at xp, into c. Tiles 0-3: sums (output tile i, chunk j) = 2i + j; 4-5: the weight; 6-7: rows.
+static void amx_weight_rows(const B16* w, int n, const B16* xp, int chunks, int64_t I, float (*c)[32]) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  for (int t : {0, 1, 4}) cfg.rows[t] = std::min(n, 16);
+  for (int t : {2, 3, 5}) cfg.rows[t] = std::max(n - 16, 0);
+  for (int t : {6, 7}) cfg.rows[t] = 16;
+  for (int t = 0; t < 8; ++t)
+    if (!cfg.rows[t]) cfg.colsb[t] = 0;
+  _tile_loadconfig(&cfg);
+  const int64_t KB = I / 32;
+  const bool hi = n > 16, two = chunks > 1;
+  _tile_zero(0);
+  if (two) _tile_zero(1);
+  if (hi) _tile_zero(2);
+  if (hi && two) _tile_zero(3);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    _tile_loadd(4, w + kb * 32, I * 2);
+    if (hi) _tile_loadd(5, w + 16 * I + kb * 32, I * 2);
+    _tile_loadd(6, xp + kb * 512, 64);
+    if (two) _tile_loadd(7, xp + (KB + kb) * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) _tile_dpbf16ps(1, 4, 7);
+    if (hi) _tile_dpbf16ps(2, 5, 6);
+    if (hi && two) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, &c[0][0], 128);
+  if (two) _tile_stored(1, &c[0][16], 128);
+  if (hi) _tile_stored(2, &c[16][0], 128);
+  if (hi && two) _tile_stored(3, &c[16][16], 128);
+}
+#endif
+
 // -- the routed experts of one MoE layer, in one call -------------------------------------------------------------
 //
 // Decode batches give each expert a few rows: called one expert at a time from Python, a layer of 16 experts cost
@@ -507,15 +701,75 @@ static void expert_mlps_typed(const torch::Tensor& x, const std::vector<int64_t>
   T* ap = act.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   auto passes = [](int64_t rows) { return (rows + MAX_ROWS - 1) / MAX_ROWS; };
+  // AMX (bf16, where this build and the process have it): the experts with more rows than one pass of MAX_ROWS,
+  // their rows packed once per fc (`amx_pack_rows`), `chunk[e]` their first row chunk of 16 (-1: no AMX)
+  std::vector<int64_t> chunk(E + 1, -1);
+  int64_t chunks = 0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (std::is_same<T, B16>::value) {
+    if (C % 32 == 0 && F % 32 == 0 && amx_ready())
+      for (int64_t e = 0; e < E; ++e)
+        if (counts[e] > MAX_ROWS) chunk[e] = chunks, chunks += (counts[e] + 15) / 16;
+  }
+#endif
+  torch::Tensor packed = torch::empty({chunks * std::max(C, F) * 16}, x.options());
+  auto pack = [&](const T* rows, int64_t I) {  // each AMX expert's rows, in parallel
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (std::is_same<T, B16>::value) {
+      at::parallel_for(0, E, 1, [&](int64_t b, int64_t e1) {
+        for (int64_t e = b; e < e1; ++e)
+          if (chunk[e] >= 0) amx_pack_rows(rows + start[e] * I, counts[e], I, packed.data_ptr<T>() + chunk[e] * I * 16);
+      });
+    }
+#endif
+  };
+  // sums [output][row] of rows [r, r + rows) (rows <= 32) of AMX expert e, packed for a fc of I inputs, against the
+  // n <= 32 weight rows at w (I apart); `release` once a thread's task is done
+  auto amx_sums = [&](int64_t e, int64_t r, int rows, const T* w, int n, int64_t I, float (*c)[32]) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (std::is_same<T, B16>::value)
+      amx_weight_rows(w, n, packed.data_ptr<B16>() + (chunk[e] + r / 16) * I * 16, rows > 16 ? 2 : 1, I, c);
+#endif
+  };
+  auto release = [] {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    _tile_release();
+#endif
+  };
   std::vector<Task> tasks;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t o = 0; o < F && counts[e]; o += BLOCK)
       tasks.push_back({e, o, std::min(F, o + BLOCK), passes(counts[e]) * (std::min(F, o + BLOCK) - o)});
+  pack(xp, C);
   // fc1 and the activation: gate rows [o0, o1) and up rows F + [o0, o1) (swiglu), into act[:, o0:o1]
   run_tasks(tasks, (swiglu ? 2 : 1) * C * int64_t(sizeof(T)), [&](const Task& t) {
     const T* w = w1[t.expert].data_ptr<T>();
     const T* b = bias ? b1[t.expert].data_ptr<T>() : nullptr;
     const int64_t n = t.o1 - t.o0;
+    if (chunk[t.expert] >= 0) {
+      alignas(64) float g[32][32], up[32][32];
+      for (int64_t r = 0; r < counts[t.expert]; r += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, counts[t.expert] - r));
+        for (int64_t o0 = t.o0; o0 < t.o1; o0 += 32) {
+          const int on = static_cast<int>(std::min<int64_t>(32, t.o1 - o0));
+          amx_sums(t.expert, r, rows, w + o0 * C, on, C, g);
+          if (swiglu) amx_sums(t.expert, r, rows, w + (F + o0) * C, on, C, up);
+          for (int j = 0; j < rows; ++j)
+            for (int o = 0; o < on; ++o) {  // rounded as the passes below round
+              const T gt = static_cast<T>(g[o][j] + (b ? static_cast<float>(b[o0 + o]) : 0.0f));
+              T* out = ap + (start[t.expert] + r + j) * F + o0 + o;
+              if (swiglu) {
+                const T ut = static_cast<T>(up[o][j] + (b ? static_cast<float>(b[F + o0 + o]) : 0.0f));
+                *out = static_cast<T>(static_cast<float>(static_cast<T>(silu(static_cast<float>(gt)))) *
+                                      static_cast<float>(ut));
+              } else {
+                *out = static_cast<T>(gelu(static_cast<float>(gt)));
+              }
+            }
+        }
+      }
+      return release();
+    }
     T g[MAX_ROWS * BLOCK], u[MAX_ROWS * BLOCK];
     std::vector<float> scratch(MAX_ROWS * C);
     for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
@@ -538,10 +792,26 @@ static void expert_mlps_typed(const torch::Tensor& x, const std::vector<int64_t>
   for (int64_t e = 0; e < E; ++e)
     for (int64_t o = 0; o < C && counts[e]; o += BLOCK)
       tasks.push_back({e, o, std::min(C, o + BLOCK), passes(counts[e]) * (std::min(C, o + BLOCK) - o)});
+  pack(ap, F);
   // fc2: output columns [o0, o1) of each of the expert's rows
   run_tasks(tasks, F * int64_t(sizeof(T)), [&](const Task& t) {
     const T* w = w2[t.expert].data_ptr<T>();
     const T* b = bias ? b2[t.expert].data_ptr<T>() : nullptr;
+    if (chunk[t.expert] >= 0) {
+      alignas(64) float c[32][32];
+      for (int64_t r = 0; r < counts[t.expert]; r += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, counts[t.expert] - r));
+        for (int64_t o0 = t.o0; o0 < t.o1; o0 += 32) {
+          const int on = static_cast<int>(std::min<int64_t>(32, t.o1 - o0));
+          amx_sums(t.expert, r, rows, w + o0 * F, on, F, c);
+          for (int j = 0; j < rows; ++j)
+            for (int o = 0; o < on; ++o)
+              yp[(start[t.expert] + r + j) * C + o0 + o] =
+                  static_cast<T>(c[o][j] + (b ? static_cast<float>(b[o0 + o]) : 0.0f));
+        }
+      }
+      return release();
+    }
     std::vector<float> scratch(MAX_ROWS * F);
     for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
       const int64_t M = std::min(MAX_ROWS, start[t.expert + 1] - r);
@@ -876,143 +1146,6 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
-// -- bf16 linears for 2 to AMX_MAX_ROWS rows on CPUs with AMX (Intel Sapphire Rapids on) -------------------------
-//
-// VDPBF16PS above does 32 multiply-adds per 64 bytes of weight and row: at 8 rows and more the kernel is compute-
-// bound (the bf16 lm_head at 8 rows read 8.3 GB/s where 1 row reads 13.7), and oneDNN's AMX GEMM reached 4-6 GB/s
-// at 8-32 rows on a 2-core Sapphire Rapids. AMX's TDPBF16PS multiplies a 16 x 32 tile of rows by a 32 x 16 tile of
-// the weight (8192 multiply-adds) in one instruction, so a weight streamed once serves 32 rows at the memory's
-// speed. The weight is kept in a second copy packed for it (`amx_pack`: the tiles one after another in the order
-// a thread reads them; it takes the place of oneDNN's packed copy). Each thread takes pairs of 16-output blocks:
-// for every 32 rows, 4 accumulator tiles (2 row tiles x 2 output blocks) over the whole input, fp32 sums, the
-// bias added in fp32, one rounding to bf16. A row's sums do not depend on how many rows come with it.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-constexpr int64_t AMX_MAX_ROWS = 256;  // more rows: oneDNN's GEMM (as fast or faster from ~512 rows here)
-
-// Linux hands the AMX tile state to a process only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-bool amx_ready() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Tiles 0-3: sums (row tile r, output block j) = 2r + j; 4-5: the row tiles; 6-7: the weight's two output blocks.
-static TileConfig tile_config(int rows) {
-  TileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette = 1;
-  const int r0 = std::min(rows, 16), r1 = rows - r0;
-  for (int t : {0, 1, 4}) c.rows[t] = r0, c.colsb[t] = 64;
-  for (int t : {6, 7}) c.rows[t] = 16, c.colsb[t] = 64;
-  if (r1 > 0)
-    for (int t : {2, 3, 5}) c.rows[t] = r1, c.colsb[t] = 64;
-  return c;
-}
-
-// w [O, I] bf16 (I a multiple of 32) -> for each pair of 16-output blocks (O padded with zeros to 32), for each 32
-// inputs, two 16 x 32 tiles: tile row p holds the block's 16 outputs' inputs 2p and 2p + 1, side by side.
-torch::Tensor amx_pack(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) % 32 == 0,
-              "amx_pack: a contiguous bf16 [out, in] weight, in a multiple of 32");
-  const int64_t O = w.size(0), I = w.size(1), pairs = (O + 31) / 32, KB = I / 32;
-  torch::Tensor packed = torch::zeros({pairs * KB * 1024}, w.options());
-  const B16* src = w.data_ptr<B16>();
-  B16* dst = packed.data_ptr<B16>();
-  at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
-    for (int64_t np = b; np < e; ++np)
-      for (int64_t kb = 0; kb < KB; ++kb)
-        for (int64_t o = np * 32; o < std::min(O, np * 32 + 32); ++o) {
-          B16* tile = dst + (np * KB + kb) * 1024 + ((o - np * 32) / 16) * 512 + (o % 16) * 2;
-          const B16* in = src + o * I + kb * 32;
-          for (int p = 0; p < 16; ++p) tile[p * 32] = in[2 * p], tile[p * 32 + 1] = in[2 * p + 1];
-        }
-  });
-  return packed;
-}
-
-// Rows [m0, m0 + rows), rows <= 32, times one pair of output blocks (tiles at t, I / 32 pairs of them), into c.
-static inline void amx_block(const B16* x, const B16* t, int64_t I, int rows, float (*c)[32]) {
-  const bool two = rows > 16;
-  _tile_zero(0);
-  _tile_zero(1);
-  if (two) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t kb = 0; kb < I / 32; ++kb, t += 1024) {
-    for (int l = 0; l < 32; ++l) _mm_prefetch(reinterpret_cast<const char*>(t) + 2048 + 64 * l, _MM_HINT_T0);
-    _tile_loadd(4, x + kb * 32, I * 2);
-    if (two) _tile_loadd(5, x + 16 * I + kb * 32, I * 2);
-    _tile_loadd(6, t, 64);
-    _tile_loadd(7, t + 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (two) {
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, &c[0][0], 128);
-  _tile_stored(1, &c[0][16], 128);
-  if (two) {
-    _tile_stored(2, &c[16][0], 128);
-    _tile_stored(3, &c[16][16], 128);
-  }
-}
-
-// x [M, I] (2 <= M <= AMX_MAX_ROWS) bf16 contiguous, packed = amx_pack(w) of w [O, I]; bias [O] bf16 or None.
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t O,
-                         const c10::optional<torch::Tensor>& bias) {
-  RECORD_FUNCTION("moe_pipeline::amx_linear", std::vector<c10::IValue>({x, packed}));
-  TORCH_CHECK(amx_ready(), "amx_linear: the kernel did not give this process the AMX tile state");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) % 32 == 0 &&
-                  x.size(0) >= 1 && x.size(0) <= AMX_MAX_ROWS,
-              "amx_linear: x [1 to ", AMX_MAX_ROWS, " rows, in], contiguous bf16, in a multiple of 32");
-  const int64_t M = x.size(0), I = x.size(1), pairs = (O + 31) / 32;
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.numel() == pairs * I * 32,
-              "amx_linear: packed is amx_pack of a [", O, ", ", I, "] weight");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == O,
-                "amx_linear: a contiguous bf16 bias, one per output");
-  torch::Tensor y = torch::empty({M, O}, x.options());
-  const B16* xb = x.data_ptr<B16>();
-  const B16* pb = packed.data_ptr<B16>();
-  const B16* bb = has_bias ? bias->data_ptr<B16>() : nullptr;
-  B16* yb = y.data_ptr<B16>();
-  const TileConfig full = tile_config(32), tail = tile_config(M % 32);
-  // at least ~2 MB of weight a thread, as `grain`
-  at::parallel_for(0, pairs, std::max<int64_t>(1, (int64_t(2) << 20) / (I * 64)), [&](int64_t b, int64_t e) {
-    alignas(64) float c[32][32];
-    const TileConfig* loaded = nullptr;
-    for (int64_t np = b; np < e; ++np) {
-      const int64_t o0 = np * 32, on = std::min<int64_t>(32, O - o0);
-      for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        const int rows = static_cast<int>(std::min<int64_t>(32, M - m0));
-        const TileConfig* want = rows == 32 ? &full : &tail;
-        if (want != loaded) {
-          _tile_loadconfig(want);
-          loaded = want;
-        }
-        amx_block(xb + m0 * I, pb + np * I * 32, I, rows, c);
-        for (int m = 0; m < rows; ++m)
-          for (int64_t o = 0; o < on; ++o)
-            yb[(m0 + m) * O + o0 + o] = static_cast<B16>(bb ? c[m][o] + static_cast<float>(bb[o0 + o]) : c[m][o]);
-      }
-    }
-    if (loaded) _tile_release();
-  });
-  return y;
-}
-#endif
 
 // x [M, I] (1 <= M <= MAX_ROWS), w [O, I], both contiguous, fp32 or bf16 alike; bias [O] of that dtype or None.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
