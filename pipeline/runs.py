@@ -111,8 +111,39 @@ class RunDir:
         atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
 
 
+def check_shared_storage(work: Path, ranks: Ranks) -> None:
+    """Every rank must see the others' files in `work`: each writes its expert checkpoints and weight shards there,
+    rank 0 reads every shard to index them, and a resume reads every rank's checkpoint files. A run directory on a
+    node's own disk is refused here, on every rank, before any training (RecipeError naming --run-dir). Collective."""
+    import socket
+
+    from pipeline.dist import gather_numbers
+
+    if ranks.world == 1:
+        return
+    probes = work / ".ranks"
+    if ranks.rank == 0:  # no file of an earlier run may stand in for a rank that cannot write here
+        shutil.rmtree(probes, ignore_errors=True)
+    barrier()
+    probes.mkdir(parents=True, exist_ok=True)
+    (probes / f"{ranks.rank}").write_text(socket.gethostname())
+    barrier()
+    missing = [r for r in range(ranks.world) if not (probes / str(r)).is_file()]
+    seen = gather_numbers([float(len(missing))])
+    barrier()
+    if ranks.rank == 0:
+        shutil.rmtree(probes, ignore_errors=True)
+    if any(n[0] for n in seen):
+        blind = [r for r, n in enumerate(seen) if n[0]]
+        raise RecipeError("--run-dir", str(work.parent), f"on storage every rank shares: rank(s) {blind} do not see "
+                          f"every rank's files in {work} (a node's own disk?); DeepSpeed's checkpoints and the "
+                          f"weight shards are written by each rank and read by the others")
+
+
 def check_world_size(work: Path, ranks: Ranks) -> None:
-    """A stage resumes only at the world size it started with (its checkpoints are split that way)."""
+    """A stage resumes only at the world size it started with (its checkpoints are split that way); and its
+    directory must be on storage every rank shares (`check_shared_storage`)."""
+    check_shared_storage(work, ranks)
     path = work / "world_size"
     if path.is_file() and int(path.read_text()) != ranks.world:
         started = int(path.read_text())
