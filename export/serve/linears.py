@@ -303,9 +303,10 @@ def routed_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int, renormalize: boo
 def gathered_layer(total: int, x: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
     """Whether `route`, `expert_pairs` and `combine_pairs` run an expert-parallel MoE layer of `total` tokens over
     every rank (the same answer on every rank: nothing here depends on this rank's own rows): the kernel is here,
-    x on the CPU in its dtype, the gate fp32, and a decode-sized batch."""
+    x on the CPU in its dtype, the gate fp32, and a decode-sized batch (GROUPED_MAX_ROWS, with AMX too: a prefill's
+    [tokens, k, C] sum over the ranks would outweigh the exchange's)."""
     return (_kernel_has("expert_pairs", x) and 0 < total and wg.dtype == torch.float32
-            and total * top_k <= grouped_max_rows(x) * wg.shape[0])
+            and total * top_k <= GROUPED_MAX_ROWS * wg.shape[0])
 
 
 def route(x: torch.Tensor, wg: torch.Tensor, top_k: int, renormalize: bool):
