@@ -94,6 +94,25 @@ def make_engine(model: GPT, train: TrainSpec, world: int, monitors: dict | None 
     return engine, scheduler
 
 
+def keep_fp32_masters(engine, model: GPT) -> None:
+    """In fp16 and bf16, put the optimizer's fp32 master weights (what the optimizer updated) into `model`, in fp32:
+    the weights a stage publishes are then the trained ones, not their fp16/bf16 roundings (the MoE gates included).
+    DeepSpeed's `safe_get_full_fp32_param` assembles each from the ranks' ZeRO partitions (an expert's from its
+    expert-data-parallel group). Collective; in fp32 nothing to do."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        return
+    masters = [safe_get_full_fp32_param(p) for p in model.parameters()]  # the same order on every rank
+    missing = [n for (n, _), m in zip(model.named_parameters(), masters) if m is None]
+    if missing:
+        raise RuntimeError(f"DeepSpeed kept no fp32 master for {missing[0]} (and {len(missing) - 1} more)")
+    model.float()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), masters):
+            p.copy_(m.view_as(p))
+
+
 def lm_step(engine, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The teacher's micro-batch: LM cross-entropy + MoE aux loss."""
     out = engine(batch["input_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
@@ -229,6 +248,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
     bar.close()
     if val_loss is None:  # resumed at the very end: report the held-out loss anyway
         val_loss = evaluate(engine.module, val_data, train.eval_batches, micro, ranks)
+    keep_fp32_masters(engine, model)
     # skipped_steps: optimizer steps DeepSpeed's fp16 loss scaler skipped on overflow (kept in its checkpoints, so
     # a resumed run counts them all); 0 in fp32 and bf16
     return {"steps": train.steps, "resumed_from_step": start, "val_loss": val_loss,

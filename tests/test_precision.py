@@ -1,16 +1,18 @@
-"""The gradient norm DeepSpeed clips by includes the expert gradients, for every precision and ZeRO stage the project
-generates (2 ranks, expert parallel 2, real DeepSpeed on gloo; tests/workers/clip_norm.py), and bf16 accumulates its
-gradients in fp32."""
+"""Training in fp16 and bf16: the gradient norm DeepSpeed clips by includes the expert gradients, for every precision
+and ZeRO stage the project generates (2 ranks, expert parallel 2, real DeepSpeed on gloo; tests/workers/clip_norm.py);
+bf16 accumulates its gradients in fp32; a stage publishes the fp32 master weights, not their bf16 roundings."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env
+from conftest import ROOT, SMALL, child_env, cli, sets
 from pipeline.dist import free_port
 
 
@@ -56,3 +58,41 @@ def test_the_clip_norm_includes_the_experts_in_every_precision_and_zero_stage(tm
         assert unfused["norm"] == pytest.approx(unfused["without_experts"], rel=1e-3)
         # FusedAdam: experts in, but the engine scaled no loss, so the norm (and the update) is 1/scale of the truth
         assert fused["norm"] * fused["loss_scale"] == pytest.approx(fused["with_experts"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_bf16_teacher_publishes_its_fp32_master_weights(tmp_path):
+    """2 ranks, expert parallel 2, bf16 at ZeRO 1 (DeepSpeed's BF16 optimizer): the stage's safetensors are fp32 and
+    not bf16-rounded (bf16 is the upper half of an fp32: rounded weights have a zero lower half), gates included,
+    and a 1-process model loaded from them scores the held-out loss the run reported (in bf16)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.artifacts import read_model_config
+    from pipeline.data import PackedTokens, prepare_data
+    from pipeline.dist import Ranks
+    from pipeline.model import GPT
+    from pipeline.recipe import load_recipe
+    from pipeline.train import evaluate
+    from pipeline.weights import load_weights
+
+    run = tmp_path / "run"
+    cli("teacher", "recipes/tiny.yaml", "--nproc", "2", "--run-dir", str(run),
+        *sets(*SMALL, "teacher.train.steps=4", "teacher.train.eval_every=4", "teacher.train.checkpoint_every=4",
+              "teacher.train.precision=bf16", "teacher.train.zero_stage=1"))
+    stage = run / "teacher"
+    tensors = {}
+    for f in stage.glob("model-*.safetensors"):
+        tensors.update(load_file(f))
+    assert tensors and all(t.dtype == torch.float32 for t in tensors.values())
+    low_bits = {k: bool((t.view(torch.int32) & 0xFFFF).any()) for k, t in tensors.items() if t.numel() >= 16}
+    assert all(low_bits.values()), [k for k, v in low_bits.items() if not v]
+    assert any(".gate.wg." in k for k in low_bits) and any(".deepspeed_experts." in k for k in low_bits)
+    recipe = load_recipe(run / "recipe.yaml")
+    model = GPT(read_model_config(stage), moe_impl="reference")
+    load_weights(model, stage)
+    data = prepare_data(recipe.data, Path(os.environ["MOE_PIPELINE_CACHE"]))
+    val = PackedTokens(data.val, recipe.data.seq_len, data.eod_id)
+    done = json.loads((stage / "DONE.json").read_text())
+    loss = evaluate(model, val, batches=2, micro=4, ranks=Ranks(0, 1, 0, 1))
+    assert loss == pytest.approx(done["val_loss"], rel=2e-2)
