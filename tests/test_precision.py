@@ -51,14 +51,10 @@ def test_the_clip_norm_includes_the_experts_in_every_precision_and_zero_stage(tm
             assert c["norm"] == pytest.approx(c["mean_of_rank_norms"], rel=1e-5), c
         else:  # ZeRO's (and its BF16) optimizer: the norm of every gradient, each expert once
             assert c["norm"] == pytest.approx(c["with_experts"], rel=1e-5), c
-    if res["fp16_supported"]:  # without ZeRO (refused by the recipe): what DeepSpeed 0.19 does
-        unfused, fused = cases[("fp16", 0, "torch-adamw")], cases[("fp16", 0, "fused-adam")]
-        assert unfused["wrapper"] == "FP16_UnfusedOptimizer" and fused["wrapper"] == "FP16_Optimizer"
-        # torch's AdamW, as the project passed before: FP16_UnfusedOptimizer leaves the experts out
+    if res["fp16_supported"]:  # without ZeRO (refused by the recipe), torch's AdamW as the project passed it before:
+        unfused = cases[("fp16", 0, "torch-adamw")]  # DeepSpeed's FP16_UnfusedOptimizer leaves the experts out
+        assert unfused["wrapper"] == "FP16_UnfusedOptimizer"
         assert unfused["norm"] == pytest.approx(unfused["without_experts"], rel=1e-3)
-        # FusedAdam: experts in, but the engine scaled no loss, so the norm (and the update) is 1/scale of the truth
-        assert fused["norm"] * fused["loss_scale"] == pytest.approx(fused["with_experts"], rel=1e-3)
-
 
 @pytest.mark.slow
 def test_a_bf16_teacher_publishes_its_fp32_master_weights(tmp_path):
