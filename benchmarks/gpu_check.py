@@ -1,4 +1,4 @@
-"""The GPU check (issue 14): fp16/bf16 training, the fp16 KD gradient, serving and a serving benchmark, on CUDA.
+"""The GPU check: fp16/bf16 training, resume, the clip norm, the fp16 KD gradient, serving and a benchmark, on CUDA.
 
     bash scripts/gpu_check.sh OUT                        # the lent GPU machine: installs .gpu-wheels/, then this
     python benchmarks/gpu_check.py OUT                   # every part, on CUDA when there is a GPU (else the CPU side)
@@ -7,7 +7,7 @@
 
 Everything it measures goes to OUT: one JSON per part (`train.json`, `kd.json`, `serve.json`, `bench.json`:
 `ok`, `failures`, `seconds`, the numbers), `summary.json` (every part's ok/seconds/failures and the machine),
-`summary.txt` (the same, readable) and `logs.tar.gz` (every command's output). At most 8 files, none in a
+`summary.txt` (the same, readable) and `logs.tar.gz` (every command's output). At most 11 files, none in a
 sub-folder, as the device tool brings back. Models, runs and packages go to `--work` (default
 /tmp/moe-gpu-check-<device>), kept between calls so that a rerun part finds what an earlier one built. Exit status
 0 when every part that ran passed, 1 otherwise, 2 for bad arguments.
@@ -26,6 +26,17 @@ Parts (on CUDA, unless --device cpu or there is no GPU, where each runs its CPU 
          on its CPU (must be equal); a package of seeded random weights (the same bits on every machine: its
          weights' sha256 is checked) whose greedy tokens must equal the CPU's carried in gpu_check_cpu.json;
          `moe-pipeline eval` of the fp32 package on two bundled tasks (lm-eval travels in the wheel folder).
+  resume the tiny teacher (fp32, 1 rank, 60 steps, a checkpoint every 20) killed with SIGKILL at its first checkpoint
+         and resumed, against the same run uninterrupted: the held-out losses (bit-equal on a CPU; on CUDA DeepSpeed's
+         MoE backward adds with atomics, so equal to rounding: fails beyond 1e-3 relative).
+  norm   tests/workers/clip_norm.py on the device, 1 rank: the gradient norm DeepSpeed clips by, for every precision
+         and ZeRO stage the project generates, equals the norm with the expert gradients (fp16 with ZeRO included on
+         a GPU); torch's AdamW in fp16 without ZeRO (what the project passed before) gets the one without them.
+  serve2 serving beyond `serve`: a package with a 32,768-token context serving one long prompt (30,000 tokens on a
+         GPU, 2,000 on a CPU); a temperature request twice with one seed (the same text); an echo + logprobs request
+         (the prompt's tokens scored, the first None); `--placement reactive --resident-experts 0.5` on 1 rank (the
+         greedy tokens of the package served without placement); decode rows that leave and join the batch at
+         different steps (non-contiguous rows: 8 requests of 8 or 48 tokens, 4 more once the short ones end), tokens/s.
   bench  benchmarks/serve_bench.py on the device for the medium package of benchmarks/common.random_package
          (recipes/350m.yaml cut to 4 layers, random weights, bf16 on a GPU; a CPU-sized one on a CPU): batch-1
          decode tokens/s against the bandwidth bound (active bytes per token / measured copy bandwidth), and 16
@@ -53,7 +64,7 @@ from common import ROOT, child_env, cli_command, random_package, start_server, s
 
 sys.path.insert(1, str(ROOT))  # this checkout's pipeline/, export/ (ahead of any installed copy)
 
-PARTS = ("train", "kd", "serve", "bench")
+PARTS = ("train", "resume", "norm", "kd", "serve", "serve2", "bench")
 RECIPE = "recipes/tiny.yaml"
 STEPS = 150          # teacher and student steps of every precision (the recipe's 300, halved: the CPU run fits)
 TOLERANCE = 0.02     # bf16 and fp16 held-out losses within 2% of fp32's
@@ -197,9 +208,9 @@ def part_train(check: Check, reference: dict) -> dict:
         for p in precisions:
             finish(*start(p))
         # fp16 on a CPU: refused before anything is written (DeepSpeed's CPU accelerator has no fp16 either)
-        proc = subprocess.run([*cli_command(), "teacher", RECIPE, "--set", "teacher.train.precision=fp16",
-                               "--set", "teacher.train.zero_stage=1", "--run-dir", str(check.work / "train" / "fp16-refused")], cwd=ROOT, env=check.env(),
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([*cli_command(), "teacher", RECIPE, "--set", "teacher.train.precision=fp16", "--set",
+                               "teacher.train.zero_stage=1", "--run-dir", str(check.work / "train" / "fp16-refused")],
+                              cwd=ROOT, env=check.env(), capture_output=True, text=True, timeout=300)
         res["fp16_on_cpu"] = {"exit_status": proc.returncode, "message": (proc.stderr.strip().splitlines() or [""])[-1]}
         if proc.returncode != 2:
             res["failures"].append(f"fp16 on the CPU was not refused with exit status 2: {res['fp16_on_cpu']}")
@@ -227,6 +238,65 @@ def part_train(check: Check, reference: dict) -> dict:
             if skipped > STORM * STEPS:
                 res["failures"].append(f"{p} {stage}: the loss scaler skipped {skipped} of {STEPS} updates "
                                        f"(a skipped-step storm: limit {STORM:.0%})")
+    return res
+
+
+# -- part resume --------------------------------------------------------------------------------------------------
+
+RESUME_SETS = ["--set", "teacher.train.steps=60", "--set", "teacher.train.checkpoint_every=20", "--set",
+               "teacher.train.eval_every=60", "--set", "teacher.train.eval_batches=8"]
+
+
+def part_resume(check: Check) -> dict:
+    import signal
+
+    res: dict = {"steps": 60, "checkpoint_every": 20, "failures": []}
+    runs = {}
+    for name in ("straight", "killed"):
+        run_dir = check.work / "resume" / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [*cli_command(), "teacher", RECIPE, "--run-dir", str(run_dir), *RESUME_SETS]
+        if name == "killed":  # SIGKILL the moment DeepSpeed's `latest` names a checkpoint, then run it again
+            latest = run_dir / "teacher.partial" / "checkpoints" / "latest"
+            proc, log = check.start(cmd, "resume-killed", {"PYTHONUNBUFFERED": "1"})
+            deadline = time.monotonic() + check.timeout
+            while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            res["killed_at"] = latest.read_text().strip() if latest.exists() else None
+            if proc.returncode != -signal.SIGKILL or res["killed_at"] is None:
+                res["failures"].append(f"the run was not killed at a checkpoint (exit {proc.returncode})")
+                return res
+        check.run(cmd, f"resume-{name}")
+        runs[name] = read_json(run_dir / "teacher" / "DONE.json")
+    a, b = runs["straight"]["val_loss"], runs["killed"]["val_loss"]
+    res.update(straight_val_loss=a, resumed_val_loss=b, resumed_from_step=runs["killed"]["resumed_from_step"],
+               rel_diff=rel_diff(b, a))
+    limit = 1e-3 if check.cuda else 0.0
+    if runs["killed"]["resumed_from_step"] == 0:
+        res["failures"].append("the second run did not resume from the checkpoint")
+    if res["rel_diff"] > limit:
+        res["failures"].append(f"resumed held-out loss {b!r} vs uninterrupted {a!r}: {res['rel_diff']:.2e} "
+                               f"relative (limit {limit:g})")
+    return res
+
+
+# -- part norm ----------------------------------------------------------------------------------------------------
+
+def part_norm(check: Check) -> dict:
+    path = check.work / "clip_norm.json"
+    path.unlink(missing_ok=True)
+    check.run([sys.executable, "tests/workers/clip_norm.py", str(path)], "norm")
+    res = {**read_json(path), "failures": []}
+    for c in res["cases"]:
+        want = c["with_experts"] if c["optimizer"] == "project" else c["without_experts"]
+        c["expected"] = "with experts" if c["optimizer"] == "project" else "without experts (the old fp16 path)"
+        if not abs(c["norm"] - want) <= 1e-3 * want:
+            res["failures"].append(f"{c['precision']} ZeRO {c['zero_stage']} {c['optimizer']} ({c['wrapper']}): "
+                                   f"clip norm {c['norm']:.6g}, expected {c['expected']} {want:.6g}")
+    if check.cuda and not any(c["precision"] == "fp16" for c in res["cases"]):
+        res["failures"].append("no fp16 case ran on the GPU")
     return res
 
 
@@ -356,6 +426,88 @@ def part_serve(check: Check, reference: dict) -> dict:
     return res
 
 
+# -- part serve2 --------------------------------------------------------------------------------------------------
+
+LONG_PACKAGE = {"layers": 4, "overrides": ["model.hidden=128", "model.heads=4", "model.experts=[4, 8]",
+                                            "data.seq_len=32768"], "dtype": "fp32", "seed": 0}
+
+
+def _post(url: str, body: dict) -> dict:
+    import requests
+
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"{body.get('prompt', '')!r:.40}: HTTP {r.status_code} {r.text[:300]}")
+    return r.json()
+
+
+def part_serve2(check: Check) -> dict:
+    import concurrent.futures as cf
+
+    res: dict = {"failures": []}
+    ref_pkg = random_package(check.work / "pkg-ref", REF_PACKAGE["layers"], REF_PACKAGE["overrides"],
+                             REF_PACKAGE["dtype"], REF_PACKAGE["seed"])
+    # 1. a 32,768-token context, one long prompt
+    long_pkg = random_package(check.work / "pkg-long", LONG_PACKAGE["layers"], LONG_PACKAGE["overrides"],
+                              LONG_PACKAGE["dtype"], LONG_PACKAGE["seed"])
+    n = 30000 if check.cuda else 2000
+    proc, url = start_server(long_pkg)
+    try:
+        t0 = time.perf_counter()
+        body = _post(url, {"prompt": [int(i % 50000) for i in range(n)], "max_tokens": 8, "temperature": 0})
+        res["long_context"] = {"context": 32768, "prompt_tokens": body["usage"]["prompt_tokens"],
+                               "completion_tokens": body["usage"]["completion_tokens"],
+                               "seconds": round(time.perf_counter() - t0, 2)}
+        if body["usage"]["prompt_tokens"] != n or body["usage"]["completion_tokens"] != 8:
+            res["failures"].append(f"long prompt: usage {body['usage']}")
+    finally:
+        stop_server(proc)
+    # 2. temperature (twice, one seed), echo + logprobs, rows leaving and joining the batch
+    proc, url = start_server(ref_pkg)
+    try:
+        sampled = [_post(url, {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.8, "top_p": 0.95, "seed": 7})
+                   ["choices"][0]["text"] for _ in range(2)]
+        res["temperature"] = {"texts": sampled, "same_with_one_seed": sampled[0] == sampled[1]}
+        if sampled[0] != sampled[1]:
+            res["failures"].append(f"temperature 0.8, seed 7, twice: {sampled[0]!r} vs {sampled[1]!r}")
+        echo = _post(url, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1})
+        choice = echo["choices"][0]
+        lp = choice["logprobs"]
+        scored = len(lp["tokens"]) == echo["usage"]["prompt_tokens"] + 4 and lp["token_logprobs"][0] is None \
+            and all(x is not None for x in lp["token_logprobs"][1:])
+        res["echo_logprobs"] = {"text": choice["text"], "tokens": len(lp["tokens"]), "scored": scored}
+        if not (choice["text"].startswith(PROMPT) and scored):
+            res["failures"].append(f"echo + logprobs: {choice['text']!r}, {len(lp['tokens'])} tokens, "
+                                   f"first logprob {lp['token_logprobs'][0]!r}")
+        greedy_plain = _post(url, {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0})["choices"][0]["text"]
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(12) as pool:  # 8 at once (short and long), 4 more as the short ones end
+            first = [pool.submit(_post, url, {"prompt": f"{PROMPT} {i}", "max_tokens": 8 if i % 2 else 48,
+                                              "temperature": 0, "ignore_eos": True}) for i in range(8)]
+            for f in [f for i, f in enumerate(first) if i % 2]:
+                f.result()
+            more = [pool.submit(_post, url, {"prompt": f"{PROMPT} again {i}", "max_tokens": 24, "temperature": 0,
+                                             "ignore_eos": True}) for i in range(4)]
+            tokens = sum(f.result()["usage"]["completion_tokens"] for f in first + more)
+        seconds = time.perf_counter() - t0
+        res["rows_leaving_and_joining"] = {"requests": 12, "completion_tokens": tokens, "seconds": round(seconds, 2),
+                                           "tokens_per_s": round(tokens / seconds, 1)}
+        if tokens != 4 * 8 + 4 * 48 + 4 * 24:
+            res["failures"].append(f"rows leaving and joining: {tokens} tokens, expected {4 * 8 + 4 * 48 + 4 * 24}")
+    finally:
+        stop_server(proc)
+    # 3. expert placement with half the experts resident, 1 rank: the same greedy tokens
+    proc, url = start_server(ref_pkg, extra=["--placement", "reactive", "--resident-experts", "0.5"])
+    try:
+        placed = _post(url, {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0})["choices"][0]["text"]
+    finally:
+        stop_server(proc)
+    res["placement_reactive_half_resident"] = {"text": placed, "same_as_without": placed == greedy_plain}
+    if placed != greedy_plain:
+        res["failures"].append(f"--placement reactive --resident-experts 0.5: {placed!r}, without: {greedy_plain!r}")
+    return res
+
+
 # -- part bench ---------------------------------------------------------------------------------------------------
 
 def part_bench(check: Check) -> dict:
@@ -427,6 +579,25 @@ def lines_of(part: str, r: dict) -> list[str]:
                 out.append(f"  {p:5s} {stage:8s} held-out loss {s['val_loss']:.4f} ({s['train_seconds']:.0f}s){extra}")
         if "fp16_on_cpu" in r:
             out.append(f"  fp16 on the CPU: exit {r['fp16_on_cpu']['exit_status']}, {r['fp16_on_cpu']['message']}")
+    elif part == "resume" and "rel_diff" in r:
+        out.append(f"  killed at {r['killed_at']}, resumed from step {r['resumed_from_step']}: held-out loss "
+                   f"{r['resumed_val_loss']:.6f} vs uninterrupted {r['straight_val_loss']:.6f} ({r['rel_diff']:.1e})")
+    elif part == "norm" and "cases" in r:
+        for c in r["cases"]:
+            out.append(f"  {c['precision']} ZeRO {c['zero_stage']} {c['optimizer']:11s} {c['wrapper']:22s} clip norm "
+                       f"{c['norm']:.5f}; with experts {c['with_experts']:.5f}, without {c['without_experts']:.5f}")
+    elif part == "serve2" and "long_context" in r:
+        lc = r["long_context"]
+        out.append(f"  32,768-token context: a {lc['prompt_tokens']}-token prompt in {lc['seconds']}s")
+        out.append(f"  temperature 0.8, one seed, twice: {'the same' if r['temperature']['same_with_one_seed'] else 'different'}"
+                   f"; echo + logprobs: {r['echo_logprobs']['tokens']} tokens scored")
+        if "rows_leaving_and_joining" in r:
+            rows = r["rows_leaving_and_joining"]
+            out.append(f"  rows leaving and joining: {rows['completion_tokens']} tokens in {rows['seconds']}s, "
+                       f"{rows['tokens_per_s']} tok/s")
+        if "placement_reactive_half_resident" in r:
+            out.append(f"  --placement reactive --resident-experts 0.5: "
+                       f"{'same greedy tokens' if r['placement_reactive_half_resident']['same_as_without'] else 'DIFFERENT'}")
     elif part == "kd" and "cases" in r:
         out.append(f"  V = {r['vocab']}, {r['tokens']} tokens on {r['device']}: "
                    f"worst relative L1 {r['worst_rel_l1']:.2e}")
@@ -543,8 +714,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         print(f"[gpu-check] {part} ...", flush=True)
         try:
-            r = {"train": lambda: part_train(check, reference), "kd": lambda: part_kd(check),
-                 "serve": lambda: part_serve(check, reference), "bench": lambda: part_bench(check)}[part]()
+            r = {"train": lambda: part_train(check, reference), "resume": lambda: part_resume(check),
+                 "norm": lambda: part_norm(check), "kd": lambda: part_kd(check),
+                 "serve": lambda: part_serve(check, reference), "serve2": lambda: part_serve2(check),
+                 "bench": lambda: part_bench(check)}[part]()
         except Exception as err:  # noqa: BLE001 - a part that breaks is a failure of that part; the others still run
             (check.logs / f"{part}-error.log").write_text(traceback.format_exc())
             r = {"failures": [f"{type(err).__name__}: {err}"]}

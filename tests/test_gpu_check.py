@@ -14,9 +14,9 @@ import gpu_check  # noqa: E402
 
 
 def test_only_takes_repeated_and_comma_separated_parts_in_running_order():
-    assert gpu_check.parse_parts(None) == ["train", "kd", "serve", "bench"]
-    assert gpu_check.parse_parts(["bench,kd", "kd"]) == ["kd", "bench"]
-    with pytest.raises(ValueError, match="--only gpu: parts are train, kd, serve, bench"):
+    assert gpu_check.parse_parts(None) == ["train", "resume", "norm", "kd", "serve", "serve2", "bench"]
+    assert gpu_check.parse_parts(["bench,kd", "kd", "norm"]) == ["norm", "kd", "bench"]
+    with pytest.raises(ValueError, match="--only gpu: parts are train, resume, norm, kd, serve, serve2, bench"):
         gpu_check.parse_parts(["kd,gpu"])
     with pytest.raises(SystemExit) as exit_:
         gpu_check.main(["out", "--only", "nope"])
