@@ -68,6 +68,16 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def launch_ranks(script: str, *args: str, timeout: float = 300) -> None:
+    """Run `script ARGS` as 2 ranks through DeepSpeed's launcher (gloo on this machine), from the repository root."""
+    from pipeline.dist import free_port
+
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           "--no_local_rank", script, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run `moe-pipeline ARGS` as a user would (a real process, from the repository root)."""
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True,

@@ -33,17 +33,11 @@ def test_a_tensor_on_another_device_is_refused_before_any_collective():
 def test_the_helpers_on_two_ranks(tmp_path):
     """Real ranks (DeepSpeed's launcher, gloo, DeepSpeed's shared-memory all-reduce): what each helper delivers."""
     import json
-    import subprocess
-    import sys
 
-    from conftest import ROOT, child_env
-    from pipeline.dist import free_port
+    from conftest import launch_ranks
 
     out = tmp_path / "checks.json"
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                           str(free_port()), "--no_local_rank", "tests/workers/dist_helpers.py", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=child_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_ranks("tests/workers/dist_helpers.py", str(out))
     ranks = json.loads(out.read_text())
     assert len(ranks) == 2
     for checks in ranks:

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, child_env, cli, model_config, sets
-from pipeline.dist import free_port
+from conftest import SMALL, cli, launch_ranks, model_config, sets
 from pipeline.model import GPT, init_weights
 from pipeline.artifacts import read_model_config
 from pipeline.weights import load_weights
@@ -19,17 +16,10 @@ from pipeline.weights import load_weights
 pytestmark = pytest.mark.slow
 
 
-def launch(script: str, *args: str) -> None:
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           "--no_local_rank", script, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
 @pytest.mark.parametrize("mlp_type, top_k", [("residual", 1), ("standard", 2)])
 def test_same_weights_same_logits_at_ep1_and_ep2(tmp_path, mlp_type, top_k):
     out = tmp_path / "logits.pt"
-    launch("tests/workers/ep_parity.py", str(out), mlp_type, str(top_k))
+    launch_ranks("tests/workers/ep_parity.py", str(out), mlp_type, str(top_k))
     ep2 = torch.load(out, weights_only=True)
     cfg = model_config(mlp_type=mlp_type, top_k=top_k)
     model = GPT(cfg, moe_impl="reference")

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SMALL, child_env, cli, sets
-from pipeline.dist import free_port
+from conftest import ROOT, SMALL, cli, launch_ranks, sets
 
 
 def test_bf16_accumulates_in_fp32_and_needs_zero():
@@ -32,10 +29,7 @@ def test_bf16_accumulates_in_fp32_and_needs_zero():
 @pytest.mark.slow
 def test_the_clip_norm_includes_the_experts_in_every_precision_and_zero_stage(tmp_path):
     out = tmp_path / "norms.json"
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                           str(free_port()), "--no_local_rank", "tests/workers/clip_norm.py", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env=child_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_ranks("tests/workers/clip_norm.py", str(out), timeout=600)
     res = json.loads(out.read_text())
     cases = {(c["precision"], c["zero_stage"], c["optimizer"]): c for c in res["cases"]}
     expected = {("fp32", 0), ("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2)}
