@@ -592,15 +592,7 @@ static void amx_pack_rows(const B16* x, int64_t rows, int64_t I, B16* out) {
 // Sums [output o][row j] of outputs [0, n) (n <= 32: the weight's rows at w, I apart) against `chunks` (1 or 2)
 // packed row chunks at xp, into c. Tiles 0-3: sums (output tile i, chunk j) = 2i + j; 4-5: the weight; 6-7: rows.
 static void amx_weight_rows(const B16* w, int n, const B16* xp, int chunks, int64_t I, float (*c)[32]) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
-  for (int t : {0, 1, 4}) cfg.rows[t] = std::min(n, 16);
-  for (int t : {2, 3, 5}) cfg.rows[t] = std::max(n - 16, 0);
-  for (int t : {6, 7}) cfg.rows[t] = 16;
-  for (int t = 0; t < 8; ++t)
-    if (!cfg.rows[t]) cfg.colsb[t] = 0;
+  const TileConfig cfg = tile_config(n);  // amx_linear's tiles, the weight's outputs in place of its rows
   _tile_loadconfig(&cfg);
   const int64_t KB = I / 32;
   const bool hi = n > 16, two = chunks > 1;
