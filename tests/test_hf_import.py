@@ -147,14 +147,14 @@ def test_the_published_configurations_count_as_transformers_counts_them(family, 
 def test_every_family_gives_the_same_logits_at_ep2_in_one_launch(tmp_path):
     """DeepSpeed's MoE layer over 2 ranks (gloo), each rank reading only its experts; Qwen2-MoE and OLMoE's
     unnormalised top-k through our gate inside DeepSpeed's layer."""
-    from test_multirank import launch
+    from conftest import launch_ranks
 
     families = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
     models = {}
     for f in families:
         models[f] = family_model(f)
         models[f].save_pretrained(tmp_path / f)
-    launch("tests/workers/hf_ep_parity.py", str(tmp_path / "logits.pt"), *(str(tmp_path / f) for f in families))
+    launch_ranks("tests/workers/hf_ep_parity.py", str(tmp_path / "logits.pt"), *(str(tmp_path / f) for f in families))
     ep2 = torch.load(tmp_path / "logits.pt", weights_only=True)
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(3))
     for f in families:
