@@ -19,6 +19,7 @@ import time
 import torch
 
 from export.serve import linears
+from export.serve.decode import Decoder
 from export.serve.kv_cache import PagedCache, served_kv
 from export.serve.placement.controller import Directive
 from export.serve.placement.exchange import Exchange
@@ -45,6 +46,7 @@ class Worker:
         self.model, self.rank, self.single, self.exchange = model, rank, single, exchange
         heads, dtype, self.device = served_kv(model)
         self.cache = PagedCache(model.cfg, blocks, block_size, heads, device=self.device, dtype=dtype)
+        self.decoder = Decoder.of(model, self.cache)  # decode forwards in few kernel calls (CPU), else None
         self.samplers: dict[int, Sampler] = {}
         self.forwards = 0
         self.forward_s = 0.0  # seconds in forwards since start (model, projection, sampling)
@@ -96,7 +98,10 @@ class Worker:
             for b, row in enumerate(rows):
                 tokens[b, :counts[b]] = torch.tensor(row.tokens)
         cache = self.cache.select([r.seq for r in rows], [r.start for r in rows], counts, packed=packed)
-        out = self.model(tokens.to(self.device), cache=cache, hidden_only=True)
+        if T == 1 and rows and self.decoder is not None:  # every row one decode token
+            out = self.decoder(tokens, cache)
+        else:
+            out = self.model(tokens.to(self.device), cache=cache, hidden_only=True)
         loads = self.exchange.last_loads() if self.exchange is not None else None
         self.counts.append((out.expert_counts, loads))
         offsets = list(itertools.accumulate(counts, initial=0))

@@ -1096,6 +1096,112 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
+// -- a decode token's heads ---------------------------------------------------------------------------------------
+//
+// pipeline/model.py's Attention between its projections and its attention, for one new token per row: q, k, v [B,
+// width] (the fused projection's three parts, each row `stride` elements from the next, or three tensors) into q
+// [B, H, D], k and v [B, Hkv, D], contiguous for paged_attention; q and k normalised as its qk_norm does (q_w, k_w
+// [D]: one RMSNorm per head, "head", Qwen3-MoE; [H D] and [Hkv D]: over the whole projection, "full", OLMoE; none:
+// no norm) and rotated by cos, sin [B, D] (rotate-half RoPE; none: learned positions). Rounded to the dtype where
+// the module's operators round: the norm as `rms_norm`, RoPE's two products and their sum one by one (no fused
+// multiply-add: `kept` holds a product in a register as its own rounded value). One call where the module took
+// ~25 operators a layer (the split, two norms, two RoPEs of six operators, the transposes and copies).
+static inline float kept(float v) {
+  asm volatile("" : "+x"(v));
+  return v;
+}
+
+template <typename T>
+static void heads_rope(T* x, int64_t heads, int64_t D, const T* cos, const T* sin) {
+  const int64_t half = D / 2;
+  T rot[512];
+  for (int64_t h = 0; h < heads; ++h) {
+    T* xh = x + h * D;
+    for (int64_t d = 0; d < D; ++d) rot[d] = d < half ? static_cast<T>(-static_cast<float>(xh[d + half])) : xh[d - half];
+    for (int64_t d = 0; d < D; ++d) {
+      const T a = static_cast<T>(kept(static_cast<float>(xh[d]) * static_cast<float>(cos[d])));
+      const T b = static_cast<T>(kept(static_cast<float>(rot[d]) * static_cast<float>(sin[d])));
+      xh[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+    }
+  }
+}
+
+template <typename T>
+static void qkv_heads_typed(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const T* qw,
+                            const T* kw, int64_t qw_len, float eps, const T* cos, const T* sin, int64_t D,
+                            torch::Tensor& qo, torch::Tensor& ko, torch::Tensor& vo) {
+  const int64_t B = q.size(0), Q = q.size(1), KV = k.size(1);
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  T *qop = qo.data_ptr<T>(), *kop = ko.data_ptr<T>(), *vop = vo.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / ((Q + 2 * KV) * int64_t(sizeof(T))));
+  at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const T *qr = qp + b * q.stride(0), *kr = kp + b * k.stride(0), *vr = vp + b * v.stride(0);
+      T *qy = qop + b * Q, *ky = kop + b * KV;
+      if (qw == nullptr) {
+        std::copy(qr, qr + Q, qy);
+        std::copy(kr, kr + KV, ky);
+      } else if (qw_len == D) {  // per head
+        rms_norm_rows<T>(qr, qw, qy, D, eps, 0, Q / D);
+        rms_norm_rows<T>(kr, kw, ky, D, eps, 0, KV / D);
+      } else {  // over the whole projection
+        rms_norm_rows<T>(qr, qw, qy, Q, eps, 0, 1);
+        rms_norm_rows<T>(kr, kw, ky, KV, eps, 0, 1);
+      }
+      if (cos != nullptr) {
+        heads_rope<T>(qy, Q / D, D, cos + b * D, sin + b * D);
+        heads_rope<T>(ky, KV / D, D, cos + b * D, sin + b * D);
+      }
+      std::copy(vr, vr + KV, vop + b * KV);
+    }
+  });
+}
+
+std::vector<torch::Tensor> qkv_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     int64_t D, const c10::optional<torch::Tensor>& q_w,
+                                     const c10::optional<torch::Tensor>& k_w, double eps,
+                                     const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin) {
+  RECORD_FUNCTION("moe_pipeline::qkv_heads", std::vector<c10::IValue>({q}));
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && v.dim() == 2 && q.stride(1) == 1 && k.stride(1) == 1 &&
+                  v.stride(1) == 1 && k.sizes() == v.sizes() && q.size(0) == k.size(0) && D > 0 && D <= 512 &&
+                  D % 2 == 0 && q.size(1) % D == 0 && k.size(1) % D == 0,
+              "qkv_heads: q [B, H D], k and v [B, Hkv D], rows of unit stride; an even head size D up to 512");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && k.scalar_type() == dt && v.scalar_type() == dt &&
+                  q.device().is_cpu(), "qkv_heads: q, k, v fp32 or bf16 alike, on the CPU");
+  TORCH_CHECK(q_w.has_value() == k_w.has_value() && cos.has_value() == sin.has_value(),
+              "qkv_heads: q_w with k_w, cos with sin");
+  if (q_w.has_value()) {
+    const bool head = q_w->numel() == D && k_w->numel() == D;
+    const bool full = q_w->numel() == q.size(1) && k_w->numel() == k.size(1);
+    TORCH_CHECK((head || full) && q_w->is_contiguous() && k_w->is_contiguous() && q_w->scalar_type() == dt &&
+                    k_w->scalar_type() == dt,
+                "qkv_heads: q_w, k_w [D] (a norm per head) or [H D], [Hkv D] (over the projection), contiguous, of "
+                "q's dtype");
+  }
+  if (cos.has_value())
+    TORCH_CHECK(cos->dim() == 2 && cos->size(0) == q.size(0) && cos->size(1) == D && cos->sizes() == sin->sizes() &&
+                    cos->is_contiguous() && sin->is_contiguous() && cos->scalar_type() == dt &&
+                    sin->scalar_type() == dt,
+                "qkv_heads: cos, sin [B, D], contiguous, of q's dtype");
+  const int64_t B = q.size(0);
+  torch::Tensor qo = torch::empty({B, q.size(1) / D, D}, q.options());
+  torch::Tensor ko = torch::empty({B, k.size(1) / D, D}, q.options());
+  torch::Tensor vo = torch::empty({B, k.size(1) / D, D}, q.options());
+  AT_DISPATCH_SWITCH(dt, "qkv_heads", AT_DISPATCH_CASE(at::kFloat, [&] {
+    qkv_heads_typed<scalar_t>(q, k, v, q_w ? q_w->data_ptr<scalar_t>() : nullptr,
+                              k_w ? k_w->data_ptr<scalar_t>() : nullptr, q_w ? q_w->numel() : 0,
+                              static_cast<float>(eps), cos ? cos->data_ptr<scalar_t>() : nullptr,
+                              sin ? sin->data_ptr<scalar_t>() : nullptr, D, qo, ko, vo);
+  }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+    qkv_heads_typed<scalar_t>(q, k, v, q_w ? q_w->data_ptr<scalar_t>() : nullptr,
+                              k_w ? k_w->data_ptr<scalar_t>() : nullptr, q_w ? q_w->numel() : 0,
+                              static_cast<float>(eps), cos ? cos->data_ptr<scalar_t>() : nullptr,
+                              sin ? sin->data_ptr<scalar_t>() : nullptr, D, qo, ko, vo);
+  }));
+  return {qo, ko, vo};
+}
+
 // -- greedy sampling -------------------------------------------------------------------------------------------
 //
 // The index of each row's largest value (the first of equal ones, as torch.argmax; in a row with a NaN, the first NaN
@@ -1193,6 +1299,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_pairs", &combine_pairs, "each token's choices' outputs weighted and summed, as routed_experts");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)");
+  m.def("qkv_heads", &qkv_heads,
+        "a decode token's q, k, v split into heads, q and k normalised (qk_norm) and rotated (RoPE), as pipeline/model.py");
   m.attr("MAX_ROWS") = MAX_ROWS;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   m.def("amx_ready", &amx_ready, "whether this process may use AMX (Linux gave it the tile state)");

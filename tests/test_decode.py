@@ -1,0 +1,142 @@
+"""export/serve/decode.py's decode forward against the model's own (pipeline/model.py `GPT.forward`): the same hidden
+states to the bit, in fp32 and bf16, for every family's layers (per-head and whole-projection q/k norms, RoPE,
+grouped-query heads, q/k/v biases, a shared expert, dense layers) and for our PR-MoE GPT (learned positions,
+LayerNorm, residual MoE), rows of different lengths decoding together; and the csrc kernel `qkv_heads` against
+the module's operators."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import model_config
+from hf_checkpoints import family_model
+
+
+def served(model, tmp_path, dtype, monkeypatch):
+    """`model`'s weights through the serving runtime's loader (placed MoE layers, the CPU linears on every weight,
+    q/k/v fused, the norms' kernel): what the engine decodes with."""
+    from export.serve import linears
+    from export.serve.placement.exchange import placed_model
+    from pipeline import dist
+    from pipeline.weights import save_weights
+
+    monkeypatch.setattr(linears, "SERVE_FROM", 0)  # these small weights too
+    (tmp_path / "w").mkdir()
+    save_weights(model, tmp_path / "w")
+    return placed_model(model.cfg, tmp_path / "w", dist.init(), dtype).model
+
+
+def imported(family, tmp_path):
+    from pipeline.hf_import import load_hf_weights, model_config as hf_model_config, read_hf_config
+    from pipeline.model import GPT
+
+    family_model(family).save_pretrained(tmp_path / "hf")
+    model = GPT(hf_model_config(read_hf_config(tmp_path / "hf"))).eval()
+    load_hf_weights(model, tmp_path / "hf")
+    return model
+
+
+def pr_moe():
+    from pipeline.model import GPT, init_weights
+
+    cfg = model_config(vocab_size=128, seq_len=64, hidden=64, heads=4, experts=(2, 4), moe_layers=(1, 3))
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    init_weights(model, seed=0)
+    return model.eval()
+
+
+def check_decodes_alike(model):
+    """Three prompts prefilled by the model, then 5 decode steps of all three rows: the model's forward and the
+    Decoder's from the same cache state, equal hidden states and expert counts; each step's keys then written once
+    more by the Decoder."""
+    from export.serve.decode import Decoder
+    from export.serve.kv_cache import PagedCache, served_kv
+
+    heads, dtype, _ = served_kv(model)
+    cache = PagedCache(model.cfg, blocks=24, block_size=4, heads=heads, dtype=dtype)
+    decoder = Decoder.of(model, cache)
+    assert decoder is not None
+    gen = torch.Generator().manual_seed(1)
+    lens = [3, 9, 6]
+    for seq, n in enumerate(lens):
+        cache.extend(seq, [seq + 3 * j for j in range(4)] + [12 + seq * 4 + j for j in range(4)][:4])
+        cache.select([seq], [0], [n])
+        with torch.no_grad():
+            model(torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen), cache=cache, hidden_only=True)
+    for _ in range(5):
+        tokens = torch.randint(0, model.cfg.vocab_size, (3, 1), generator=gen)
+        with torch.no_grad():
+            want = model(tokens, cache=cache.select([0, 1, 2], lens, [1, 1, 1]), hidden_only=True)
+        got = decoder(tokens, cache.select([0, 1, 2], lens, [1, 1, 1]))
+        assert got.hidden.dtype == want.hidden.dtype and torch.equal(got.hidden, want.hidden), \
+            (got.hidden.float() - want.hidden.float()).abs().max()
+        assert len(got.expert_counts) == len(want.expert_counts)
+        assert all(torch.equal(a, b) for a, b in zip(got.expert_counts, want.expert_counts))
+        lens = [n + 1 for n in lens]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe", "mixtral"])
+def test_the_decoder_gives_the_model_s_hidden_states_for_every_family(family, dtype, tmp_path, monkeypatch):
+    check_decodes_alike(served(imported(family, tmp_path), tmp_path, dtype, monkeypatch))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decoder_gives_the_model_s_hidden_states_for_the_pr_moe(dtype, tmp_path, monkeypatch):
+    check_decodes_alike(served(pr_moe(), tmp_path, dtype, monkeypatch))
+
+
+def test_a_model_the_decoder_does_not_know_is_left_to_its_own_forward(tmp_path, monkeypatch):
+    """A q/k norm the kernel has no call for (an RMSNorm left as the module, here: its dtype differs from the
+    activations') and a cache on no kernel: no Decoder."""
+    from export.serve.decode import Decoder
+    from export.serve.kv_cache import PagedCache
+
+    model = served(imported("qwen3_moe", tmp_path), tmp_path, torch.float32, monkeypatch)
+    cache = PagedCache(model.cfg, blocks=4, block_size=4, heads=model.cfg.kv_group_heads)
+    assert Decoder.of(model, cache) is not None
+    monkeypatch.setattr(cache, "_kernel", None)
+    assert Decoder.of(model, cache) is None
+    monkeypatch.undo()
+    from pipeline.model import RMSNorm
+
+    block = model.blocks[0]
+    block.attn.q_norm = RMSNorm(block.attn.q_norm.weight.shape[0], 1e-6)
+    assert Decoder.of(model, PagedCache(model.cfg, blocks=4, block_size=4, heads=model.cfg.kv_group_heads)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["none", "head", "full"])
+def test_qkv_heads_is_the_attention_s_operators(norm, dtype):
+    """The kernel's split, q/k norm and RoPE against the serving norm (`rms_norm`) and pipeline/model.py's
+    `apply_rope` on the fused projection's output (strided views): equal to the bit, 5 rows at their own positions,
+    head size 48 (not a vector's multiple)."""
+    from export.serve import linears
+    from pipeline.model import apply_rope, rope_tables
+
+    k = linears.kernel()
+    B, H, Hkv, D = 5, 4, 2, 48
+    cfg = model_config(hidden=96, heads=H, kv_heads=Hkv, head_dim=D, positions="rope", norm="rmsnorm")
+    gen = torch.Generator().manual_seed(0)
+    qkv = (torch.randn(B, (H + 2 * Hkv) * D, generator=gen) * 3).to(dtype)
+    q, kk, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    cos, sin = rope_tables(cfg, torch.tensor([0, 3, 17, 5, 40]), dtype)  # [B, D]
+    qw = kw = None
+    if norm != "none":
+        qw, kw = (torch.randn(D if norm == "head" else n, generator=gen).to(dtype) for n in (H * D, Hkv * D))
+    wq, wk = q.contiguous(), kk.contiguous()
+    if norm == "full":
+        wq, wk = k.rms_norm(wq, qw, 1e-6), k.rms_norm(wk, kw, 1e-6)
+    wq, wk, wv = wq.reshape(B, H, D), wk.reshape(B, Hkv, D), v.reshape(B, Hkv, D)
+    if norm == "head":
+        wq, wk = k.rms_norm(wq, qw, 1e-6), k.rms_norm(wk, kw, 1e-6)
+    wq, wk = (apply_rope(t[:, :, None], cos[:, None], sin[:, None])[:, :, 0] for t in (wq, wk))
+    got = k.qkv_heads(q, kk, v, D, qw, kw, 1e-6, cos, sin)
+    for a, b in zip(got, (wq, wk, wv)):
+        assert a.shape == b.shape and a.is_contiguous() and torch.equal(a, b), (a.float() - b.float()).abs().max()
+    unrotated = k.qkv_heads(q, kk, v, D, qw, kw, 1e-6, None, None)
+    assert torch.equal(unrotated[2], wv) and not torch.equal(unrotated[0], wq)
+    with pytest.raises(RuntimeError, match="q_w, k_w"):
+        k.qkv_heads(q, kk, v, D, torch.ones(7, dtype=dtype), torch.ones(7, dtype=dtype), 1e-6, cos, sin)
