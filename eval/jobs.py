@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,8 @@ def run_cell(lm, task: str, tm, limit: float | None, bootstrap_iters: int) -> di
     t0 = time.perf_counter()
     res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, limit=limit, num_fewshot=0,
                                   bootstrap_iters=bootstrap_iters, log_samples=False, verbosity="WARNING")
+    if res is None:  # lm-eval returns the results on rank 0 only: another rank's part is done
+        return None
     keep = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
     out = {k: res[k] for k in keep if k in res}
     out["config"] = {k: v for k, v in res.get("config", {}).items() if k not in ("model",)}
@@ -122,6 +125,11 @@ def run_eval(models: list[str], tasks: list[str] | None, out: Path, batch_size: 
     out = Path(out)
     tm = task_manager(include_path)
     ok_tasks, failed = check_tasks(tm, tasks)
+    if ranks.world > 1:  # every rank runs the same cells: a task that fails to load on any rank is skipped on all
+        for rank, theirs in enumerate(dist.gather_json(failed)):
+            for task, why in theirs.items():
+                failed.setdefault(task, why if rank == ranks.rank else f"on rank {rank}: {why}")
+        ok_tasks = [t for t in ok_tasks if t not in failed]
     if ranks.rank == 0:
         for task, why in failed.items():
             print(f"[eval] {task}: skipped: {why}", flush=True)
@@ -142,10 +150,21 @@ def run_eval(models: list[str], tasks: list[str] | None, out: Path, batch_size: 
         lm.ref = type(ref)(name, ref.path, ref.stage, ref.run)
         for cell in todo:
             bar.set_postfix_str(f"{name} {cell.task}")
+            # the ranks start each cell together: rank 0 writes the last one first (lm-eval's metrics and their
+            # bootstrap run on rank 0 alone), so that a rank failing in this cell stops the job after it is kept
+            dist.barrier()
             try:
                 result = run_cell(lm, cell.task, tm, limit, bootstrap_iters)
-            except Exception as err:  # noqa: BLE001 - one cell failing does not stop the job
+            except Exception as err:  # noqa: BLE001 - on one rank, one cell failing does not stop the job
                 first = (str(err).strip().splitlines() or [""])[0]
+                if ranks.world > 1:
+                    # the other ranks may be inside this cell's collectives, waiting for this one: they cannot go on
+                    # in step. This rank exits at once (pipeline/dist.py `_shutdown`), and DeepSpeed's launcher stops
+                    # the others; the cells finished so far are on disk, and the same command resumes from them
+                    print(f"\n[eval] rank {ranks.rank}: {name} on {cell.task} failed: {type(err).__name__}: "
+                          f"{first[:200]}; stopping every rank (finished cells are kept: run again to resume)",
+                          file=sys.stderr, flush=True)
+                    raise
                 failed[f"{name}:{cell.task}"] = f"{type(err).__name__}: {first[:200]}"
                 if ranks.rank == 0:
                     print(f"\n[eval] {name} on {cell.task} failed: {type(err).__name__}: {first[:200]}", flush=True)

@@ -144,11 +144,34 @@ def quiet_cpu_accelerator() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+_FAILED = False  # an exception reached the top of this rank (`_note_failure`): its exit must not wait for a peer
+
+
+def _note_failure() -> None:
+    """Mark this rank as failing when an exception ends it (sys.excepthook runs before the atexit handlers), so that
+    `_shutdown` skips the exit barrier: the other ranks may be inside a collective this rank never joins, and a
+    barrier or destroy_process_group against them hung the exit (then the launcher, waiting for a rank to exit,
+    never stopped the others)."""
+    hook = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        global _FAILED
+        _FAILED = True
+        hook(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+
 def _shutdown() -> None:
     """At exit: leave the process group cleanly. A rank that exits with gloo's threads still up can die
-    in std::terminate ('terminate called without an active exception', SIGABRT) after its work is done."""
+    in std::terminate ('terminate called without an active exception', SIGABRT) after its work is done.
+    A failing rank (`_note_failure`) leaves at once, non-zero: DeepSpeed's launcher then stops every rank."""
     import torch.distributed as td
 
+    if _FAILED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     try:
         if td.is_initialized():
             if td.get_backend() == "gloo":  # bounded: a peer stuck elsewhere must not hang our exit
@@ -229,11 +252,12 @@ def init() -> Ranks:
             atexit.register(shutil.rmtree, store.parent, True)
             deepspeed.init_distributed(verbose=False, init_method=f"file://{store}", rank=0, world_size=1)
         else:
-            _own_shm_buffer()
-            deepspeed.init_distributed(verbose=False)
             import atexit
 
-            atexit.register(_shutdown)
+            atexit.register(_shutdown)  # first, so that it runs last (atexit's order): after the buffer's unlink
+            _note_failure()
+            _own_shm_buffer()
+            deepspeed.init_distributed(verbose=False)
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":

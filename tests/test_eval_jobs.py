@@ -102,12 +102,48 @@ def test_a_rerun_resumes_from_the_stored_cells(job, small_run, custom_tasks):
     assert cell.stat().st_mtime_ns == before and cell_removed.is_file()
 
 
+ON_RANK_1 = """import os
+
+
+def process_docs(dataset):  # the task's data, read when the job checks its tasks
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("these documents do not load on rank 1")
+    return dataset
+
+
+def doc_to_text(doc):  # the prompts, made inside the cell (the check reads the first document's alone)
+    if os.environ.get("RANK") == "1" and doc["question"].startswith("Is 5 "):
+        raise RuntimeError("this prompt fails on rank 1 alone")
+    return doc["question"]
+"""
+
+
 @pytest.mark.slow
-def test_two_ranks_expert_parallel_give_the_same_scores(small_run, job, tmp_path):
+def test_two_ranks_expert_parallel_give_the_same_scores_and_a_rank_s_failure_stops_the_job(small_run, job, tmp_path,
+                                                                                        custom_tasks):
+    """2 ranks: the scores of 1 rank. A task whose data fails to load on rank 1 alone is skipped on both ranks (they
+    run the same cells); a cell that fails on rank 1 alone, while rank 0 goes on into the cell's collectives, stops
+    the job, non-zero and promptly instead of hanging, the cells done before kept."""
     out1, _ = job
     out2 = tmp_path / "ep2"
-    cli("eval", str(small_run / "student"), "--tasks", "tiny_nextline,tiny_heldout_ppl", "--limit", "8",
-        "--batch-size", "8", "--nproc", "2", "--out", str(out2), timeout=900)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "on_rank_1.py").write_text(ON_RANK_1)
+    for name, hook in (("loads_badly_on_1", "process_docs: !function on_rank_1.process_docs"),
+                       ("fails_on_1", "doc_to_text: !function on_rank_1.doc_to_text")):
+        yaml = CUSTOM_TASK.format(data=custom_tasks / "data.jsonl").replace("task: my_yes_no", f"task: {name}")
+        if hook.startswith("doc_to_text"):
+            yaml = yaml.replace('doc_to_text: "{{question}}"\n', "")
+        (tasks / f"{name}.yaml").write_text(yaml + hook + "\n")
+    proc = cli("eval", str(small_run / "student"), "--tasks",
+               "tiny_nextline,tiny_heldout_ppl,loads_badly_on_1,fails_on_1", "--include-path", str(tasks), "--limit",
+               "8", "--batch-size", "8", "--nproc", "2", "--out", str(out2), timeout=900, check=False)
+    assert "[eval] loads_badly_on_1: skipped: on rank 1: " in proc.stdout
+    assert proc.returncode != 0
+    assert "rank 1: small/student on fails_on_1 failed: RuntimeError: this prompt fails on rank 1 alone; " \
+           "stopping every rank" in proc.stderr
+    assert sorted(p.name for p in (out2 / "cells" / "small__student").iterdir()) == \
+        ["tiny_heldout_ppl.json", "tiny_nextline.json"]
     one = json.loads((out1 / "results.json").read_text())["small/student"]["results"]
     two = json.loads((out2 / "results.json").read_text())["small/student"]["results"]
     assert two["tiny_nextline"]["acc,none"] == one["tiny_nextline"]["acc,none"]
