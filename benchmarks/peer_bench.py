@@ -7,16 +7,21 @@
 The model is a random Qwen3-MoE checkpoint made with transformers (hidden 1024, 4 layers, 16 experts top-2 on every
 layer, 16/4 heads of 64, GPT-2's tokenizer in 50,304 rows, bf16, ~529 MB; norms and routers perturbed so that routing
 matters), cached under --work with the two conversions of it: our package (`load_hf_teacher` -> a stage ->
-`export_package`, bf16) and a bf16 GGUF (llama.cpp's convert_hf_to_gguf.py). The servers run one after another on
-127.0.0.1, each on every core of this machine (vLLM: VLLM_CPU_OMP_THREADS_BIND, llama.cpp: -t/-tb, ours:
-OMP_NUM_THREADS), their logs under --out. Each gets one warm-up request, then:
+`export_package`, bf16) and a bf16 GGUF (llama.cpp's convert_hf_to_gguf.py). The three servers are up side by side
+on 127.0.0.1, each on every core of this machine (vLLM: VLLM_CPU_OMP_THREADS_BIND, llama.cpp: -t/-tb, ours:
+OMP_NUM_THREADS), their logs under --out, and only the one being measured runs: the others are paused (SIGSTOP).
+Each gets one warm-up request and the agreement prompts; then each concurrency runs the three in turn, --rounds
+times (the memory's speed on these shared machines drifts by up to 2x within minutes: interleaved rounds share
+it out), and each figure is the median over the rounds:
   - agreement: 16 fixed prompts as token ids, 16 greedy tokens each (ignore_eos) with the top-5 log-probs of every
     token, against each other and against transformers' own greedy decoding of the checkpoint in fp32. Our server
     names tokens by their text, so tokens are compared by text (two ids that decode to the same text, e.g. "\ufffd"
     of a partial UTF-8 byte, count as one);
   - throughput: vLLM's own `vllm bench serve` client (openai backend, /v1/completions, streaming, random prompts
     of --input-len tokens, --output-len tokens each with ignore_eos, temperature 0, --concurrency in flight, a new
-    seed per run so that no prompt is in a prefix cache).
+    seed per run so that no prompt is in a prefix cache). Output tokens are counted as generated, --output-len a
+    request for every server (the client's own count re-tokenizes a stream that carries no `usage`, llama.cpp's, and
+    finds ~4% more); TPOT per request is (latency - TTFT) / (--output-len - 1).
 Prints the CPU (model name, avx512f / avx512_bf16 / amx_tile), a throughput table (output tok/s and TPOT p50 per
 server, our ratios), a latency table (TTFT p50/p99, TPOT p99, failures) and the agreement table; writes
 peer_bench.json and peer_bench.png (tok/s and TTFT p50 against concurrency) under --out.
@@ -201,8 +206,9 @@ def serving(name: str, cmd: list[str], env: dict, port: int, log: Path, ready_s:
                     break
             time.sleep(1)
         print(f"[{name}] up in {time.perf_counter() - t0:.0f} s at {url}", flush=True)
-        yield url
+        yield url, proc.pid
     finally:
+        os.killpg(proc.pid, signal.SIGCONT)  # a paused server (`paused`) stops as a running one
         os.killpg(proc.pid, signal.SIGTERM)  # the server's own group: vLLM's engine process goes with it
         try:
             proc.wait(timeout=60)
@@ -242,6 +248,17 @@ def serve_llama(gguf_file: Path, cores: int, log: Path):
     return serving("llama", cmd, child_env(), port, log)
 
 
+@contextlib.contextmanager
+def running(group: int):
+    """The server whose process group is `group` running (SIGCONT) for the block, paused (SIGSTOP) before and after:
+    the servers stay up side by side, only the measured one runs (no idle server's thread spins on a core)."""
+    os.killpg(group, signal.SIGCONT)
+    try:
+        yield
+    finally:
+        os.killpg(group, signal.SIGSTOP)
+
+
 # -- the client and the agreement ----------------------------------------------------------------------------------
 
 def served_model(url: str) -> str:
@@ -274,11 +291,38 @@ def bench_client(url: str, model: str, ckpt: Path, concurrency: int, prompts: in
     run_logged(cmd, out / f"{name}.log", timeout=3 * 3600, append=False)
     r = json.loads((out / f"{name}.json").read_text())
     lens = [n for n in r.get("output_lens", []) if n]
-    return {"concurrency": concurrency, "prompts": prompts, "tok_s": r["output_throughput"],
-            "ttft_p50_ms": r["p50_ttft_ms"], "ttft_p99_ms": r["p99_ttft_ms"], "tpot_p50_ms": r["p50_tpot_ms"],
-            "tpot_p99_ms": r["p99_tpot_ms"], "completed": r["completed"], "failed": r["failed"],
-            "mean_output_len": sum(lens) / len(lens) if lens else 0.0, "duration_s": r["duration"],
-            "errors": sorted({e.strip()[:300] for e in r.get("errors", []) if e})}
+    # every server generates exactly output_len tokens a request (ignore_eos, max_tokens): counted so for all three,
+    # where the client counts a stream without `usage` by re-tokenizing its text (llama.cpp's: ~4% more)
+    tpot = sorted((lat - ttft) * 1e3 / (output_len - 1) for lat, ttft, n in
+                  zip(r.get("latencies", []), r.get("ttfts", []), r.get("output_lens", [])) if n) if output_len > 1 else []
+    return {"concurrency": concurrency, "prompts": prompts, "tok_s": r["completed"] * output_len / r["duration"],
+            "client_tok_s": r["output_throughput"], "ttft_p50_ms": r["p50_ttft_ms"], "ttft_p99_ms": r["p99_ttft_ms"],
+            "tpot_p50_ms": _percentile(tpot, 50) if tpot else r["p50_tpot_ms"],
+            "tpot_p99_ms": _percentile(tpot, 99) if tpot else r["p99_tpot_ms"], "completed": r["completed"],
+            "failed": r["failed"], "mean_output_len": sum(lens) / len(lens) if lens else 0.0,
+            "duration_s": r["duration"], "errors": sorted({e.strip()[:300] for e in r.get("errors", []) if e})}
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """numpy's default (linear) percentile of sorted values, as the client computes its own."""
+    import numpy as np
+
+    return float(np.percentile(sorted_values, q))
+
+
+def rounds_median(runs: list[dict]) -> dict:
+    """One record of several rounds' runs: each figure's median over the rounds (counts summed), the rounds' tok/s."""
+    import statistics
+
+    out = dict(runs[0])
+    for key, v in runs[0].items():
+        if key in ("completed", "failed", "prompts"):
+            out[key] = sum(r[key] for r in runs)
+        elif isinstance(v, float):
+            out[key] = statistics.median(r[key] for r in runs)
+    out["errors"] = sorted({e for r in runs for e in r["errors"]})
+    out["rounds_tok_s"] = [round(r["tok_s"], 1) for r in runs]
+    return out
 
 
 def server_greedy(url: str, model: str, server: str, tok, prompts: list[list[int]], new_tokens: int) -> list[dict]:
@@ -417,6 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, help="requests per run (default: 4 x concurrency, at least 8)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each server at each concurrency, in turn")
     ap.add_argument("--ours-args", default="", help="extra arguments for `moe-pipeline serve`, e.g. '--dtype bf16'")
     args = ap.parse_args(argv)
     for key in ("out", "work", "checkpoint", "package"):  # the children run in the repository root
@@ -454,27 +499,45 @@ def main(argv: list[str] | None = None) -> dict:
     if "llama" in servers:
         gguf_file = gguf(ckpt, derived, args.out / "convert.log")
 
-    for s in servers:
-        ctx = (serve_ours(pkg, cpu["cores"], shlex.split(args.ours_args), args.out / "ours.log") if s == "ours" else
-               serve_vllm(ckpt, cpu["cores"], args.out / "vllm.log") if s == "vllm" else
-               serve_llama(gguf_file, cpu["cores"], args.out / "llama.log"))
-        try:
-            with ctx as url:
+    with contextlib.ExitStack() as stack:
+        up = {}
+        for s in servers:  # each up, warmed, its agreement prompts, then paused while the others start
+            ctx = (serve_ours(pkg, cpu["cores"], shlex.split(args.ours_args), args.out / "ours.log") if s == "ours" else
+                   serve_vllm(ckpt, cpu["cores"], args.out / "vllm.log") if s == "vllm" else
+                   serve_llama(gguf_file, cpu["cores"], args.out / "llama.log"))
+            try:
+                url, group = stack.enter_context(ctx)
                 model = served_model(url)
                 complete(url, {"model": model, "prompt": "Warm up: one request before measuring.", "max_tokens": 16,
                                "temperature": 0})
                 greedy[SERVERS[s]] = server_greedy(url, model, s, tok, prompts, 16)
                 print(f"[{s}] agreement prompts done", flush=True)
-                for j, c in enumerate(args.concurrency if not missing["vllm"] else []):
-                    r = bench_client(url, model, ckpt, c, args.prompts or max(8, 4 * c), args.input_len,
-                                     args.output_len, seed=1000 * (j + 1), out=args.out, tag=s)
-                    results[s][c] = r
-                    print(f"[{s}] concurrency {c}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
-                          f"TPOT p50 {r['tpot_p50_ms']:.1f} ms, {r['failed']} failed"
+                os.killpg(group, signal.SIGSTOP)
+                up[s] = (url, group, model)
+            except RuntimeError as err:
+                print(f"[{s}] FAILED: {err}", flush=True)
+                results[s] = "failed"
+        # the memory's speed here drifts by 2x within minutes: each concurrency runs every server in turn, --rounds
+        # times, and each figure is the median over the rounds
+        for j, c in enumerate(args.concurrency if not missing["vllm"] else []):
+            runs: dict = {s: [] for s in up}
+            for k in range(args.rounds):
+                for s, (url, group, model) in up.items():
+                    try:
+                        with running(group):
+                            r = bench_client(url, model, ckpt, c, args.prompts or max(8, 4 * c), args.input_len,
+                                             args.output_len, seed=1000 * (j + 1) + k, out=args.out,
+                                             tag=f"{s}-r{k}")
+                    except (RuntimeError, subprocess.SubprocessError) as err:
+                        print(f"[{s}] concurrency {c} round {k + 1} FAILED: {err}", flush=True)
+                        continue
+                    runs[s].append(r)
+                    print(f"[{s}] concurrency {c} round {k + 1}: {r['tok_s']:.1f} tok/s, TTFT p50 "
+                          f"{r['ttft_p50_ms']:.0f} ms, TPOT p50 {r['tpot_p50_ms']:.1f} ms, {r['failed']} failed"
                           + (f"; errors: {r['errors']}" if r["errors"] else ""), flush=True)
-        except RuntimeError as err:
-            print(f"[{s}] FAILED: {err}", flush=True)
-            results[s] = results[s] or "failed"
+            for s in up:
+                if runs[s]:
+                    results[s][c] = rounds_median(runs[s])
 
     names = list(greedy)
     pairs = {f"{a} vs {b}": compare(greedy[a], greedy[b]) for i, a in enumerate(names) for b in names[i + 1:]}
@@ -490,8 +553,8 @@ def main(argv: list[str] | None = None) -> dict:
     miscounted = [f"{SERVERS[s]} at {c}: {r['mean_output_len']:.1f}" for s in SERVERS if isinstance(results[s], dict)
                   for c, r in results[s].items() if abs(r["mean_output_len"] / args.output_len - 1) > 0.005]
     if miscounted:  # llama.cpp's stream puts `usage` in the last chunk with `choices`, where the client misses it
-        print(f"note: where a stream carries no usage the client counts output tokens by re-tokenizing the text; mean "
-              f"counted output length (of {args.output_len} generated): {', '.join(miscounted)}")
+        print(f"note: tok/s and TPOT count the {args.output_len} tokens every request generates; the client's own count "
+              f"re-tokenizes a stream without usage (mean counted output length: {', '.join(miscounted)})")
     print(f"{args.out / 'peer_bench.json'}, {args.out / 'peer_bench.png'} ({wall:.0f} s)")
     return report
 

@@ -46,3 +46,12 @@ def test_latency_and_agreement_tables():
     agree = peer_bench.agreement_table({"ours vs vLLM CPU": {"prompts": 16, "identical": 12, "mean_prefix": 14.25,
                                                              "top5_overlap": 4.9, "max_abs_dlogprob": None}})
     assert agree.splitlines()[2] == "| ours vs vLLM CPU | 12 / 16 | 14.2 | 4.9 / 5 | - |"
+
+
+def test_rounds_median_takes_each_figure_s_median_and_sums_the_counts():
+    runs = [{**_run(t), "errors": e} for t, e in ((30.0, []), (50.0, ["timeout"]), (40.0, []))]
+    runs[1]["tpot_p50_ms"] = 20.0
+    m = peer_bench.rounds_median(runs)
+    assert m["tok_s"] == 40.0 and m["tpot_p50_ms"] == 10.0 and m["ttft_p99_ms"] == 90.0
+    assert m["completed"] == 24 and m["failed"] == 0 and m["errors"] == ["timeout"]
+    assert m["rounds_tok_s"] == [30.0, 50.0, 40.0]
