@@ -1287,28 +1287,25 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the kernels run without the GIL (they touch no Python object): the server's HTTP thread formats and sends the
-  // last step's tokens while the next step's kernels run, instead of between them
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-8 rows of x, fp32 or bf16", nogil);
+  m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-8 rows of x, fp32 or bf16");
   m.def("paged_attention", &paged_attention,
         "one new token per row: store its key and value in its row's block of a paged KV pool, attend over the "
-        "row's keys through its block table", nogil);
+        "row's keys through its block table");
   m.def("expert_mlps", &expert_mlps,
-        "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes", nogil);
-  m.def("route", &route, "an MoE layer's top-k routing: (weights, experts, tokens per expert)", nogil);
-  m.def("routed_experts", &routed_experts, "every token's routed experts and their weighted sum", nogil);
-  m.def("expert_pairs", &expert_pairs, "the (token, choice) outputs of some of the experts, zeros for the others", nogil);
-  m.def("combine_pairs", &combine_pairs, "each token's choices' outputs weighted and summed, as routed_experts", nogil);
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's", nogil);
-  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)", nogil);
+        "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes");
+  m.def("route", &route, "an MoE layer's top-k routing: (weights, experts, tokens per expert)");
+  m.def("routed_experts", &routed_experts, "every token's routed experts and their weighted sum");
+  m.def("expert_pairs", &expert_pairs, "the (token, choice) outputs of some of the experts, zeros for the others");
+  m.def("combine_pairs", &combine_pairs, "each token's choices' outputs weighted and summed, as routed_experts");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)");
   m.def("qkv_heads", &qkv_heads,
-        "a decode token's q, k, v split into heads, q and k normalised (qk_norm) and rotated (RoPE), as pipeline/model.py", nogil);
+        "a decode token's q, k, v split into heads, q and k normalised (qk_norm) and rotated (RoPE), as pipeline/model.py");
   m.attr("MAX_ROWS") = MAX_ROWS;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   m.def("amx_ready", &amx_ready, "whether this process may use AMX (Linux gave it the tile state)");
-  m.def("amx_pack", &amx_pack, "a bf16 [out, in] weight packed into AMX tiles, for amx_linear", nogil);
-  m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) for 1 to AMX_MAX_ROWS bf16 rows, w as amx_pack packed it", nogil);
+  m.def("amx_pack", &amx_pack, "a bf16 [out, in] weight packed into AMX tiles, for amx_linear");
+  m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) for 1 to AMX_MAX_ROWS bf16 rows, w as amx_pack packed it");
   m.attr("AMX_MAX_ROWS") = AMX_MAX_ROWS;
 #endif
 }
