@@ -47,17 +47,19 @@ def pr_moe():
     return model.eval()
 
 
-def check_decodes_alike(model):
+def check_decodes_alike(model, native: bool):
     """Three prompts prefilled by the model, then 5 decode steps of all three rows: the model's forward and the
     Decoder's from the same cache state, equal hidden states and expert counts; each step's keys then written once
-    more by the Decoder."""
+    more by the Decoder. `native`: the Decoder runs every layer in one kernel call (csrc/gemv.cpp `DecodeModel`);
+    its steps then alternate between that call and the layer-by-layer loop."""
     from export.serve.decode import Decoder
     from export.serve.kv_cache import PagedCache, served_kv
 
     heads, dtype, _ = served_kv(model)
     cache = PagedCache(model.cfg, blocks=24, block_size=4, heads=heads, dtype=dtype)
     decoder = Decoder.of(model, cache)
-    assert decoder is not None
+    assert decoder is not None and (decoder.native is not None) == native
+    rows = decoder.native_rows
     gen = torch.Generator().manual_seed(1)
     lens = [3, 9, 6]
     for seq, n in enumerate(lens):
@@ -65,7 +67,8 @@ def check_decodes_alike(model):
         cache.select([seq], [0], [n])
         with torch.no_grad():
             model(torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen), cache=cache, hidden_only=True)
-    for _ in range(5):
+    for step in range(5):
+        decoder.native_rows = rows if step % 2 == 0 else 0
         tokens = torch.randint(0, model.cfg.vocab_size, (3, 1), generator=gen)
         with torch.no_grad():
             want = model(tokens, cache=cache.select([0, 1, 2], lens, [1, 1, 1]), hidden_only=True)
@@ -80,12 +83,12 @@ def check_decodes_alike(model):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe", "mixtral"])
 def test_the_decoder_gives_the_model_s_hidden_states_for_every_family(family, dtype, tmp_path, monkeypatch):
-    check_decodes_alike(served(imported(family, tmp_path), tmp_path, dtype, monkeypatch))
+    check_decodes_alike(served(imported(family, tmp_path), tmp_path, dtype, monkeypatch), native=family != "qwen2_moe")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decoder_gives_the_model_s_hidden_states_for_the_pr_moe(dtype, tmp_path, monkeypatch):
-    check_decodes_alike(served(pr_moe(), tmp_path, dtype, monkeypatch))
+    check_decodes_alike(served(pr_moe(), tmp_path, dtype, monkeypatch), native=False)
 
 
 def test_a_model_the_decoder_does_not_know_is_left_to_its_own_forward(tmp_path, monkeypatch):

@@ -26,11 +26,15 @@ from pipeline.model import GPT, Output, rope_tables
 class Decoder:
     """The decode forward of one served model (see the module)."""
 
-    def __init__(self, model: GPT, kernel):
+    def __init__(self, model: GPT, kernel, cache=None):
         self.model, self.cfg, self.kernel = model, model.cfg, kernel
         self.dtype = model.wte.weight.dtype
         self.head_dim = self.cfg.head_size
         self._cos = self._sin = None  # the RoPE table: [positions, head_dim] in the model's dtype
+        # every layer in one kernel call (csrc/gemv.cpp `DecodeModel`) where it runs them all, up to `native_rows`
+        self.native, self.native_rows = _native(model, kernel, cache) if cache is not None else (None, 0)
+        self._exchange = next((block.mlp.exchange for block in model.blocks if block.is_moe), None) \
+            if self.native is not None else None  # the MoE layers' exchange: its meter and residency counts
 
     @classmethod
     def of(cls, model: GPT, cache) -> "Decoder | None":
@@ -49,7 +53,7 @@ class Decoder:
             if cfg.qk_norm != "none" and not all(isinstance(n, linears.ServingRMSNorm)
                                                  for n in (attn.q_norm, attn.k_norm)):
                 return None
-        return cls(model, kernel)
+        return cls(model, kernel, cache)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, head_dim] at positions pos [B], read from the table (grown to the next power of two)."""
@@ -71,6 +75,10 @@ class Decoder:
             x = x + model.wpe(pos)
         else:
             cos, sin = self.rope(pos)
+        if B <= self.native_rows:
+            x, counts = self._native(x, cos, sin, cache)
+            cache.advance(1)
+            return Output(logits=None, expert_counts=counts, hidden=_norm(model.ln_f, x).view(B, 1, -1))
         D = self.head_dim
         counts = []
         for i, block in enumerate(model.blocks):
@@ -94,6 +102,71 @@ class Decoder:
             x = x + h.view(B, -1)
         cache.advance(1)
         return Output(logits=None, expert_counts=counts, hidden=_norm(model.ln_f, x).view(B, 1, -1))
+
+
+    def _native(self, x, cos, sin, cache) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layers in one `DecodeModel.forward`, and the bookkeeping of each MoE layer's `Exchange.run_local`."""
+        x, counts, expert_s, ran = self.native.forward(x, cos, sin, cache._table, cache._start)
+        if not counts:
+            return x, counts
+        exchange = self._exchange
+        for i in range(len(counts)):
+            exchange.meter.observe(i, [x.shape[0] * self.cfg.top_k])
+        exchange.expert_s += expert_s
+        exchange.residency.hits += ran
+        return x, counts
+
+
+def _native(model: GPT, kernel, cache) -> tuple[object | None, int]:
+    """csrc/gemv.cpp's `DecodeModel` holding every layer's tensors, and the rows it runs (the kernels' row limits);
+    (None, 0) where a layer is not one it runs (a LayerNorm, a shared expert, a residual MoE, experts on other ranks
+    or not all resident, weights the kernels do not serve)."""
+    from export.serve.placement.exchange import PlacedMoE
+
+    cfg = model.cfg
+    if not hasattr(kernel, "DecodeModel") or cfg.mlp_type == "residual":
+        return None, 0
+    dtype = model.wte.weight.dtype
+    rows = linears.grouped_max_rows(model.wte.weight) * min(cfg.experts or [1]) // cfg.top_k
+
+    def served(w) -> bool:
+        nonlocal rows
+        if not isinstance(w, linears.ServingWeight) or w.gemv is None or w.weight.dtype != dtype:
+            return False
+        rows = min(rows, w.gemv.AMX_MAX_ROWS if w.amx is not None else w.gemv.MAX_ROWS)
+        return True
+
+    native = kernel.DecodeModel(cfg.head_size, *model.blocks[0].attn.qkv.sizes[:2], cfg.top_k,
+                                bool(cfg.renormalizes), cfg.activation == "swiglu") \
+        if isinstance(getattr(model.blocks[0].attn, "qkv", None), linears.FusedQKV) else None
+    for i, block in enumerate(model.blocks):
+        attn, mlp = block.attn, block.mlp
+        qkv, out = getattr(attn, "qkv", None), getattr(attn, "out_proj", None)
+        if not (native is not None and all(isinstance(n, linears.ServingRMSNorm) for n in (block.ln_1, block.ln_2))
+                and isinstance(qkv, linears.FusedQKV) and isinstance(out, linears.ServingLinear)
+                and served(qkv.weight) and served(out.served)):
+            return None, 0
+        qk = cfg.qk_norm != "none"
+        native.add_attention(block.ln_1.weight, block.ln_1.eps, qkv.weight.weight, qkv.weight.amx, qkv.bias,
+                             attn.q_norm.weight if qk else None, attn.k_norm.weight if qk else None,
+                             attn.q_norm.eps if qk else 0.0, out.served.weight, out.served.amx, out.bias,
+                             block.ln_2.weight, block.ln_2.eps, cache.k[i], cache.v[i])
+        if isinstance(mlp, PlacedMoE):
+            residency, wg = mlp.exchange.residency, mlp.moe.deepspeed_moe.gate.wg.weight
+            if (mlp.exchange.ep != 1 or hasattr(mlp, "shared") or wg.dtype != torch.float32
+                    or residency.resident_fraction < 1
+                    or any((mlp.index, e) not in residency.resident for e in range(mlp.num_experts))):
+                return None, 0
+            native.add_experts(wg.contiguous(), *linears._expert_tensors(
+                [residency.resident[(mlp.index, e)] for e in range(mlp.num_experts)]))
+        elif isinstance(getattr(mlp, "fc1", None), linears.ServingLinear) and \
+                isinstance(getattr(mlp, "fc2", None), linears.ServingLinear) and \
+                served(mlp.fc1.served) and served(mlp.fc2.served):
+            native.add_mlp(mlp.fc1.served.weight, mlp.fc1.served.amx, mlp.fc1.bias,
+                           mlp.fc2.served.weight, mlp.fc2.served.amx, mlp.fc2.bias)
+        else:
+            return None, 0
+    return native, rows
 
 
 def _norm_runs(module: nn.Module) -> bool:

@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -1286,6 +1287,133 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   return y;
 }
 
+// -- a whole decode forward in one call ---------------------------------------------------------------------------
+//
+// Between the kernels above, a decode step of export/serve/decode.py's `Decoder` ran ~15 Python-level operations a
+// layer (module calls, views, the residual adds, the routing's bookkeeping): ~2.5 ms of a ~14 ms batch-1 step of the
+// peer benchmark's Qwen3-MoE package on 2 cores. `DecodeModel` holds every layer's tensors (the same tensors the
+// modules hold) and runs the layers with the same kernels, the same torch operators and the same roundings, so the
+// hidden states are the Python loop's to the bit. Layers it runs: RMSNorm before attention and MLP, one fused q/k/v
+// weight (bias optional), qk-norm optional, RoPE or none, the paged pool, an out projection (bias optional), and a
+// dense MLP or an MoE layer whose experts are all on this rank (no shared expert, no residual MLP).
+
+struct DecodeLayer {
+  torch::Tensor ln1, ln2, qkv, qkv_amx, out, out_amx, K, V;
+  c10::optional<torch::Tensor> qkv_b, out_b, q_norm, k_norm;
+  double eps1, eps2, qk_eps;
+  bool moe = false, dense = false;
+  torch::Tensor wg;                           // an MoE layer: the router, every expert's tensors by index
+  std::vector<torch::Tensor> w1, b1, w2, b2;  // (b1, b2 empty without biases)
+  torch::Tensor fc1, fc1_amx, fc2, fc2_amx;   // a dense MLP
+  c10::optional<torch::Tensor> fc1_b, fc2_b;
+};
+
+// ServingWeight.linear's choice for x [rows, in]: AMX from 2 rows where the weight has a copy packed for it, else the
+// kernel (1 to MAX_ROWS rows).
+static torch::Tensor served_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& amx,
+                                   const c10::optional<torch::Tensor>& bias) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx.defined() && x.size(0) > 1) return amx_linear(x, amx, w.size(0), bias);
+#endif
+  return ::linear(x, w, bias);
+}
+
+class DecodeModel {
+ public:
+  DecodeModel(int64_t head_dim, int64_t q_size, int64_t kv_size, int64_t top_k, bool renormalize, bool swiglu)
+      : D_(head_dim), qs_(q_size), kvs_(kv_size), k_(top_k), renormalize_(renormalize), swiglu_(swiglu) {}
+
+  // A layer's attention half, the tensors as the modules hold them (`*_amx` None where the weight has no AMX copy),
+  // and its pool; then `add_experts` or `add_mlp` for its MLP half.
+  void add_attention(torch::Tensor ln1, double eps1, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_amx,
+                     c10::optional<torch::Tensor> qkv_b, c10::optional<torch::Tensor> q_norm,
+                     c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor out,
+                     c10::optional<torch::Tensor> out_amx, c10::optional<torch::Tensor> out_b, torch::Tensor ln2,
+                     double eps2, torch::Tensor K, torch::Tensor V) {
+    TORCH_CHECK(qkv.size(0) == qs_ + 2 * kvs_, "DecodeModel.add_attention: a q/k/v weight of ", qs_ + 2 * kvs_,
+                " outputs");
+    DecodeLayer L;
+    L.ln1 = ln1, L.eps1 = eps1, L.qkv = qkv, L.qkv_amx = qkv_amx.value_or(torch::Tensor()), L.qkv_b = qkv_b;
+    L.q_norm = q_norm, L.k_norm = k_norm, L.qk_eps = qk_eps, L.out = out;
+    L.out_amx = out_amx.value_or(torch::Tensor()), L.out_b = out_b, L.ln2 = ln2, L.eps2 = eps2, L.K = K, L.V = V;
+    layers_.push_back(std::move(L));
+  }
+
+  void add_experts(torch::Tensor wg, std::vector<torch::Tensor> w1, std::vector<torch::Tensor> b1,
+                   std::vector<torch::Tensor> w2, std::vector<torch::Tensor> b2) {
+    TORCH_CHECK(!layers_.empty() && static_cast<int64_t>(w1.size()) == wg.size(0) && w2.size() == w1.size() &&
+                    (b1.empty() || b1.size() == w1.size()) && b2.size() == b1.size(),
+                "DecodeModel.add_experts: after add_attention, one w1, w2 (b1, b2) per expert of the router");
+    DecodeLayer& L = layers_.back();
+    L.moe = true, L.wg = wg, L.w1 = std::move(w1), L.b1 = std::move(b1), L.w2 = std::move(w2), L.b2 = std::move(b2);
+  }
+
+  void add_mlp(torch::Tensor fc1, c10::optional<torch::Tensor> fc1_amx, c10::optional<torch::Tensor> fc1_b,
+               torch::Tensor fc2, c10::optional<torch::Tensor> fc2_amx, c10::optional<torch::Tensor> fc2_b) {
+    TORCH_CHECK(!layers_.empty(), "DecodeModel.add_mlp: after add_attention");
+    DecodeLayer& L = layers_.back();
+    L.dense = true, L.fc1 = fc1, L.fc1_amx = fc1_amx.value_or(torch::Tensor()), L.fc1_b = fc1_b;
+    L.fc2 = fc2, L.fc2_amx = fc2_amx.value_or(torch::Tensor()), L.fc2_b = fc2_b;
+  }
+
+  // x [B, C] the rows' embeddings; cos, sin [B, D] (RoPE) or None; the pool's block tables and starts as
+  // paged_attention takes them. Returns (hidden [B, C] before the final norm, tokens per expert [E] of each MoE
+  // layer, the seconds spent in the MoE layers, the experts they ran).
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>, double, int64_t> forward(
+      torch::Tensor x, const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin,
+      const torch::Tensor& tables, const std::vector<int64_t>& starts) {
+    const int64_t B = x.size(0);
+    std::vector<torch::Tensor> counts;
+    double expert_s = 0;
+    int64_t ran = 0;
+    for (const DecodeLayer& L : layers_) {
+      TORCH_CHECK(L.moe != L.dense, "DecodeModel.forward: a layer without its MLP half (add_experts or add_mlp)");
+      torch::Tensor y = served_linear(rms_norm(x, L.ln1, L.eps1), L.qkv, L.qkv_amx, L.qkv_b);
+      auto heads = qkv_heads(y.narrow(1, 0, qs_), y.narrow(1, qs_, kvs_), y.narrow(1, qs_ + kvs_, kvs_), D_,
+                             L.q_norm, L.k_norm, L.q_norm ? L.qk_eps : 0.0, cos, sin);
+      torch::Tensor a = paged_attention(heads[0], heads[1], heads[2], L.K, L.V, tables, starts);
+      x = x + served_linear(a.view({B, -1}), L.out, L.out_amx, L.out_b);
+      torch::Tensor h = rms_norm(x, L.ln2, L.eps2);
+      if (L.dense) {  // pipeline/model.py's MLP
+        torch::Tensor u = served_linear(h, L.fc1, L.fc1_amx, L.fc1_b);
+        if (swiglu_) {
+          auto parts = u.chunk(2, -1);
+          u = at::silu(parts[0]) * parts[1];
+        } else {
+          u = at::gelu(u);
+        }
+        x = x + served_linear(u, L.fc2, L.fc2_amx, L.fc2_b);
+        continue;
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      auto [mix, experts, n] = route(h, L.wg, k_, renormalize_);
+      std::vector<int64_t> active;
+      std::vector<torch::Tensor> w1, b1, w2, b2;
+      const int64_t* np = n.data_ptr<int64_t>();
+      for (int64_t e = 0; e < n.numel(); ++e) {
+        if (!np[e]) continue;
+        active.push_back(e);
+        w1.push_back(L.w1[e]);
+        w2.push_back(L.w2[e]);
+        if (!L.b1.empty()) {
+          b1.push_back(L.b1[e]);
+          b2.push_back(L.b2[e]);
+        }
+      }
+      x = x + routed_experts(h, experts, mix, active, w1, b1, w2, b2, swiglu_);
+      expert_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      ran += static_cast<int64_t>(active.size());
+      counts.push_back(n);
+    }
+    return {x, counts, expert_s, ran};
+  }
+
+ private:
+  int64_t D_, qs_, kvs_, k_;
+  bool renormalize_, swiglu_;
+  std::vector<DecodeLayer> layers_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-8 rows of x, fp32 or bf16");
   m.def("paged_attention", &paged_attention,
@@ -1302,6 +1430,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_heads", &qkv_heads,
         "a decode token's q, k, v split into heads, q and k normalised (qk_norm) and rotated (RoPE), as pipeline/model.py");
   m.attr("MAX_ROWS") = MAX_ROWS;
+  py::class_<DecodeModel>(m, "DecodeModel", py::module_local(),  // one per ISA build in a process
+                          "a whole decode forward of a model's layers in one call")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, bool, bool>())
+      .def("add_attention", &DecodeModel::add_attention)
+      .def("add_experts", &DecodeModel::add_experts)
+      .def("add_mlp", &DecodeModel::add_mlp)
+      .def("forward", &DecodeModel::forward);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   m.def("amx_ready", &amx_ready, "whether this process may use AMX (Linux gave it the tile state)");
   m.def("amx_pack", &amx_pack, "a bf16 [out, in] weight packed into AMX tiles, for amx_linear");
