@@ -172,12 +172,14 @@ def check_norm(kernel):
 
 def check_argmax(kernel):
     """argmax_rows of this build equals torch.argmax: fp32 and bf16 (whose many ties take the first index), a width
-    off the vector width, one row and many."""
+    off the vector width, one row and many, a NaN."""
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for shape in ((1, 50304), (32, 1000), (3, 7)):
             x = torch.randn(shape).to(dtype)
             x[0, -1] = x[0].max()  # a tie: the first index wins
+            if shape[0] > 1:  # a NaN before the row's largest value: its index, as torch's
+                x[1, :2], x[1, 2] = -10.0, float("nan")
             assert kernel.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 

@@ -47,6 +47,10 @@ static inline vf vround(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEA
 static inline vf vpow2(vf n) {  // 2^n for integral n in [-126, 127]
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
+// a bit per lane: v equals m, or v is NaN
+static inline unsigned vmatch(vf v, vf m) {
+  return _mm512_cmp_ps_mask(v, m, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VW 8
 #define GROUP 2
@@ -70,6 +74,9 @@ static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf vround(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf vpow2(vf n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline unsigned vmatch(vf v, vf m) {
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, m, _CMP_EQ_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 #else
 #error "export/serve/csrc/gemv.cpp needs AVX-512 or AVX2 with FMA"
@@ -279,66 +286,104 @@ static inline vf vload_f(const c10::BFloat16* p) { return vload(p); }
 
 // One query head of one row: y[D] = softmax(scale q.K[j] for j < n) . V, fp32 throughout (q, K, V widened on load),
 // one rounding to the output dtype. The keys are walked block by block: key (and value) j is the D values at
-// K + table[j / bs] * stride + (j % bs) * D: a paged pool's blocks of bs positions, `stride` elements apart, in the
-// order of the row's block table.
-// `s`: room for n scores (rounded up to a whole vector).
-template <typename T>
-static void attend_one(const T* q, const T* K, const T* V, const int64_t* table, int64_t bs, int64_t stride, T* y,
-                       int64_t n, int64_t D, float scale, float* s) {
-  const int64_t Dv = D / VW * VW;
-  float qf[512];
-  for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[d]) * scale;
-  float m = -INFINITY;
+// Attention of `G` query heads that share one key/value head (grouped-query attention) over n positions: the
+// queries q (G heads, D apart), keys at K + table[j / bs] * stride + (j % bs) * D (a paged pool's blocks of bs
+// positions, `stride` elements apart, in the order of the row's block table), values likewise from V; outputs y (G
+// heads, D apart). Each key and value is read once for the G heads; each head's sums run in the same order as for
+// one head alone (d ascending in vectors, then the positions ascending), so a head's output does not depend on G.
+// `s`: room for G x (n + VW) scores.
+template <typename T, int G>
+static void attend_group(const T* q, const T* K, const T* V, const int64_t* table, int64_t bs, int64_t stride, T* y,
+                         int64_t n, int64_t D, float scale, float* s) {
+  const int64_t Dv = D / VW * VW, sn = n + VW;
+  alignas(64) float qf[G][512];
+  for (int h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) qf[h][d] = static_cast<float>(q[h * D + d]) * scale;
+  float m[G];
+  for (int h = 0; h < G; ++h) m[h] = -INFINITY;
   for (int64_t j0 = 0, blk = 0; j0 < n; j0 += bs, ++blk) {
     const T* kb = K + table[blk] * stride;
     const int64_t len = std::min(bs, n - j0);
     for (int64_t t = 0; t < len; ++t) {
       const T* k = kb + t * D;
-      vf acc = vzero();
-      int64_t d = 0;
-      for (; d < Dv; d += VW) acc = vfma(vload_f(k + d), vload(qf + d), acc);
-      float dot = vsum(acc);
-      for (; d < D; ++d) dot += static_cast<float>(k[d]) * qf[d];
-      s[j0 + t] = dot;
-      m = std::max(m, dot);
+      vf acc[G];
+      for (int h = 0; h < G; ++h) acc[h] = vzero();
+      for (int64_t d = 0; d < Dv; d += VW) {
+        const vf kv = vload_f(k + d);
+        for (int h = 0; h < G; ++h) acc[h] = vfma(kv, vload(qf[h] + d), acc[h]);
+      }
+      for (int h = 0; h < G; ++h) {
+        float dot = vsum(acc[h]);
+        for (int64_t d = Dv; d < D; ++d) dot += static_cast<float>(k[d]) * qf[h][d];
+        s[h * sn + j0 + t] = dot;
+        m[h] = std::max(m[h], dot);
+      }
     }
   }
-  const int64_t nv = n / VW * VW;
-  vf total = vzero();
-  const vf mv = vset(m);
-  int64_t j = 0;
-  for (; j < nv; j += VW) {
-    vf e = vexp(vload(s + j) - mv);
-    vstore(s + j, e);
-    total = total + e;
-  }
-  float sum = vsum(total);
-  if (j < n) {  // the last scores, fewer than a vector: padded with -inf's exp, 0
-    float tail[VW];
-    for (int64_t t = 0; t < VW; ++t) tail[t] = j + t < n ? s[j + t] - m : -INFINITY;
-    vstore(tail, vexp(vload(tail)));
-    for (int64_t t = 0; j + t < n; ++t) {
-      s[j + t] = tail[t];
-      sum += tail[t];
+  float inv[G];
+  for (int h = 0; h < G; ++h) {
+    float* sh = s + h * sn;
+    const int64_t nv = n / VW * VW;
+    vf total = vzero();
+    const vf mv = vset(m[h]);
+    int64_t j = 0;
+    for (; j < nv; j += VW) {
+      vf e = vexp(vload(sh + j) - mv);
+      vstore(sh + j, e);
+      total = total + e;
     }
+    float sum = vsum(total);
+    if (j < n) {  // the last scores, fewer than a vector: padded with -inf's exp, 0
+      float tail[VW];
+      for (int64_t t = 0; t < VW; ++t) tail[t] = j + t < n ? sh[j + t] - m[h] : -INFINITY;
+      vstore(tail, vexp(vload(tail)));
+      for (int64_t t = 0; j + t < n; ++t) {
+        sh[j + t] = tail[t];
+        sum += tail[t];
+      }
+    }
+    inv[h] = 1.0f / sum;
   }
-  float out[512];
-  for (int64_t d = 0; d < Dv; d += VW) vstore(out + d, vzero());
-  for (int64_t d = Dv; d < D; ++d) out[d] = 0.0f;
+  alignas(64) float out[G][512];
+  for (int h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h][d] = 0.0f;
   for (int64_t j0 = 0, blk = 0; j0 < n; j0 += bs, ++blk) {
     const T* vb = V + table[blk] * stride;
     const int64_t len = std::min(bs, n - j0);
     for (int64_t t = 0; t < len; ++t) {
       const T* v = vb + t * D;
-      const float w = s[j0 + t];
-      const vf p = vset(w);
-      int64_t d = 0;
-      for (; d < Dv; d += VW) vstore(out + d, vfma(p, vload_f(v + d), vload(out + d)));
-      for (; d < D; ++d) out[d] += w * static_cast<float>(v[d]);
+      vf p[G];
+      for (int h = 0; h < G; ++h) p[h] = vset(s[h * sn + j0 + t]);
+      for (int64_t d = 0; d < Dv; d += VW) {
+        const vf vv = vload_f(v + d);
+        for (int h = 0; h < G; ++h) vstore(out[h] + d, vfma(p[h], vv, vload(out[h] + d)));
+      }
+      for (int64_t d = Dv; d < D; ++d)
+        for (int h = 0; h < G; ++h) out[h][d] += s[h * sn + j0 + t] * static_cast<float>(v[d]);
     }
   }
-  const float inv = 1.0f / sum;
-  for (int64_t d = 0; d < D; ++d) y[d] = static_cast<T>(out[d] * inv);
+  for (int h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) y[h * D + d] = static_cast<T>(out[h][d] * inv[h]);
+}
+
+// `heads` query heads (any number) of one key/value head, in passes of up to 8.
+template <typename T>
+static void attend_heads(const T* q, const T* K, const T* V, const int64_t* table, int64_t bs, int64_t stride, T* y,
+                         int64_t n, int64_t D, float scale, float* s, int64_t heads) {
+  for (int64_t h = 0; h < heads;) {
+    const int64_t left = heads - h;
+    const T* qh = q + h * D;
+    T* yh = y + h * D;
+    if (left >= 8) {
+      attend_group<T, 8>(qh, K, V, table, bs, stride, yh, n, D, scale, s), h += 8;
+    } else if (left >= 4) {
+      attend_group<T, 4>(qh, K, V, table, bs, stride, yh, n, D, scale, s), h += 4;
+    } else if (left >= 2) {
+      attend_group<T, 2>(qh, K, V, table, bs, stride, yh, n, D, scale, s), h += 2;
+    } else {
+      attend_group<T, 1>(qh, K, V, table, bs, stride, yh, n, D, scale, s), h += 1;
+    }
+  }
 }
 
 // -- decode attention over a paged KV pool ---------------------------------------------------------------------- ------------------------------------------------------------------------------
@@ -366,14 +411,14 @@ static void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k
   const T* qp = q.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   const int64_t group = H / Hkv;
-  at::parallel_for(0, B * H, grain, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t first, int64_t last) {  // a row's key/value head and its queries
     int64_t longest = 0;
-    for (int64_t i = first; i < last; ++i) longest = std::max(longest, starts[i / H] + 1);
-    std::vector<float> s(longest + VW);
+    for (int64_t i = first; i < last; ++i) longest = std::max(longest, starts[i / Hkv] + 1);
+    std::vector<float> s(std::min<int64_t>(group, 8) * (longest + VW));
     for (int64_t i = first; i < last; ++i) {
-      const int64_t b = i / H, h = i % H, g = h / group;
-      attend_one<T>(qp + i * D, Kp + g * bs * D, Vp + g * bs * D, tp + b * W, bs, stride, yp + i * D, starts[b] + 1,
-                    D, scale, s.data());
+      const int64_t b = i / Hkv, g = i % Hkv, h = g * group;
+      attend_heads<T>(qp + (b * H + h) * D, Kp + g * bs * D, Vp + g * bs * D, tp + b * W, bs, stride,
+                      yp + (b * H + h) * D, starts[b] + 1, D, scale, s.data(), group);
     }
   });
 }
@@ -383,8 +428,9 @@ static void paged_attention_typed(const torch::Tensor& q, const torch::Tensor& k
 // b's logical block i being physical block tables[b][i] (entries past the row's blocks are never read). Writes k, v
 // at position starts[b] (block tables[b][starts[b] / bs], offset starts[b] % bs), then y[b, h] = softmax(q.K /
 // sqrt(D)) . V over the row's starts[b] + 1 keys, query head h reading pool head h / (H / Hkv) (grouped-query
-// attention). Heads are split between torch's intra-op threads, a few hundred KB of keys and values each at least
-// (fewer stay on the calling thread).
+// attention). The rows' pool heads, each with its query heads (its keys and values read once for all of them), are
+// split between torch's intra-op threads, a few hundred KB of keys and values each at least (fewer stay on the
+// calling thread).
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor K,
                               torch::Tensor V, const torch::Tensor& tables, const std::vector<int64_t>& starts) {
   RECORD_FUNCTION("moe_pipeline::paged_attention", std::vector<c10::IValue>({q, K}));
@@ -422,7 +468,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, starts[b] + 1);
-  const int64_t per_head = longest * D * 2 * int64_t(q.element_size());  // bytes of keys and values a head reads
+  const int64_t per_head = longest * D * 2 * int64_t(q.element_size());  // bytes of keys and values a kv head holds
   const int64_t grain = std::max<int64_t>(1, (int64_t(256) << 10) / (per_head + 1));
   AT_DISPATCH_SWITCH(dt, "paged_attention", AT_DISPATCH_CASE(at::kFloat, [&] {
     paged_attention_typed<scalar_t>(q, k, v, K, V, tables, starts, y, scale, grain);
@@ -1218,7 +1264,10 @@ static int64_t argmax_row(const T* x, int64_t V) {
   vstore(lanes, best);
   for (int j = 0; j < VW; ++j) m = std::max(m, lanes[j]);
   for (int64_t i = Vv; i < V; ++i) m = std::max(m, static_cast<float>(x[i]));
-  for (int64_t i = 0; i < V; ++i) {
+  const vf mv = vset(m);
+  for (int64_t i = 0; i < Vv; i += VW)
+    if (const unsigned hit = vmatch(vload_f(x + i), mv)) return i + __builtin_ctz(hit);
+  for (int64_t i = Vv; i < V; ++i) {
     const float v = static_cast<float>(x[i]);
     if (v == m || std::isnan(v)) return i;
   }
