@@ -225,6 +225,9 @@ def tune_cpu_allocator() -> bool:
 
 
 _LOCAL_WORLD: int | None = None  # init()'s count of the ranks on this machine
+# every rank in a gloo group, for `broadcast_json`'s control messages on the CPU: a rank waiting for the next one waits
+# in gloo's socket read; through NCCL it would wait in the device-to-host copy after the broadcast, which spins a core
+_CONTROL = None
 
 
 def init() -> Ranks:
@@ -262,6 +265,9 @@ def init() -> Ranks:
 
     if get_accelerator().device_name() != "cpu":
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per local rank
+    global _CONTROL
+    if not alone and _CONTROL is None:  # every rank, in the same order: a collective
+        _CONTROL = td.new_group(backend="gloo")
     # the ranks sharing this machine's cores and memory, counted (once, when the group forms), not taken from the
     # launcher: a hostfile's two "nodes" can be one machine
     global _LOCAL_WORLD
@@ -356,9 +362,10 @@ BROADCAST_BYTES = 16384  # one broadcast carries a message of up to this many by
 
 def broadcast_json(obj=None, on: torch.device | None = None):
     """Rank 0's JSON-serialisable `obj` on every rank (the others pass None): one broadcast of BROADCAST_BYTES
-    (an 8-byte length, then UTF-8 bytes), a second for the rest of a longer message. Through the process group
-    (gloo, NCCL): an idle rank waits here without spinning. For small control messages between our own ranks
-    (the serving plan); no pickle involved.
+    (an 8-byte length, then UTF-8 bytes), a second for the rest of a longer message. On the CPU through a gloo group
+    of every rank (`init`), whatever the accelerator: an idle rank waits here without spinning (`on`: through the
+    process group on that device instead). For small control messages between our own ranks (the serving plan); no
+    pickle involved.
     """
     import json
 
@@ -366,7 +373,8 @@ def broadcast_json(obj=None, on: torch.device | None = None):
 
     if not td.is_initialized() or td.get_world_size() == 1:
         return obj
-    dev = on or device()
+    group = _CONTROL if on is None else None
+    dev = torch.device("cpu") if group is not None else on or device()
     head = torch.zeros(BROADCAST_BYTES, dtype=torch.uint8, device=dev)
     if td.get_rank() == 0:
         data = json.dumps(obj).encode()
@@ -375,7 +383,7 @@ def broadcast_json(obj=None, on: torch.device | None = None):
         first = data[:BROADCAST_BYTES - 8]
         if first:
             head[8:8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-    td.broadcast(head, src=0)
+    td.broadcast(head, src=0, group=group)
     head = head.cpu()
     size = int.from_bytes(bytes(head[:8].numpy()), "little")
     payload = bytes(head[8:8 + min(size, BROADCAST_BYTES - 8)].numpy())
@@ -383,7 +391,7 @@ def broadcast_json(obj=None, on: torch.device | None = None):
         rest = torch.zeros(size - (BROADCAST_BYTES - 8), dtype=torch.uint8, device=dev)
         if td.get_rank() == 0:
             rest.copy_(torch.frombuffer(bytearray(data[BROADCAST_BYTES - 8:]), dtype=torch.uint8))
-        td.broadcast(rest, src=0)
+        td.broadcast(rest, src=0, group=group)
         payload += bytes(rest.cpu().numpy())
     return json.loads(payload.decode())
 

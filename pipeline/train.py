@@ -31,6 +31,15 @@ from pipeline.runs import RunDir
 CHECKPOINTS = "checkpoints"
 
 
+def _clock() -> float:
+    """time.perf_counter() once the accelerator's queued work is done (on a GPU the host runs ahead of the device:
+    a window timed without the sync counts launches, not steps). Read once per logged window, not per step."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()
+    return time.perf_counter()
+
+
 def deepspeed_config(train: TrainSpec, world: int, monitors: dict | None = None) -> dict:
     """The DeepSpeed JSON, generated from the recipe (never templated by hand); `monitors`: the recipe's
     monitor section as DeepSpeed's entries (pipeline.monitor.deepspeed_sections)."""
@@ -191,7 +200,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
     bar = tqdm(total=train.steps, initial=start, desc=stage, unit="step", disable=ranks.rank != 0,
                dynamic_ncols=True)
     sums: dict[str, torch.Tensor] = {}
-    window_start, window_steps, t0 = time.perf_counter(), 0, time.perf_counter()
+    window_start, window_steps, t0 = _clock(), 0, time.perf_counter()
     val_loss = None
     engine.train()
     for step in range(start, train.steps):
@@ -210,7 +219,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
         if done % train.log_every == 0 or done == train.steps:
             names = sorted(sums)
             values = all_reduce_(torch.stack([sums[k] for k in names]).double()) / (world * window_steps)
-            elapsed = time.perf_counter() - window_start
+            elapsed = _clock() - window_start
             record = {"stage": stage, "step": done, "tokens": done * tokens_per_step,
                       **{k: round(v, 5) for k, v in zip(names, values.tolist())},
                       "lr": lr, "tokens_per_s": round(tokens_per_step * window_steps / elapsed, 1)}
@@ -243,7 +252,7 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
                 atomic_write_text(ckpt_dir / "latest", tag)
                 _prune_checkpoints(ckpt_dir, train.checkpoint_keep)
         if window_steps == 0:  # a new tokens/s window starts after this step's logging, eval and checkpoint
-            window_start = time.perf_counter()
+            window_start = _clock()
         bar.update(1)
     bar.close()
     if val_loss is None:  # resumed at the very end: report the held-out loss anyway

@@ -72,7 +72,13 @@ def check_decodes_alike(model, native: bool):
         tokens = torch.randint(0, model.cfg.vocab_size, (3, 1), generator=gen)
         with torch.no_grad():
             want = model(tokens, cache=cache.select([0, 1, 2], lens, [1, 1, 1]), hidden_only=True)
+        exchange = decoder._exchange
+        before = (exchange.meter.forwards, exchange.residency.hits, exchange.expert_s) if exchange else None
         got = decoder(tokens, cache.select([0, 1, 2], lens, [1, 1, 1]))
+        if exchange is not None:  # the one call keeps the exchange's books as the layers' own calls do
+            ran = sum(int((c > 0).sum()) for c in got.expert_counts)
+            assert exchange.meter.forwards == before[0] + 1 and exchange.residency.hits == before[1] + ran
+            assert exchange.expert_s > before[2]
         assert got.hidden.dtype == want.hidden.dtype and torch.equal(got.hidden, want.hidden), \
             (got.hidden.float() - want.hidden.float()).abs().max()
         assert len(got.expert_counts) == len(want.expert_counts)

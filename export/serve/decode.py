@@ -112,7 +112,7 @@ class Decoder:
         exchange = self._exchange
         for i in range(len(counts)):
             exchange.meter.observe(i, [x.shape[0] * self.cfg.top_k])
-        exchange.expert_s += expert_s
+        exchange.seconds.add_seconds("expert", expert_s)
         exchange.residency.hits += ran
         return x, counts
 

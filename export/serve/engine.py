@@ -68,9 +68,12 @@ class ExpertLoad:
         self.measured: list[list[int]] | None = None  # [layer][rank] tokens received, when measured
 
     def add(self, counts: list[torch.Tensor], rank_loads: list[list[float]] | None = None) -> None:
-        self.last = [c.to("cpu", torch.long).tolist() for c in counts]
-        for total, c in zip(self.tokens, counts):
-            total += c.to("cpu", torch.long)
+        # every layer's counts in one copy from the device (one host sync a forward, not one a layer)
+        flat = torch.cat([c.reshape(-1) for c in counts]).to("cpu", torch.long) if counts else torch.zeros(0)
+        parts = flat.split([c.numel() for c in counts])
+        self.last = [p.tolist() for p in parts]
+        for total, p in zip(self.tokens, parts):
+            total += p
         if rank_loads is not None:
             if self.measured is None:
                 self.measured = [[0] * self.world for _ in rank_loads]

@@ -44,13 +44,20 @@ def _top(logp: torch.Tensor, k: int) -> list[list]:
     if k <= 0:
         return []
     vals, idx = logp.topk(k)
-    return [[int(i), float(v)] for i, v in zip(idx, vals)]
+    return [list(pair) for pair in zip(idx.tolist(), vals.tolist())]  # one read each from the device, not one a value
 
 
 def score_positions(logits: torch.Tensor, targets: list[int], k: int) -> list[list]:
-    """[[log-probability of targets[i] at position i, its top-k alternatives]] for logits [n, V] (n >= len(targets))."""
+    """[[log-probability of targets[i] at position i, its top-k alternatives]] for logits [n, V] (n >= len(targets)),
+    read from the device in one copy per kind (not one per position: each is a host sync on a GPU)."""
     logp = F.log_softmax(logits.float(), dim=-1)
-    return [[float(logp[i, t]), _top(logp[i], k)] for i, t in enumerate(targets)]
+    n = len(targets)
+    rows = torch.arange(n, device=logp.device)
+    chosen = logp[rows, torch.tensor(targets, dtype=torch.long, device=logp.device)].tolist()
+    if k <= 0:
+        return [[c, []] for c in chosen]
+    vals, idx = logp[:n].topk(k, dim=-1)
+    return [[c, [list(pair) for pair in zip(i, v)]] for c, i, v in zip(chosen, idx.tolist(), vals.tolist())]
 
 
 def sample(logits: torch.Tensor, params, generator: torch.Generator | None) -> int:

@@ -108,6 +108,51 @@ class LoadMeter:
 
 # -- the exchange -------------------------------------------------------------------------------------------
 
+class Seconds:
+    """Seconds of device work between two `mark`s, summed per kind. On the CPU the host's clock; on a GPU a pair of
+    CUDA events on the current stream, read when the sum is asked for (the host's clock there times the launches,
+    not the work, and a sync at every mark would stall the stream)."""
+
+    PENDING = 512  # event pairs kept unread before the finished ones are read
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.done: dict[str, float] = {}
+        self.pending: list[tuple[str, object, object]] = []
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, kind: str, start, end) -> None:
+        if not self.cuda:
+            self.done[kind] = self.done.get(kind, 0.0) + (end - start)
+            return
+        self.pending.append((kind, start, end))
+        if len(self.pending) > self.PENDING:
+            self._read(wait=False)
+
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        self.done[kind] = self.done.get(kind, 0.0) + seconds
+
+    def total(self, kind: str) -> float:
+        self._read(wait=True)
+        return self.done.get(kind, 0.0)
+
+    def _read(self, wait: bool) -> None:
+        left = []
+        for kind, start, end in self.pending:
+            if wait or end.query():
+                end.synchronize()
+                self.add_seconds(kind, start.elapsed_time(end) / 1000)
+            else:
+                left.append((kind, start, end))
+        self.pending = left
+
+
 class Exchange:
     """One rank's side of every MoE layer's expert exchange, under the replica table in force (`apply` changes it);
     the experts' weights come from its `Residency`."""
@@ -118,8 +163,9 @@ class Exchange:
         self.cfg, self.residency, self.rank, self.ep, self.transport = cfg, residency, rank, ep, transport
         self.table = native_table(cfg, ep)
         self.meter = LoadMeter(len(cfg.experts), ep)
-        self.expert_s = 0.0  # seconds this rank computed experts
-        self.exchange_s = 0.0  # seconds in the exchange's collectives (the transfers, and waiting for the other ranks)
+        # seconds this rank computed experts ("expert"), and in the exchange's collectives ("exchange": the transfers,
+        # and waiting for the other ranks)
+        self.seconds = Seconds(residency.store.device)
         self.tokens: list[int] | None = None  # the forward under way: the real tokens of each rank (`begin`)
         self.gathered = 0  # MoE layers run by run_gathered
         self._owner: dict[int, torch.Tensor] = {}  # layer -> each expert's one holder, under a table without replicas
@@ -148,10 +194,10 @@ class Exchange:
             return self._run_experts(layer, xs, [per_expert]), torch.tensor(per_expert, dtype=torch.long)
         from pipeline import dist
 
-        t0 = time.perf_counter()
+        t0 = self.seconds.mark()
         gather = dist.gather_rows if self.transport == "all-reduce" else dist.gather_numbers
         counts = [[int(c) for c in row] for row in gather(per_expert)]  # [rank][expert]
-        self.exchange_s += time.perf_counter() - t0
+        self.seconds.add("exchange", t0, self.seconds.mark())
         send = route_pairs(counts, self.table[layer], world)  # [src][dst][expert] pairs
         self.meter.observe(layer, [sum(sum(send[s][h]) for s in range(world)) for h in range(world)])
         total = torch.tensor([sum(col) for col in zip(*counts)], dtype=torch.long)
@@ -183,7 +229,7 @@ class Exchange:
         choices combined as the 1-rank kernel does. Returns (output [S, C], tokens per expert over all ranks [E])."""
         from pipeline import dist
 
-        t0 = time.perf_counter()
+        t0 = self.seconds.mark()
         me, S, C = self.rank, xs.shape[0], xs.shape[1]
         if S != self.tokens[me]:
             raise RuntimeError(f"MoE layer {layer}: {S} tokens on rank {me}, the step says {self.tokens[me]}")
@@ -191,19 +237,20 @@ class Exchange:
         every = xs.new_zeros(sum(self.tokens), C)
         every[off:off + S] = xs
         dist.fast_all_reduce_(every)
-        t1 = time.perf_counter()
+        t1 = self.seconds.mark()
         mix, experts, counts = linears.route(every, wg, top_k, renormalize)
         mine, loads = self._my_pairs(layer, experts, counts.tolist())
         pairs = linears.expert_pairs(every, mine, mix, lambda e: self.residency.weights(layer, e),
                                      self.cfg.activation == "swiglu")
-        t2 = time.perf_counter()
+        t2 = self.seconds.mark()
         dist.fast_all_reduce_(pairs)
-        t3 = time.perf_counter()
+        t3 = self.seconds.mark()
         out = linears.combine_pairs(pairs[off:off + S], mix[off:off + S])
         self.meter.observe(layer, loads)
         self.gathered += 1
-        self.exchange_s += (t1 - t0) + (t3 - t2)
-        self.expert_s += (t2 - t1) + (time.perf_counter() - t3)
+        t4 = self.seconds.mark()
+        for kind, a, b in (("exchange", t0, t1), ("exchange", t2, t3), ("expert", t1, t2), ("expert", t3, t4)):
+            self.seconds.add(kind, a, b)
         return out, counts
 
     def _my_pairs(self, layer: int, experts: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -235,12 +282,20 @@ class Exchange:
                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One rank (every expert here), a decode batch: the layer's routing, experts and weighted sum in two kernel
         calls (export/serve/linears.py `routed_layer`). Returns (output [S, C], tokens per expert [E])."""
-        t0 = time.perf_counter()
+        t0 = self.seconds.mark()
         out, counts = linears.routed_layer(xs, wg, top_k, renormalize, lambda e: self.residency.weights(layer, e),
                                            self.cfg.activation == "swiglu")
         self.meter.observe(layer, [len(xs) * top_k])
-        self.expert_s += time.perf_counter() - t0
+        self.seconds.add("expert", t0, self.seconds.mark())
         return out, counts
+
+    @property
+    def expert_s(self) -> float:
+        return self.seconds.total("expert")
+
+    @property
+    def exchange_s(self) -> float:
+        return self.seconds.total("exchange")
 
     def last_loads(self) -> list[list[int]]:
         """The tokens each rank's experts received in each MoE layer of the last forward."""
@@ -259,14 +314,15 @@ class Exchange:
         in_splits = [sum(send[me][h]) for h in range(world)]
         out_splits = [sum(send[s][me]) for s in range(world)]
         got = xs.new_empty(sum(out_splits), xs.shape[1])
-        t0 = time.perf_counter()
+        t0 = self.seconds.mark()
         dist.all_to_all_(got, xs[order].contiguous(), out_splits, in_splits)
-        t1 = time.perf_counter()
+        t1 = self.seconds.mark()
         done = self._run_experts(layer, got, sizes)
         back = xs.new_empty(len(order), xs.shape[1])
-        t2 = time.perf_counter()
+        t2 = self.seconds.mark()
         dist.all_to_all_(back, done, in_splits, out_splits)
-        self.exchange_s += (t1 - t0) + (time.perf_counter() - t2)
+        self.seconds.add("exchange", t0, t1)
+        self.seconds.add("exchange", t2, self.seconds.mark())
         y = torch.empty_like(xs)
         y[order] = back
         return y
@@ -285,9 +341,9 @@ class Exchange:
         n_in = [sum(send[s][me]) for s in range(world)]
         table = xs.new_zeros(sum(sent), xs.shape[1])
         table[start[me]:start[me] + sent[me]] = xs[order]
-        t0 = time.perf_counter()
+        t0 = self.seconds.mark()
         dist.fast_all_reduce_(table)
-        t1 = time.perf_counter()
+        t1 = self.seconds.mark()
         got = torch.cat([table[mine[s]:mine[s] + n_in[s]] for s in range(world)])
         done = self._run_experts(layer, got, sizes)
         back = torch.zeros_like(table)
@@ -295,9 +351,10 @@ class Exchange:
         for s in range(world):
             back[mine[s]:mine[s] + n_in[s]] = done[pos:pos + n_in[s]]
             pos += n_in[s]
-        t2 = time.perf_counter()
+        t2 = self.seconds.mark()
         dist.fast_all_reduce_(back)
-        self.exchange_s += (t1 - t0) + (time.perf_counter() - t2)
+        self.seconds.add("exchange", t0, t1)
+        self.seconds.add("exchange", t2, self.seconds.mark())
         y = torch.empty_like(xs)
         y[order] = back[start[me]:start[me] + sent[me]]
         return y
@@ -307,7 +364,7 @@ class Exchange:
         tokens of each expert e in order; outputs in the same order. On the CPU with few rows an expert (decode
         batches), every expert in one call of the kernel (export/serve/linears.py `expert_mlps`); else one expert
         at a time, on the few-row kernel or oneDNN."""
-        t0 = time.perf_counter()
+        t0 = self.seconds.mark()
         E = len(sizes[0])
         per_expert = [sum(col) for col in zip(*sizes)]
         active = [e for e, n in enumerate(per_expert) if n]  # the experts that received tokens
@@ -321,7 +378,7 @@ class Exchange:
             rows = got if where is None else got[where]
             y = linears.expert_mlps(rows, [per_expert[e] for e in active], weights, self.cfg.activation == "swiglu")
             out = y if where is None else torch.empty_like(got).index_copy_(0, where, y)
-            self.expert_s += time.perf_counter() - t0
+            self.seconds.add("expert", t0, self.seconds.mark())
             return out
         out = torch.empty_like(got)
         for e, (w1, b1, w2, b2) in zip(active, weights):
@@ -342,7 +399,7 @@ class Exchange:
                 out[idx[0]:idx[0] + idx[1]] = y
             else:
                 out[at] = y
-        self.expert_s += time.perf_counter() - t0
+        self.seconds.add("expert", t0, self.seconds.mark())
         return out
 
 

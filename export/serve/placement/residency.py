@@ -53,6 +53,7 @@ class ExpertStore:
         self.src, self.cfg, self.dtype, self.device = Path(src), cfg, dtype, torch.device(device)
         self.where = weight_files(self.src, files)
         self._files, self._facts, self._maps, self._views = {}, {}, {}, {}
+        self._stream = None  # on a GPU: the stream experts are copied on (`_to_gpu`)
         for f in sorted(set(self.where.values())):
             fh = self._files[f] = open_regular(self.src / f)
             self._facts[f] = files[f] if files is not None else FileFacts.of(os.fstat(fh.fileno()))
@@ -83,9 +84,32 @@ class ExpertStore:
                 check_unchanged(self._files[f].fileno(), self.src / f, self._facts[f])
             except FileChangedError as err:
                 raise FileChangedError(f"expert {expert} of MoE layer {layer} not loaded: {err}") from None
-        tensors = [self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys]
+        if self.device.type == "cuda":
+            tensors = self._to_gpu(keys)
+        else:
+            tensors = [self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys]
         w1, b1, w2, b2 = tensors if self.cfg.mlp_bias else (tensors[0], None, tensors[1], None)
         return serving_weight(w1), b1, serving_weight(w2), b2
+
+    def _to_gpu(self, keys: list[str]) -> list[torch.Tensor]:
+        """The tensors of `keys` on the GPU: staged in pinned host memory (a copy from pageable memory is synchronous),
+        copied on the store's own stream, so that a prefetch (`Residency`'s thread) overlaps the forwards running on
+        the default stream; waited for here (the caller's thread), and marked as used by the default stream (whose
+        kernels read them after this returns: their memory is not reused before those kernels are done)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        out, staged = [], []
+        with torch.cuda.stream(self._stream):
+            for k in keys:
+                host = torch.empty(self._views[k].shape, dtype=self._views[k].dtype, pin_memory=True)
+                host.copy_(self._views[k])
+                staged.append(host)
+                out.append(host.to(self.device, non_blocking=True).to(self.dtype))
+        self._stream.synchronize()  # the pinned buffers may go; the tensors are whole for any stream
+        default = torch.cuda.default_stream(self.device)
+        for t in out:
+            t.record_stream(default)
+        return out
 
     def nbytes(self) -> int:
         """Bytes of one expert in the serving dtype."""
