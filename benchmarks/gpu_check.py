@@ -35,7 +35,8 @@ Parts (on CUDA, unless --device cpu or there is no GPU, where each runs its CPU 
   serve2 serving beyond `serve`: a package with a 32,768-token context serving one long prompt (30,000 tokens on a
          GPU, 2,000 on a CPU); a temperature request twice with one seed (the same text); an echo + logprobs request
          (the prompt's tokens scored, the first None); `--placement reactive --resident-experts 0.5` on 1 rank (the
-         greedy tokens of the package served without placement); decode rows that leave and join the batch at
+         greedy tokens of the package served without placement; its rank status counts expert loads, through pinned
+         memory on a side stream on a GPU, and expert seconds, from CUDA events there); decode rows that leave and join the batch at
          different steps (non-contiguous rows: 8 requests of 8 or 48 tokens, 4 more once the short ones end), tokens/s.
   bench  benchmarks/serve_bench.py on the device for the medium package of benchmarks/common.random_package
          (recipes/350m.yaml cut to 4 layers, random weights, bf16 on a GPU; a CPU-sized one on a CPU): batch-1
@@ -444,6 +445,8 @@ def _post(url: str, body: dict) -> dict:
 def part_serve2(check: Check) -> dict:
     import concurrent.futures as cf
 
+    import requests
+
     res: dict = {"failures": []}
     ref_pkg = random_package(check.work / "pkg-ref", REF_PACKAGE["layers"], REF_PACKAGE["overrides"],
                              REF_PACKAGE["dtype"], REF_PACKAGE["seed"])
@@ -497,14 +500,23 @@ def part_serve2(check: Check) -> dict:
     finally:
         stop_server(proc)
     # 3. expert placement with half the experts resident, 1 rank: the same greedy tokens
+    # (on a GPU the experts it loads go through pinned memory on the store's own stream, and its expert seconds come
+    # from CUDA events: the rank's status must count loads and expert time)
     proc, url = start_server(ref_pkg, extra=["--placement", "reactive", "--resident-experts", "0.5"])
     try:
         placed = _post(url, {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0})["choices"][0]["text"]
+        time.sleep(1.5)  # the engine asks every rank for its status once a second
+        status = requests.get(f"{url}/health", timeout=30).json()["rank_status"][0]
     finally:
         stop_server(proc)
-    res["placement_reactive_half_resident"] = {"text": placed, "same_as_without": placed == greedy_plain}
+    res["placement_reactive_half_resident"] = {
+        "text": placed, "same_as_without": placed == greedy_plain,
+        **{k: status.get(k) for k in ("expert_hits", "expert_misses", "expert_s", "forward_s")}}
     if placed != greedy_plain:
         res["failures"].append(f"--placement reactive --resident-experts 0.5: {placed!r}, without: {greedy_plain!r}")
+    if not (status.get("expert_misses", 0) + status.get("expert_hits", 0) > 0 and status.get("expert_s", 0) > 0):
+        res["failures"].append(f"--resident-experts 0.5: no expert loads or no expert time in the rank's status "
+                               f"{status}")
     return res
 
 
