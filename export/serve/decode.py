@@ -32,7 +32,7 @@ class Decoder:
         self.head_dim = self.cfg.head_size
         self._cos = self._sin = None  # the RoPE table: [positions, head_dim] in the model's dtype
         # every layer in one kernel call (csrc/gemv.cpp `DecodeModel`) where it runs them all, up to `native_rows`
-        self.native, self.native_rows = _native(model, kernel, cache) if cache is not None else (None, 0)
+        self.native, self.native_rows = _decode_model(model, kernel, cache) if cache is not None else (None, 0)
         self._exchange = next((block.mlp.exchange for block in model.blocks if block.is_moe), None) \
             if self.native is not None else None  # the MoE layers' exchange: its meter and residency counts
 
@@ -103,21 +103,15 @@ class Decoder:
         cache.advance(1)
         return Output(logits=None, expert_counts=counts, hidden=_norm(model.ln_f, x).view(B, 1, -1))
 
-
     def _native(self, x, cos, sin, cache) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The layers in one `DecodeModel.forward`, and the bookkeeping of each MoE layer's `Exchange.run_local`."""
+        """The layers in one `DecodeModel.forward`; the MoE layers' exchange keeps its books as for its own calls."""
         x, counts, expert_s, ran = self.native.forward(x, cos, sin, cache._table, cache._start)
-        if not counts:
-            return x, counts
-        exchange = self._exchange
-        for i in range(len(counts)):
-            exchange.meter.observe(i, [x.shape[0] * self.cfg.top_k])
-        exchange.seconds.add_seconds("expert", expert_s)
-        exchange.residency.hits += ran
+        if counts:
+            self._exchange.ran_locally(len(counts), x.shape[0] * self.cfg.top_k, expert_s, ran)
         return x, counts
 
 
-def _native(model: GPT, kernel, cache) -> tuple[object | None, int]:
+def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int]:
     """csrc/gemv.cpp's `DecodeModel` holding every layer's tensors, and the rows it runs (the kernels' row limits);
     (None, 0) where a layer is not one it runs (a LayerNorm, a shared expert, a residual MoE, experts on other ranks
     or not all resident, weights the kernels do not serve)."""

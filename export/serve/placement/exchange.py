@@ -289,6 +289,15 @@ class Exchange:
         self.seconds.add("expert", t0, self.seconds.mark())
         return out, counts
 
+    def ran_locally(self, layers: int, pairs: int, expert_s: float, experts_run: int) -> None:
+        """The books of `layers` MoE layers that ran as `run_local` runs them, outside it (export/serve/decode.py's
+        one-call decode step): `pairs` (token, choice) pairs a layer, `expert_s` seconds in all, `experts_run`
+        resident experts used in all."""
+        for layer in range(layers):
+            self.meter.observe(layer, [pairs])
+        self.seconds.add_seconds("expert", expert_s)
+        self.residency.hits += experts_run
+
     @property
     def expert_s(self) -> float:
         return self.seconds.total("expert")
