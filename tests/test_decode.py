@@ -13,7 +13,7 @@ from conftest import model_config
 from hf_checkpoints import family_model
 
 
-def served(model, tmp_path, dtype, monkeypatch):
+def served(model, tmp_path, dtype, monkeypatch, resident=1.0):
     """`model`'s weights through the serving runtime's loader (placed MoE layers, the CPU linears on every weight,
     q/k/v fused, the norms' kernel): what the engine decodes with."""
     from export.serve import linears
@@ -24,7 +24,7 @@ def served(model, tmp_path, dtype, monkeypatch):
     monkeypatch.setattr(linears, "SERVE_FROM", 0)  # these small weights too
     (tmp_path / "w").mkdir()
     save_weights(model, tmp_path / "w")
-    return placed_model(model.cfg, tmp_path / "w", dist.init(), dtype).model
+    return placed_model(model.cfg, tmp_path / "w", dist.init(), dtype, resident_fraction=resident).model
 
 
 def imported(family, tmp_path):
@@ -47,54 +47,89 @@ def pr_moe():
     return model.eval()
 
 
-def check_decodes_alike(model, native: bool):
-    """Three prompts prefilled by the model, then 5 decode steps of all three rows: the model's forward and the
+def check_decodes_alike(model, lens=(3, 9, 6), experts_native=True):
+    """Prompts of `lens` tokens prefilled by the model, then 5 decode steps of all the rows: the model's forward and the
     Decoder's from the same cache state, equal hidden states and expert counts; each step's keys then written once
-    more by the Decoder. `native`: the Decoder runs every layer in one kernel call (csrc/gemv.cpp `DecodeModel`);
-    its steps then alternate between that call and the layer-by-layer loop."""
+    more by the Decoder. Its steps alternate between every layer in one kernel call (csrc/gemv.cpp `DecodeModel`)
+    and the layer-by-layer loop. `experts_native`: the kernel runs the MoE layers' experts itself, else it calls
+    the layers' modules back."""
     from export.serve.decode import Decoder
     from export.serve.kv_cache import PagedCache, served_kv
 
+    n = len(lens)
     heads, dtype, _ = served_kv(model)
-    cache = PagedCache(model.cfg, blocks=24, block_size=4, heads=heads, dtype=dtype)
+    cache = PagedCache(model.cfg, blocks=8 * n, block_size=4, heads=heads, dtype=dtype)
     decoder = Decoder.of(model, cache)
-    assert decoder is not None and (decoder.native is not None) == native
+    assert decoder is not None and decoder.native is not None and decoder.native_rows >= n
+    assert decoder.native_experts == experts_native
     rows = decoder.native_rows
     gen = torch.Generator().manual_seed(1)
-    lens = [3, 9, 6]
-    for seq, n in enumerate(lens):
-        cache.extend(seq, [seq + 3 * j for j in range(4)] + [12 + seq * 4 + j for j in range(4)][:4])
-        cache.select([seq], [0], [n])
+    lens = list(lens)
+    for seq, length in enumerate(lens):
+        cache.extend(seq, [seq + n * j for j in range(8)])  # the rows' blocks interleaved in the pool
+        cache.select([seq], [0], [length])
         with torch.no_grad():
-            model(torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen), cache=cache, hidden_only=True)
+            model(torch.randint(0, model.cfg.vocab_size, (1, length), generator=gen), cache=cache, hidden_only=True)
+    seqs = list(range(n))
     for step in range(5):
         decoder.native_rows = rows if step % 2 == 0 else 0
-        tokens = torch.randint(0, model.cfg.vocab_size, (3, 1), generator=gen)
+        tokens = torch.randint(0, model.cfg.vocab_size, (n, 1), generator=gen)
         with torch.no_grad():
-            want = model(tokens, cache=cache.select([0, 1, 2], lens, [1, 1, 1]), hidden_only=True)
+            want = model(tokens, cache=cache.select(seqs, lens, [1] * n), hidden_only=True)
         exchange = decoder._exchange
-        before = (exchange.meter.forwards, exchange.residency.hits, exchange.expert_s) if exchange else None
-        got = decoder(tokens, cache.select([0, 1, 2], lens, [1, 1, 1]))
+        used = (lambda r: r.hits + r.misses) if exchange else None  # experts a forward ran, resident or loaded
+        before = (exchange.meter.forwards, used(exchange.residency), exchange.expert_s) if exchange else None
+        got = decoder(tokens, cache.select(seqs, lens, [1] * n))
         if exchange is not None:  # the one call keeps the exchange's books as the layers' own calls do
             ran = sum(int((c > 0).sum()) for c in got.expert_counts)
-            assert exchange.meter.forwards == before[0] + 1 and exchange.residency.hits == before[1] + ran
+            assert exchange.meter.forwards == before[0] + 1 and used(exchange.residency) == before[1] + ran
             assert exchange.expert_s > before[2]
         assert got.hidden.dtype == want.hidden.dtype and torch.equal(got.hidden, want.hidden), \
             (got.hidden.float() - want.hidden.float()).abs().max()
         assert len(got.expert_counts) == len(want.expert_counts)
         assert all(torch.equal(a, b) for a, b in zip(got.expert_counts, want.expert_counts))
-        lens = [n + 1 for n in lens]
+        lens = [length + 1 for length in lens]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe", "mixtral"])
 def test_the_decoder_gives_the_model_s_hidden_states_for_every_family(family, dtype, tmp_path, monkeypatch):
-    check_decodes_alike(served(imported(family, tmp_path), tmp_path, dtype, monkeypatch), native=family != "qwen2_moe")
+    check_decodes_alike(served(imported(family, tmp_path), tmp_path, dtype, monkeypatch))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decoder_gives_the_model_s_hidden_states_for_the_pr_moe(dtype, tmp_path, monkeypatch):
-    check_decodes_alike(served(pr_moe(), tmp_path, dtype, monkeypatch), native=False)
+    check_decodes_alike(served(pr_moe(), tmp_path, dtype, monkeypatch))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "pr_moe"])
+def test_the_decoder_calls_back_moe_layers_whose_experts_are_not_all_here(family, tmp_path, monkeypatch):
+    """Half the experts resident (the others loaded as the exchange needs them): the kernel calls each MoE layer's
+    module back, and the hidden states are still the model's."""
+    model = pr_moe() if family == "pr_moe" else imported(family, tmp_path)
+    check_decodes_alike(served(model, tmp_path, torch.bfloat16, monkeypatch, resident=0.5), experts_native=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "pr_moe"])
+@pytest.mark.parametrize("more, dtype", [("onednn", torch.float32), ("onednn", torch.bfloat16),
+                                         ("chunks", torch.bfloat16), ("aten", torch.float32)])
+def test_the_decoder_beyond_the_kernel_s_rows(family, more, dtype, tmp_path, monkeypatch):
+    """12 rows, more than the few-row kernel takes: each linear as ServingWeight.linear runs it then, oneDNN on its
+    packed weight (rows bucketed), the kernel 8 rows at a time (bf16 where oneDNN has no bf16 GEMM), or F.linear (a
+    weight too small for oneDNN)."""
+    from export.serve import linears
+
+    if more != "aten":
+        monkeypatch.setattr(linears, "ONEDNN_FROM", 0)
+    if more == "chunks":
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    model = served(pr_moe() if family == "pr_moe" else imported(family, tmp_path), tmp_path, dtype, monkeypatch)
+    weights = [block.attn.qkv.weight for block in model.blocks] + \
+        [m.served for m in model.modules() if isinstance(m, linears.ServingLinear)]
+    for w in weights:
+        w.amx = None  # AMX would take these rows (bf16 on a CPU with it): the paths after it are the ones under test
+    assert all(w.onednn == (more == "onednn") for w in weights)
+    check_decodes_alike(model, lens=(3, 9, 6, 4, 11, 5, 7, 3, 8, 10, 6, 4))
 
 
 def test_a_model_the_decoder_does_not_know_is_left_to_its_own_forward(tmp_path, monkeypatch):

@@ -5,13 +5,15 @@
     out = decoder(tokens, cache.select(seqs, starts, [1] * len(seqs)))   # as model(tokens, cache=..., hidden_only=True)
 
 pipeline/model.py's `GPT.forward` is the specification: this runs the same layers with the same kernels and
-roundings (the hidden states equal to the bit: tests/test_decode.py), without the ~25 tensor operators and the
-module calls a layer's attention half took in Python. On a 2-core machine a batch-1 step of the Qwen3-MoE package
-of benchmarks/peer_bench.py spent ~4 ms of ~15 there (a torch operator costs ~10 us in Python there, whatever its
-size). Per layer: the norm, the q/k/v projection, `qkv_heads` (heads, qk_norm, RoPE), the cache's
-`paged_attention`, the out projection, the residual; the MLP half is the block's own module (its MoE layer already
-runs in two kernel calls on one rank). Positions come from a RoPE table made once by `rope_tables` itself (the same
-values as the per-forward tables).
+roundings (the hidden states equal to the bit: tests/test_decode.py), without the module calls and the ~25 tensor
+operators a layer took in Python (on a 2-core machine a torch operator costs ~10 us in Python, whatever its size).
+Every layer runs in one call of csrc/gemv.cpp's `DecodeModel`: the norm (RMSNorm or LayerNorm), the q/k/v projection,
+`qkv_heads` (heads, qk_norm, RoPE), the cache's `paged_attention`, the out projection, the residual; then a dense MLP
+or a layer's routed experts where every expert is on this rank, else the block's own MLP module, called back from
+the kernel (a residual or shared-expert MoE layer, or experts on other ranks, whose exchange joins the other ranks'
+collectives as it does in the model's forward). The layer-by-layer loop below it runs the same steps in Python
+(more rows than the grouped expert kernel takes). Positions come from a RoPE table made once by `rope_tables`
+itself (the same values as the per-forward tables).
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ class Decoder:
         self.dtype = model.wte.weight.dtype
         self.head_dim = self.cfg.head_size
         self._cos = self._sin = None  # the RoPE table: [positions, head_dim] in the model's dtype
-        # every layer in one kernel call (csrc/gemv.cpp `DecodeModel`) where it runs them all, up to `native_rows`
-        self.native, self.native_rows = _decode_model(model, kernel, cache) if cache is not None else (None, 0)
-        self._exchange = next((block.mlp.exchange for block in model.blocks if block.is_moe), None) \
-            if self.native is not None else None  # the MoE layers' exchange: its meter and residency counts
+        # every layer in one kernel call (csrc/gemv.cpp `DecodeModel`) up to `native_rows` rows, where it runs them
+        self.native, self.native_rows, self.native_experts = _decode_model(model, kernel, cache) \
+            if cache is not None else (None, 0, False)
+        # the MoE layers' exchange: its meter and residency counts, for the MoE layers DecodeModel runs itself
+        self._exchange = next((getattr(block.mlp, "exchange", None) for block in model.blocks if block.is_moe), None)
 
     @classmethod
     def of(cls, model: GPT, cache) -> "Decoder | None":
@@ -105,62 +108,122 @@ class Decoder:
 
     def _native(self, x, cos, sin, cache) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The layers in one `DecodeModel.forward`; the MoE layers' exchange keeps its books as for its own calls."""
-        x, counts, expert_s, ran = self.native.forward(x, cos, sin, cache._table, cache._start)
-        if counts:
-            self._exchange.ran_locally(len(counts), x.shape[0] * self.cfg.top_k, expert_s, ran)
+        x, counts, expert_s, ran, here = self.native.forward(x, cos, sin, cache._table, cache._start)
+        if here:
+            self._exchange.ran_locally(here, x.shape[0] * self.cfg.top_k, expert_s, ran)
         return x, counts
 
 
-def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int]:
-    """csrc/gemv.cpp's `DecodeModel` holding every layer's tensors, and the rows it runs (the kernels' row limits);
-    (None, 0) where a layer is not one it runs (a LayerNorm, a shared expert, a residual MoE, experts on other ranks
-    or not all resident, weights the kernels do not serve)."""
+def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, bool]:
+    """csrc/gemv.cpp's `DecodeModel` holding every layer's tensors, the rows it runs (the grouped expert kernel's
+    row limit where it runs the experts; any number otherwise), and whether it runs the MoE layers' experts itself;
+    (None, 0, False) where an attention half is not one it runs
+    (projections not served by export/serve/linears.py, a norm on other weights' dtype). The MLP half of a layer is a
+    dense MLP, or the experts of an MoE layer (with its residual MLP or shared expert) when it runs every MoE layer
+    that way (one rank, every expert resident); else the block's own module, called back (its exchange's collectives
+    and books as that module keeps them)."""
     from export.serve.placement.exchange import PlacedMoE
 
     cfg = model.cfg
-    if not hasattr(kernel, "DecodeModel") or cfg.mlp_type == "residual":
-        return None, 0
+    if not hasattr(kernel, "DecodeModel") or not isinstance(getattr(model.blocks[0].attn, "qkv", None),
+                                                               linears.FusedQKV):
+        return None, 0, False
     dtype = model.wte.weight.dtype
-    rows = linears.grouped_max_rows(model.wte.weight) * min(cfg.experts or [1]) // cfg.top_k
 
-    def served(w) -> bool:
-        nonlocal rows
+    def norm(module: nn.Module) -> tuple | None:
+        if isinstance(module, linears.ServingRMSNorm) and module.weight.dtype == dtype:
+            return module.weight, None, module.eps, False
+        if type(module) is nn.LayerNorm and module.weight is not None and module.weight.dtype == dtype:
+            return module.weight, module.bias, module.eps, True
+        return None
+
+    def served(w, bias) -> tuple | None:
         if not isinstance(w, linears.ServingWeight) or w.gemv is None or w.weight.dtype != dtype:
-            return False
-        rows = min(rows, w.gemv.AMX_MAX_ROWS if w.amx is not None else w.gemv.MAX_ROWS)
-        return True
+            return None
+        if w.onednn:
+            more = 0  # oneDNN on its packed copy
+        elif dtype == torch.bfloat16 and w.weight.numel() >= linears.ONEDNN_FROM:
+            more = 1  # the kernel, MAX_ROWS rows at a time
+        else:
+            more = 2  # F.linear
+        return w.weight, w.amx, w.packed, more, bias
 
+    def lin(module) -> tuple | None:  # a served linear, or an nn.Linear left as it is (F.linear at every row count)
+        if isinstance(module, linears.ServingLinear):
+            return served(module.served, module.bias)
+        if type(module) is nn.Linear and module.weight.dtype == dtype:
+            return module.weight, None, module.weight, 3, module.bias
+        return None
+
+    def fcs_of(module) -> list | None:  # an MLP's (fc1, fc2)
+        fcs = [lin(getattr(module, n, None)) for n in ("fc1", "fc2")]
+        return fcs if all(fc is not None for fc in fcs) else None
+
+    def extras(moe) -> list | None:  # an MoE layer's residual MLP and shared expert, each (fc1, fc2, gate) or None
+        out = [None, None]
+        if cfg.mlp_type == "residual":
+            fcs, coef = fcs_of(moe.moe.mlp), lin(moe.moe.coefficient)
+            if fcs is None or coef is None:
+                return None
+            out[0] = (*fcs, coef)
+        if hasattr(moe, "shared"):
+            fcs, gate = fcs_of(moe.shared), lin(moe.shared_gate)
+            if fcs is None or gate is None:
+                return None
+            out[1] = (*fcs, gate)
+        return out
+
+    def experts_here(moe) -> bool:
+        if not isinstance(moe, PlacedMoE) or extras(moe) is None or moe.exchange.ep != 1:
+            return False
+        residency = moe.exchange.residency
+        return (moe.moe.deepspeed_moe.gate.wg.weight.dtype == torch.float32 and residency.resident_fraction >= 1
+                and all((moe.index, e) in residency.resident for e in range(moe.num_experts)))
+
+    moe_layers = [block.mlp for block in model.blocks if block.is_moe]
+    native_experts = bool(moe_layers) and all(experts_here(moe) for moe in moe_layers)
+    rows = linears.grouped_max_rows(model.wte.weight) * min(cfg.experts) // cfg.top_k if native_experts else 1 << 30
     native = kernel.DecodeModel(cfg.head_size, *model.blocks[0].attn.qkv.sizes[:2], cfg.top_k,
-                                bool(cfg.renormalizes), cfg.activation == "swiglu") \
-        if isinstance(getattr(model.blocks[0].attn, "qkv", None), linears.FusedQKV) else None
+                                bool(cfg.renormalizes), cfg.activation == "swiglu")
     for i, block in enumerate(model.blocks):
         attn, mlp = block.attn, block.mlp
         qkv, out = getattr(attn, "qkv", None), getattr(attn, "out_proj", None)
-        if not (native is not None and all(isinstance(n, linears.ServingRMSNorm) for n in (block.ln_1, block.ln_2))
-                and isinstance(qkv, linears.FusedQKV) and isinstance(out, linears.ServingLinear)
-                and served(qkv.weight) and served(out.served)):
-            return None, 0
+        parts = (norm(block.ln_1), served(qkv.weight, qkv.bias) if isinstance(qkv, linears.FusedQKV) else None,
+                 served(out.served, out.bias) if isinstance(out, linears.ServingLinear) else None, norm(block.ln_2))
+        if any(p is None for p in parts):
+            return None, 0, False
         qk = cfg.qk_norm != "none"
-        native.add_attention(block.ln_1.weight, block.ln_1.eps, qkv.weight.weight, qkv.weight.amx, qkv.bias,
-                             attn.q_norm.weight if qk else None, attn.k_norm.weight if qk else None,
-                             attn.q_norm.eps if qk else 0.0, out.served.weight, out.served.amx, out.bias,
-                             block.ln_2.weight, block.ln_2.eps, cache.k[i], cache.v[i])
-        if isinstance(mlp, PlacedMoE):
+        native.add_attention(parts[0], parts[1], attn.q_norm.weight if qk else None,
+                             attn.k_norm.weight if qk else None, attn.q_norm.eps if qk else 0.0, parts[2], parts[3],
+                             cache.k[i], cache.v[i])
+        if block.is_moe and native_experts:
             residency, wg = mlp.exchange.residency, mlp.moe.deepspeed_moe.gate.wg.weight
-            if (mlp.exchange.ep != 1 or hasattr(mlp, "shared") or wg.dtype != torch.float32
-                    or residency.resident_fraction < 1
-                    or any((mlp.index, e) not in residency.resident for e in range(mlp.num_experts))):
-                return None, 0
             native.add_experts(wg.contiguous(), *linears._expert_tensors(
                 [residency.resident[(mlp.index, e)] for e in range(mlp.num_experts)]))
-        elif isinstance(getattr(mlp, "fc1", None), linears.ServingLinear) and \
-                isinstance(getattr(mlp, "fc2", None), linears.ServingLinear) and \
-                served(mlp.fc1.served) and served(mlp.fc2.served):
-            native.add_mlp(mlp.fc1.served.weight, mlp.fc1.served.amx, mlp.fc1.bias,
-                           mlp.fc2.served.weight, mlp.fc2.served.amx, mlp.fc2.bias)
+            residual, shared = extras(mlp)
+            if residual is not None:
+                native.add_residual(*residual)
+            if shared is not None:
+                native.add_shared(*shared)
+        elif not block.is_moe and fcs_of(mlp) is not None:
+            native.add_mlp(*fcs_of(mlp))
         else:
-            return None, 0
-    return native, rows
+            native.add_module(_module_half(block))
+    return native, rows, native_experts
+
+
+def _module_half(block: nn.Module):
+    """A block's MLP half as DecodeModel calls it back: h [B, C] -> (output [B, C], tokens per expert or None), as the
+    layer loop of `Decoder.__call__` runs it."""
+    mlp = block.mlp
+    if block.is_moe:
+        def half(h: torch.Tensor):
+            out, _, counts = mlp(h.view(h.shape[0], 1, -1), None)
+            return out.view(h.shape[0], -1), counts
+    else:
+        def half(h: torch.Tensor):
+            return mlp(h.view(h.shape[0], 1, -1)).view(h.shape[0], -1), None
+    return half
 
 
 def _norm_runs(module: nn.Module) -> bool:

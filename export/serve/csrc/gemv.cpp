@@ -1342,29 +1342,101 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 // layer (module calls, views, the residual adds, the routing's bookkeeping): ~2.5 ms of a ~14 ms batch-1 step of the
 // peer benchmark's Qwen3-MoE package on 2 cores. `DecodeModel` holds every layer's tensors (the same tensors the
 // modules hold) and runs the layers with the same kernels, the same torch operators and the same roundings, so the
-// hidden states are the Python loop's to the bit. Layers it runs: RMSNorm before attention and MLP, one fused q/k/v
-// weight (bias optional), qk-norm optional, RoPE or none, the paged pool, an out projection (bias optional), and a
-// dense MLP or an MoE layer whose experts are all on this rank (no shared expert, no residual MLP).
+// hidden states are the Python loop's to the bit. Per layer: an RMSNorm or LayerNorm before attention and MLP, one
+// fused q/k/v weight (bias optional), qk-norm optional, RoPE or none, the paged pool, an out projection (bias
+// optional); then a dense MLP, an MoE layer
+// whose experts are all on this rank (with PR-MoE's residual MLP or Qwen2-MoE's shared expert, or neither), or the
+// block's own MLP module called back in Python (experts on other ranks: its exchange's collectives run as the module
+// runs them).
 
-struct DecodeLayer {
-  torch::Tensor ln1, ln2, qkv, qkv_amx, out, out_amx, K, V;
-  c10::optional<torch::Tensor> qkv_b, out_b, q_norm, k_norm;
-  double eps1, eps2, qk_eps;
-  bool moe = false, dense = false;
-  torch::Tensor wg;                           // an MoE layer: the router, every expert's tensors by index
-  std::vector<torch::Tensor> w1, b1, w2, b2;  // (b1, b2 empty without biases)
-  torch::Tensor fc1, fc1_amx, fc2, fc2_amx;   // a dense MLP
-  c10::optional<torch::Tensor> fc1_b, fc2_b;
+// One norm as the module holds it: RMSNorm (no bias) or LayerNorm (bias optional).
+struct DecodeNorm {
+  torch::Tensor w;
+  c10::optional<torch::Tensor> b;
+  double eps = 0;
+  bool layer = false;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return layer ? at::layer_norm(x, {x.size(-1)}, w, b, eps) : rms_norm(x, w, eps);
+  }
 };
 
-// ServingWeight.linear's choice for x [rows, in]: AMX from 2 rows where the weight has a copy packed for it, else the
-// kernel (1 to MAX_ROWS rows).
-static torch::Tensor served_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& amx,
+// oneDNN's linear on its packed weight (torch.ops.mkldnn._linear_pointwise, as ServingWeight.linear calls it).
+static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                    const c10::optional<torch::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         std::string_view, c10::List<std::optional<at::Scalar>>,
+                                         std::optional<std::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::string_view(""));
+}
+
+// export/serve/linears.py `bucket`: rows rounded up to one of 8 sizes per octave (up to 8 rows as they are).
+static int64_t bucket(int64_t rows) {
+  if (rows <= 8) return rows;
+  const int64_t step = int64_t{1} << (64 - __builtin_clzll(static_cast<uint64_t>(rows)) - 4);
+  return (rows + step - 1) / step * step;
+}
+
+// One served weight as ServingWeight holds it, and its `linear` for x [rows, in]: AMX from 2 rows where the weight
+// has a copy packed for it, the kernel up to MAX_ROWS, then by `more`: oneDNN on its packed copy (rows bucketed), the
+// kernel MAX_ROWS rows at a time (bf16 without oneDNN's), or at::linear (a small weight); PLAIN: an nn.Linear the
+// serving runtime left as it is (F.linear for every row count).
+struct DecodeLinear {
+  enum More : int64_t { ONEDNN = 0, CHUNKS = 1, ATEN = 2, PLAIN = 3 };
+  torch::Tensor w, amx, packed;
+  c10::optional<torch::Tensor> b;
+  int64_t more = ATEN;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (more == PLAIN) return at::linear(x, w, b);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx.defined() && x.size(0) > 1) return amx_linear(x, amx, w.size(0), bias);
+    if (amx.defined() && rows > 1 && rows <= AMX_MAX_ROWS) return amx_linear(x, amx, w.size(0), b);
 #endif
-  return ::linear(x, w, bias);
+    if (rows <= MAX_ROWS) return ::linear(x, w, b);
+    if (more == ATEN) return at::linear(x, w, b);
+    if (more == CHUNKS) {
+      std::vector<torch::Tensor> parts;
+      for (int64_t i = 0; i < rows; i += MAX_ROWS) parts.push_back(::linear(x.narrow(0, i, std::min(MAX_ROWS, rows - i)), w, b));
+      return at::cat(parts);
+    }
+    const int64_t padded = bucket(rows);
+    if (padded == rows) return onednn_linear(x, packed, b);
+    torch::Tensor flat = x.new_zeros({padded, x.size(1)});
+    flat.narrow(0, 0, rows).copy_(x);
+    return onednn_linear(flat, packed, b).narrow(0, 0, rows);
+  }
+};
+
+struct DecodeLayer {
+  DecodeNorm n1, n2;
+  DecodeLinear qkv, out, fc1, fc2;
+  c10::optional<torch::Tensor> q_norm, k_norm;
+  double qk_eps = 0;
+  torch::Tensor K, V;
+  enum { NONE, DENSE, EXPERTS, MODULE } mlp = NONE;
+  torch::Tensor wg;                           // EXPERTS: the router, every expert's tensors by index
+  std::vector<torch::Tensor> w1, b1, w2, b2;  // (b1, b2 empty without biases)
+  bool residual = false, shared = false;      // EXPERTS: PR-MoE's residual MLP and its coefficient, Qwen2-MoE's
+  DecodeLinear rfc1, rfc2, coefficient;       // shared expert and its gate
+  DecodeLinear sfc1, sfc2, shared_gate;
+  py::object module;                          // MODULE: h [B, C] -> (out [B, C], tokens per expert or None)
+};
+
+static DecodeNorm decode_norm(const py::tuple& t) {  // (weight, bias or None, eps, layer_norm)
+  TORCH_CHECK(t.size() == 4, "DecodeModel: a norm is (weight, bias or None, eps, is_layer_norm)");
+  return {t[0].cast<torch::Tensor>(), t[1].cast<c10::optional<torch::Tensor>>(), t[2].cast<double>(),
+          t[3].cast<bool>()};
+}
+
+static DecodeLinear decode_linear(const py::tuple& t) {  // (weight, amx or None, packed, more, bias or None)
+  TORCH_CHECK(t.size() == 5, "DecodeModel: a linear is (weight, amx or None, packed, more, bias or None)");
+  DecodeLinear l{t[0].cast<torch::Tensor>(), t[1].cast<c10::optional<torch::Tensor>>().value_or(torch::Tensor()),
+                 t[2].cast<torch::Tensor>(), t[4].cast<c10::optional<torch::Tensor>>(), t[3].cast<int64_t>()};
+  TORCH_CHECK(l.more >= DecodeLinear::ONEDNN && l.more <= DecodeLinear::PLAIN, "DecodeModel: `more` is 0 to 3");
+  return l;
 }
 
 class DecodeModel {
@@ -1372,19 +1444,16 @@ class DecodeModel {
   DecodeModel(int64_t head_dim, int64_t q_size, int64_t kv_size, int64_t top_k, bool renormalize, bool swiglu)
       : D_(head_dim), qs_(q_size), kvs_(kv_size), k_(top_k), renormalize_(renormalize), swiglu_(swiglu) {}
 
-  // A layer's attention half, the tensors as the modules hold them (`*_amx` None where the weight has no AMX copy),
-  // and its pool; then `add_experts` or `add_mlp` for its MLP half.
-  void add_attention(torch::Tensor ln1, double eps1, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_amx,
-                     c10::optional<torch::Tensor> qkv_b, c10::optional<torch::Tensor> q_norm,
-                     c10::optional<torch::Tensor> k_norm, double qk_eps, torch::Tensor out,
-                     c10::optional<torch::Tensor> out_amx, c10::optional<torch::Tensor> out_b, torch::Tensor ln2,
-                     double eps2, torch::Tensor K, torch::Tensor V) {
-    TORCH_CHECK(qkv.size(0) == qs_ + 2 * kvs_, "DecodeModel.add_attention: a q/k/v weight of ", qs_ + 2 * kvs_,
-                " outputs");
+  // A layer's attention half: its two norms and two linears as tuples (`decode_norm`, `decode_linear`), the q/k
+  // norms, and its pool; then `add_experts`, `add_mlp` or `add_module` for its MLP half.
+  void add_attention(py::tuple ln1, py::tuple qkv, c10::optional<torch::Tensor> q_norm,
+                     c10::optional<torch::Tensor> k_norm, double qk_eps, py::tuple out, py::tuple ln2, torch::Tensor K,
+                     torch::Tensor V) {
     DecodeLayer L;
-    L.ln1 = ln1, L.eps1 = eps1, L.qkv = qkv, L.qkv_amx = qkv_amx.value_or(torch::Tensor()), L.qkv_b = qkv_b;
-    L.q_norm = q_norm, L.k_norm = k_norm, L.qk_eps = qk_eps, L.out = out;
-    L.out_amx = out_amx.value_or(torch::Tensor()), L.out_b = out_b, L.ln2 = ln2, L.eps2 = eps2, L.K = K, L.V = V;
+    L.n1 = decode_norm(ln1), L.qkv = decode_linear(qkv), L.out = decode_linear(out), L.n2 = decode_norm(ln2);
+    TORCH_CHECK(L.qkv.w.size(0) == qs_ + 2 * kvs_, "DecodeModel.add_attention: a q/k/v weight of ", qs_ + 2 * kvs_,
+                " outputs");
+    L.q_norm = q_norm, L.k_norm = k_norm, L.qk_eps = qk_eps, L.K = K, L.V = V;
     layers_.push_back(std::move(L));
   }
 
@@ -1393,45 +1462,61 @@ class DecodeModel {
     TORCH_CHECK(!layers_.empty() && static_cast<int64_t>(w1.size()) == wg.size(0) && w2.size() == w1.size() &&
                     (b1.empty() || b1.size() == w1.size()) && b2.size() == b1.size(),
                 "DecodeModel.add_experts: after add_attention, one w1, w2 (b1, b2) per expert of the router");
-    DecodeLayer& L = layers_.back();
-    L.moe = true, L.wg = wg, L.w1 = std::move(w1), L.b1 = std::move(b1), L.w2 = std::move(w2), L.b2 = std::move(b2);
+    DecodeLayer& L = last("add_experts");
+    L.mlp = DecodeLayer::EXPERTS, L.wg = wg, L.w1 = std::move(w1), L.b1 = std::move(b1), L.w2 = std::move(w2);
+    L.b2 = std::move(b2);
   }
 
-  void add_mlp(torch::Tensor fc1, c10::optional<torch::Tensor> fc1_amx, c10::optional<torch::Tensor> fc1_b,
-               torch::Tensor fc2, c10::optional<torch::Tensor> fc2_amx, c10::optional<torch::Tensor> fc2_b) {
-    TORCH_CHECK(!layers_.empty(), "DecodeModel.add_mlp: after add_attention");
-    DecodeLayer& L = layers_.back();
-    L.dense = true, L.fc1 = fc1, L.fc1_amx = fc1_amx.value_or(torch::Tensor()), L.fc1_b = fc1_b;
-    L.fc2 = fc2, L.fc2_amx = fc2_amx.value_or(torch::Tensor()), L.fc2_b = fc2_b;
+  // After add_experts: PR-MoE's residual MLP, out = experts * c0 + mlp * c1 with (c0, c1) = softmax(coefficient(h))
+  // (pipeline/model.py `mix_residual`).
+  void add_residual(py::tuple fc1, py::tuple fc2, py::tuple coefficient) {
+    DecodeLayer& L = experts_layer("add_residual");
+    L.residual = true, L.rfc1 = decode_linear(fc1), L.rfc2 = decode_linear(fc2), L.coefficient = decode_linear(coefficient);
+  }
+
+  // After add_experts (and add_residual): Qwen2-MoE's shared expert, out + sigmoid(gate(h)) * shared(h)
+  // (pipeline/model.py `add_shared`).
+  void add_shared(py::tuple fc1, py::tuple fc2, py::tuple gate) {
+    DecodeLayer& L = experts_layer("add_shared");
+    L.shared = true, L.sfc1 = decode_linear(fc1), L.sfc2 = decode_linear(fc2), L.shared_gate = decode_linear(gate);
+  }
+
+  void add_mlp(py::tuple fc1, py::tuple fc2) {
+    DecodeLayer& L = last("add_mlp");
+    L.mlp = DecodeLayer::DENSE, L.fc1 = decode_linear(fc1), L.fc2 = decode_linear(fc2);
+  }
+
+  void add_module(py::object module) {
+    DecodeLayer& L = last("add_module");
+    L.mlp = DecodeLayer::MODULE, L.module = std::move(module);
   }
 
   // x [B, C] the rows' embeddings; cos, sin [B, D] (RoPE) or None; the pool's block tables and starts as
   // paged_attention takes them. Returns (hidden [B, C] before the final norm, tokens per expert [E] of each MoE
-  // layer, the seconds spent in the MoE layers, the experts they ran).
-  std::tuple<torch::Tensor, std::vector<torch::Tensor>, double, int64_t> forward(
+  // layer, the seconds spent in the MoE layers run here, the experts they ran, how many MoE layers ran here).
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>, double, int64_t, int64_t> forward(
       torch::Tensor x, const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin,
       const torch::Tensor& tables, const std::vector<int64_t>& starts) {
     const int64_t B = x.size(0);
     std::vector<torch::Tensor> counts;
     double expert_s = 0;
-    int64_t ran = 0;
+    int64_t ran = 0, here = 0;
     for (const DecodeLayer& L : layers_) {
-      TORCH_CHECK(L.moe != L.dense, "DecodeModel.forward: a layer without its MLP half (add_experts or add_mlp)");
-      torch::Tensor y = served_linear(rms_norm(x, L.ln1, L.eps1), L.qkv, L.qkv_amx, L.qkv_b);
+      TORCH_CHECK(L.mlp != DecodeLayer::NONE, "DecodeModel.forward: a layer without its MLP half");
+      torch::Tensor y = L.qkv(L.n1(x));
       auto heads = qkv_heads(y.narrow(1, 0, qs_), y.narrow(1, qs_, kvs_), y.narrow(1, qs_ + kvs_, kvs_), D_,
                              L.q_norm, L.k_norm, L.q_norm ? L.qk_eps : 0.0, cos, sin);
       torch::Tensor a = paged_attention(heads[0], heads[1], heads[2], L.K, L.V, tables, starts);
-      x = x + served_linear(a.view({B, -1}), L.out, L.out_amx, L.out_b);
-      torch::Tensor h = rms_norm(x, L.ln2, L.eps2);
-      if (L.dense) {  // pipeline/model.py's MLP
-        torch::Tensor u = served_linear(h, L.fc1, L.fc1_amx, L.fc1_b);
-        if (swiglu_) {
-          auto parts = u.chunk(2, -1);
-          u = at::silu(parts[0]) * parts[1];
-        } else {
-          u = at::gelu(u);
-        }
-        x = x + served_linear(u, L.fc2, L.fc2_amx, L.fc2_b);
+      x = x + L.out(a.view({B, -1}));
+      torch::Tensor h = L.n2(x);
+      if (L.mlp == DecodeLayer::DENSE) {
+        x = x + mlp(h, L.fc1, L.fc2);
+        continue;
+      }
+      if (L.mlp == DecodeLayer::MODULE) {
+        py::tuple r = L.module(h);
+        x = x + r[0].cast<torch::Tensor>();
+        if (!r[1].is_none()) counts.push_back(r[1].cast<torch::Tensor>());
         continue;
       }
       const auto t0 = std::chrono::steady_clock::now();
@@ -1449,15 +1534,46 @@ class DecodeModel {
           b2.push_back(L.b2[e]);
         }
       }
-      x = x + routed_experts(h, experts, mix, active, w1, b1, w2, b2, swiglu_);
+      torch::Tensor out = routed_experts(h, experts, mix, active, w1, b1, w2, b2, swiglu_);
       expert_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (L.residual) {
+        torch::Tensor c = L.coefficient(h).softmax(-1);
+        out = out * c.narrow(-1, 0, 1) + mlp(h, L.rfc1, L.rfc2) * c.narrow(-1, 1, 1);
+      }
+      if (L.shared) out = out + at::sigmoid(L.shared_gate(h)) * mlp(h, L.sfc1, L.sfc2);
+      x = x + out;
       ran += static_cast<int64_t>(active.size());
+      ++here;
       counts.push_back(n);
     }
-    return {x, counts, expert_s, ran};
+    return {x, counts, expert_s, ran, here};
   }
 
  private:
+  // pipeline/model.py's MLP
+  torch::Tensor mlp(const torch::Tensor& h, const DecodeLinear& fc1, const DecodeLinear& fc2) const {
+    torch::Tensor u = fc1(h);
+    if (swiglu_) {
+      auto parts = u.chunk(2, -1);
+      u = at::silu(parts[0]) * parts[1];
+    } else {
+      u = at::gelu(u);
+    }
+    return fc2(u);
+  }
+
+  DecodeLayer& experts_layer(const char* what) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().mlp == DecodeLayer::EXPERTS, "DecodeModel.", what,
+                ": after add_experts");
+    return layers_.back();
+  }
+
+  DecodeLayer& last(const char* what) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().mlp == DecodeLayer::NONE, "DecodeModel.", what,
+                ": once, after add_attention");
+    return layers_.back();
+  }
+
   int64_t D_, qs_, kvs_, k_;
   bool renormalize_, swiglu_;
   std::vector<DecodeLayer> layers_;
@@ -1485,6 +1601,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_attention", &DecodeModel::add_attention)
       .def("add_experts", &DecodeModel::add_experts)
       .def("add_mlp", &DecodeModel::add_mlp)
+      .def("add_residual", &DecodeModel::add_residual)
+      .def("add_shared", &DecodeModel::add_shared)
+      .def("add_module", &DecodeModel::add_module)
       .def("forward", &DecodeModel::forward);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   m.def("amx_ready", &amx_ready, "whether this process may use AMX (Linux gave it the tile state)");
