@@ -202,7 +202,9 @@ def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
     (the reference MoE) or, with the engine's expert exchange, around its `_run_experts` and `run_local` (the
     latter, 1 rank's decode path, routes too: its routing counts as experts; else they stay in gate_routing:
     `experts_timed` False). `other`: the rest of the step (embeddings, norms, residual adds, sampling,
-    the engine's Python)."""
+    the engine's Python). The steps run the model's own forward, module by module (the engine's `Decoder`, which
+    runs a decode step's layers in one kernel call, calls no module to hook): slower than the served step, which
+    the decode runs above time."""
     import torch
 
     from export.serve.request import SamplingParams
@@ -255,6 +257,8 @@ def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
         undo.append(lambda: delattr(exchange, "run_local"))
         experts_timed = True
     watch(model.lm_head, "lm_head")
+    decoder, engine.worker.decoder = engine.worker.decoder, None
+    undo.append(lambda: setattr(engine.worker, "decoder", decoder))
     steps = []
     try:
         req = engine.submit(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0))
