@@ -137,22 +137,16 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, bool]:
             return module.weight, module.bias, module.eps, True
         return None
 
-    def served(w, bias) -> tuple | None:
+    def served(w, bias) -> tuple | None:  # a ServingWeight as its `linear` runs it
         if not isinstance(w, linears.ServingWeight) or w.gemv is None or w.weight.dtype != dtype:
             return None
-        if w.onednn:
-            more = 0  # oneDNN on its packed copy
-        elif dtype == torch.bfloat16 and w.weight.numel() >= linears.ONEDNN_FROM:
-            more = 1  # the kernel, MAX_ROWS rows at a time
-        else:
-            more = 2  # F.linear
-        return w.weight, w.amx, w.packed, more, bias
+        return w.weight, w.amx, w.packed, w.more, bias
 
     def lin(module) -> tuple | None:  # a served linear, or an nn.Linear left as it is (F.linear at every row count)
         if isinstance(module, linears.ServingLinear):
             return served(module.served, module.bias)
         if type(module) is nn.Linear and module.weight.dtype == dtype:
-            return module.weight, None, module.weight, 3, module.bias
+            return module.weight, None, module.weight, linears.MORE_PLAIN, module.bias
         return None
 
     def fcs_of(module) -> list | None:  # an MLP's (fc1, fc2)

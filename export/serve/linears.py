@@ -42,6 +42,10 @@ import torch.nn.functional as F
 SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.linear's call is cheapest)
 ONEDNN_FROM = 1 << 20  # below this, more than 4 rows go to F.linear: as fast there, and no primitive cache to grow
 PACK_ROWS = 32  # the row count oneDNN's packed weight layout is chosen for (a decode batch's)
+# how a ServingWeight runs more rows than the few-row kernel takes (`ServingWeight.more`; csrc/gemv.cpp `DecodeLinear`
+# takes the same codes): oneDNN on its packed copy, the kernel MAX_ROWS rows at a time, F.linear; and an nn.Linear left
+# as it is (F.linear at every row count)
+MORE_ONEDNN, MORE_CHUNKS, MORE_ATEN, MORE_PLAIN = 0, 1, 2, 3
 ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 PREFETCH_ENV = "MOE_PIPELINE_PREFETCH"  # t0 | nta; unset: `prefetch_hint`'s choice for this CPU
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
@@ -146,6 +150,10 @@ class ServingWeight:
         # (Sapphire Rapids, 2 cores, bf16 lm_head: 8 rows 7.8 ms, 32 rows 11.5 ms, where oneDNN's AMX GEMM took
         # 13.5 and 20.0); otherwise oneDNN's own blocked copy: 1.1-1.6x faster at 5-257 rows than on the plain one
         # (bf16 lm_head at 32 rows on an AMD EPYC: 16.4 -> 10.2 ms), the same results to the bit
+        # past the kernel's rows without oneDNN: bf16 (no bf16 GEMM on this CPU) through the kernel, else F.linear
+        self.more = MORE_ONEDNN if self.onednn else MORE_CHUNKS if (
+            self.gemv is not None and self.weight.dtype == torch.bfloat16 and self.weight.numel() >= ONEDNN_FROM) \
+            else MORE_ATEN
         self.packed, self.amx = self.weight, None
         if pack and self.onednn and amx_packs(self.weight):
             self.amx = self.gemv.amx_pack(self.weight)
@@ -160,9 +168,8 @@ class ServingWeight:
         if self.gemv is not None and 0 < rows <= self.gemv.MAX_ROWS and x.dtype == self.weight.dtype:
             y = self.gemv.linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, bias)
             return y.view(*x.shape[:-1], self.weight.shape[0])
-        if not self.onednn:
-            if self.gemv is not None and rows > 0 and x.dtype == self.weight.dtype == torch.bfloat16 and \
-                    self.weight.numel() >= ONEDNN_FROM:  # no bf16 GEMM on this CPU: the kernel, 4 rows at a time
+        if self.more != MORE_ONEDNN:
+            if self.more == MORE_CHUNKS and rows > 0 and x.dtype == self.weight.dtype:  # the kernel, 8 rows at a time
                 flat = x.reshape(rows, x.shape[-1]).contiguous()
                 n = self.gemv.MAX_ROWS
                 y = torch.cat([self.gemv.linear(flat[i:i + n], self.weight, bias) for i in range(0, rows, n)])

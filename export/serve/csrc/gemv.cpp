@@ -1344,10 +1344,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
 // modules hold) and runs the layers with the same kernels, the same torch operators and the same roundings, so the
 // hidden states are the Python loop's to the bit. Per layer: an RMSNorm or LayerNorm before attention and MLP, one
 // fused q/k/v weight (bias optional), qk-norm optional, RoPE or none, the paged pool, an out projection (bias
-// optional); then a dense MLP, an MoE layer
-// whose experts are all on this rank (with PR-MoE's residual MLP or Qwen2-MoE's shared expert, or neither), or the
-// block's own MLP module called back in Python (experts on other ranks: its exchange's collectives run as the module
-// runs them).
+// optional); then a dense MLP, an MoE layer whose experts are all on this rank (with PR-MoE's residual MLP or
+// Qwen2-MoE's shared expert, or neither), or the block's own MLP module called back in Python (experts on other
+// ranks: its exchange's collectives run as the module runs them).
 
 // One norm as the module holds it: RMSNorm (no bias) or LayerNorm (bias optional).
 struct DecodeNorm {
@@ -1380,9 +1379,9 @@ static int64_t bucket(int64_t rows) {
 }
 
 // One served weight as ServingWeight holds it, and its `linear` for x [rows, in]: AMX from 2 rows where the weight
-// has a copy packed for it, the kernel up to MAX_ROWS, then by `more`: oneDNN on its packed copy (rows bucketed), the
-// kernel MAX_ROWS rows at a time (bf16 without oneDNN's), or at::linear (a small weight); PLAIN: an nn.Linear the
-// serving runtime left as it is (F.linear for every row count).
+// has a copy packed for it, the kernel up to MAX_ROWS, then by `more` (ServingWeight.more, export/serve/linears.py's
+// MORE_* codes): oneDNN on its packed copy (rows bucketed), the kernel MAX_ROWS rows at a time (bf16 without oneDNN's),
+// or at::linear (a small weight); PLAIN: an nn.Linear the serving runtime left as it is (F.linear at every row count).
 struct DecodeLinear {
   enum More : int64_t { ONEDNN = 0, CHUNKS = 1, ATEN = 2, PLAIN = 3 };
   torch::Tensor w, amx, packed;
@@ -1399,7 +1398,8 @@ struct DecodeLinear {
     if (more == ATEN) return at::linear(x, w, b);
     if (more == CHUNKS) {
       std::vector<torch::Tensor> parts;
-      for (int64_t i = 0; i < rows; i += MAX_ROWS) parts.push_back(::linear(x.narrow(0, i, std::min(MAX_ROWS, rows - i)), w, b));
+      for (int64_t i = 0; i < rows; i += MAX_ROWS)
+        parts.push_back(::linear(x.narrow(0, i, std::min(MAX_ROWS, rows - i)), w, b));
       return at::cat(parts);
     }
     const int64_t padded = bucket(rows);
