@@ -1,9 +1,10 @@
 """lm-evaluation-harness adapter: our PR-MoE models as an lm-eval `LM`, registered as `moe-pipeline`.
 
-    lm-eval run --model moe-pipeline --model_args path=runs/tiny/student --tasks tiny_lastword
-    lm-eval run --model moe-pipeline --model_args path=runs/tiny,stage=teacher,dtype=bfloat16 --tasks piqa
+    moe-pipeline lm-eval run --model moe-pipeline --model_args path=runs/tiny/student --tasks tiny_lastword
+    moe-pipeline lm-eval run --model moe-pipeline --model_args path=runs/tiny,stage=teacher,dtype=bfloat16 --tasks piqa
 
-or from Python: `MoEPipelineLM(path=...)` passed to `lm_eval.simple_evaluate(model=lm, ...)`.
+(`moe-pipeline lm-eval` is lm-eval's own command line with this model registered: eval/lm_eval_cli.py), or from
+Python: `MoEPipelineLM(path=...)` passed to `lm_eval.simple_evaluate(model=lm, ...)`.
 
 `model_args` (each also a keyword argument of `MoEPipelineLM`; an unknown one is an error naming it):
 

@@ -9,8 +9,8 @@ network:
 
     python -m eval.tasks                      # generate (once) into the cache; print dir and counts
     python -m eval.tasks --out /tmp/tasks     # or into a directory of your choice
-    lm-eval run --model moe-pipeline --model_args path=runs/tiny/student \\
-        --include_path "$(python -m eval.tasks --print-dir)" --tasks tiny_bundled
+    moe-pipeline lm-eval run --model moe-pipeline --model_args path=runs/tiny/student --tasks tiny_bundled
+    lm-eval run --model hf ... --include_path "$(python -m eval.tasks --print-dir)" --tasks tiny_bundled
 
     from eval.tasks import bundled_task_dir
     tm = lm_eval.tasks.TaskManager(include_path=str(bundled_task_dir()))
@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = task_counts(directory)
     for name in BUNDLED_TASKS:
         print(f"  {name:<18}{counts[name]:>5} docs")
-    print(f"use: lm-eval run --include_path {directory} --tasks {TAG} ...")
+    print(f"use: moe-pipeline lm-eval run --tasks {TAG} ... (or lm-eval run --include_path {directory} ...)")
     return 0
 
 

@@ -11,6 +11,7 @@
     moe-pipeline serve runs/tiny/package [--port 8000] [--ep-size 2] [--placement predictive] [--api-key-file F]
     moe-pipeline predictor train runs/tiny/package   # the expert-demand predictor for serve --placement predictive
     moe-pipeline eval runs/tiny [more models] [--tasks a,b] [--batch-size 32] [--out DIR] [--nproc 2]
+    moe-pipeline lm-eval run --model moe-pipeline --model_args path=runs/tiny/student --tasks tiny_lastword
 
 With `--nproc N` (or `distributed.nproc` in the recipe) above the number of running ranks, the
 command restarts itself under the DeepSpeed launcher; on many nodes, start it yourself:
@@ -121,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_positive_int, default=None, help="ranks on this machine (expert parallel)")
     p.add_argument("--ep-size", type=_positive_int, default=None, help="expert-parallel degree (default: all ranks)")
     p.add_argument("--bootstrap-iters", type=int, default=1000, help="lm-eval's bootstrap for non-mean stderrs")
+
+    # listed for --help; main() hands everything after `lm-eval` to lm-eval's own parser
+    sub.add_parser("lm-eval", add_help=False,
+                   help="lm-eval's own command line (run, ls, validate: its arguments) with the model "
+                        "`moe-pipeline` and the bundled tasks (eval/lm_eval_cli.py)")
     return parser
 
 
@@ -440,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_cpu_accelerator()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lm-eval"]:
+        from eval.lm_eval_cli import main as lm_eval_main
+
+        return lm_eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args, argv)

@@ -2,7 +2,7 @@
 
     curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"model": "tiny-student", "prompt": "And God said", "max_tokens": 32, "stream": true}'
-    lm-eval run --model local-completions --tasks tiny_lastword \\
+    moe-pipeline lm-eval run --model local-completions --tasks tiny_lastword \\
         --model_args base_url=http://127.0.0.1:8000/v1/completions,model=tiny-student,max_length=127
 
 Endpoints: `POST /v1/completions` (prompt as a string, token ids, or a list of either; max_tokens,
