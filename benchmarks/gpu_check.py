@@ -142,7 +142,7 @@ def rel_diff(a: float, b: float) -> float:
 
 def train_sets(precision: str, steps: int = STEPS) -> list[str]:
     """--set values of one training run: the precision and step count of both stages, validation at the end only,
-    no checkpoint (checkpoint_every = steps writes none: the last step saves the weights instead)."""
+    one checkpoint (checkpoint_every = steps: the last step's)."""
     sets = []
     for stage in ("teacher", "student"):
         # bf16 and fp16 at ZeRO stage 1 (the recipe's rule): bf16 accumulating its gradients in fp32 over the tiny

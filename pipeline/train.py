@@ -100,7 +100,40 @@ def make_engine(model: GPT, train: TrainSpec, world: int, monitors: dict | None 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(train, world, monitors))
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
+        # fp32 without ZeRO: the engine clips through this method (DeepSpeed's `clip_grad_norm_`, which averages the
+        # ranks' norms, each with its own experts in); ZeRO's optimizers clip by the norm of every gradient, each
+        # expert once, and so does this
+        engine.clip_fp32_gradients = lambda: clip_grad_norm_with_experts_(engine.module.parameters(),
+                                                                          engine.gradient_clipping())
     return engine, scheduler
+
+
+def clip_grad_norm_with_experts_(parameters, max_norm: float) -> torch.Tensor:
+    """Scale every gradient by max_norm / (norm + 1e-6) where that is below 1, the norm taken over every gradient of
+    the model once (collective): the shared parameters' (the same on every rank after DeepSpeed's all-reduce) and
+    each expert's, summed over its expert-parallel group (an expert's replicas hold the same gradient). Returns the
+    norm (fp32), as DeepSpeed's `clip_grad_norm_` does."""
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.utils import groups
+
+    params = [p for p in parameters if p.grad is not None]
+    shared = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else None)
+    experts: dict[str, torch.Tensor] = {}
+    for p in params:
+        sq = p.grad.detach().double().pow(2).sum()
+        if is_moe_param(p):
+            experts[p.group_name] = experts.get(p.group_name, 0) + sq
+        else:
+            shared += sq
+    total = shared
+    for name in sorted(experts):  # the same groups in the same order on every rank
+        total = total + all_reduce_(experts[name], group=groups._get_expert_parallel_group(name))
+    norm = total.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return norm
 
 
 def keep_fp32_masters(engine, model: GPT) -> None:
@@ -240,7 +273,8 @@ def train_model(model: GPT, train: TrainSpec, train_data: PackedTokens, val_data
                 write_record(engine, record, f"Val/{stage}")
                 extra = "".join(f", {k} {v:.4f}" for k, v in (val_extra or {}).items())
                 bar.write(f"[{stage}] step {done}: validation loss {val_loss:.4f}{extra}")
-        if done % train.checkpoint_every == 0 and done < train.steps:
+        if done % train.checkpoint_every == 0 or done == train.steps:  # the last step's too: its fp32 masters and
+            # optimizer state, which the published weights do not carry, and a kill while publishing resumes here
             tag = f"global_step{done}"
             _rng_path(ckpt_dir, tag, ranks.rank).parent.mkdir(parents=True, exist_ok=True)
             torch.save(rng_state(), _rng_path(ckpt_dir, tag, ranks.rank))

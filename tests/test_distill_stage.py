@@ -36,6 +36,9 @@ def test_distill_runs_both_stages_and_writes_the_student(distilled):
     assert config["layers"] == 3 and config["moe_layers"] == [2]
     done = json.loads((stage / "DONE.json").read_text())
     assert done["kd_stop_step"] == 6 and done["params"]["total"] < done["teacher_params"]["total"]
+    # the last step writes a checkpoint too (its fp32 masters and optimizer state), named by `latest`
+    assert (stage / "checkpoints" / "latest").read_text() == f"global_step{done['steps']}"
+    assert (stage / "checkpoints" / f"global_step{done['steps']}").is_dir()
 
 
 def test_staged_kd_is_logged_and_stops(distilled):

@@ -29,7 +29,7 @@ def test_stage_writes_exactly_its_files(finished):
     top = sorted(p.name for p in stage.iterdir())
     assert top == ["DONE.json", "checkpoints", "config.json", "model.safetensors", "tokenizer", "world_size"]
     ckpts = sorted(p.name for p in (stage / "checkpoints").iterdir())
-    assert ckpts == ["global_step12", "global_step8", "latest"]  # checkpoint_keep: 2
+    assert ckpts == ["global_step12", "global_step16", "latest"]  # checkpoint_keep: 2, the last step's included
     assert (stage / "tokenizer" / "tokenizer.json").is_file()
     done = json.loads((stage / "DONE.json").read_text())
     assert done["steps"] == 16 and done["world_size"] == 1

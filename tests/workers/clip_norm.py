@@ -1,4 +1,4 @@
-"""Worker for tests/test_clip_norm.py and benchmarks/gpu_check.py: the gradient norm DeepSpeed clips by, for every
+"""Worker for tests/test_precision.py and benchmarks/gpu_check.py: the gradient norm DeepSpeed clips by, for every
 precision and ZeRO stage the project generates, on the same fp32 gradients.
 
     python -m deepspeed.launcher.runner --num_gpus 2 --no_local_rank tests/workers/clip_norm.py OUT.json   # EP 2
@@ -10,7 +10,7 @@ scaling), a loss whose gradient is known exactly in fp32, bf16 and fp16: sum(p *
 c = 2^-6 for the shared parameters and (1 + rank) / 16 for this rank's experts, which DeepSpeed then divides by the
 data-parallel world size W. So the norm with the experts is sqrt(N + (E_0 + E_1) / W^2) and the norm without them
 sqrt(N), computed here in fp64 from the parameters' sizes. Rank 0 writes each case's norm as the engine's optimizer
-reports it (fp32 without ZeRO: DeepSpeed's `clip_grad_norm_`, which its engine calls there), every rank's, the loss
+reports it (fp32 without ZeRO: what the engine's `clip_fp32_gradients` returns, `pipeline.train.make_engine`'s), every rank's, the loss
 scale and both references to OUT.json.
 """
 
@@ -53,7 +53,6 @@ class KnownGradient(torch.nn.Module):
 def run_case(ranks, precision: str, stage: int, optimizer: str) -> dict:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.moe.utils import is_moe_param
-    from deepspeed.runtime.utils import clip_grad_norm_
 
     cfg = ModelConfig(vocab_size=256, seq_len=32, layers=4, hidden=32, heads=4, experts=(2, 4), moe_layers=(1, 3),
                       mlp_type="residual", top_k=1, capacity_factor=1.0, eval_capacity_factor=None, min_capacity=4,
@@ -81,12 +80,12 @@ def run_case(ranks, precision: str, stage: int, optimizer: str) -> dict:
         ((1 + ranks.rank) * EXPERT / ranks.world) ** 2
     experts_all = dist.all_reduce_(torch.tensor([expert], dtype=torch.float64, device=dist.device())).item()
     engine.backward(engine(torch.zeros(1, device=engine.device)))
-    reported = None
-    if precision == "fp32" and stage == 0:  # the engine clips with this and keeps no norm
-        reported = float(clip_grad_norm_(engine.module.parameters(), max_norm=1e30))
+    clipped = []
+    if precision == "fp32" and stage == 0:  # the engine clips through this method and keeps no norm: record it
+        clip = engine.clip_fp32_gradients
+        engine.clip_fp32_gradients = lambda: clipped.append(float(clip())) or clipped[-1]
     engine.step()
-    if reported is None:
-        reported = float(engine.get_global_grad_norm())
+    reported = clipped[0] if clipped else float(engine.get_global_grad_norm())
     norms = dist.gather_numbers([reported])
     get_accelerator().empty_cache()
     return {"precision": precision, "zero_stage": stage, "optimizer": optimizer,
