@@ -141,9 +141,8 @@ def model_config_from(raw, pkg: Path) -> ModelConfig:
         raise PackageError(pkg, problems)
     try:
         return ModelConfig(**{f: raw[f] for f in fields if f in raw})
-    except AssertionError as err:
-        why = str(err) or "experts, moe_layers, layers, hidden and heads do not agree"
-        raise PackageError(pkg, [f"{CONFIG}: inconsistent fields ({why})"]) from None
+    except ValueError as err:
+        raise PackageError(pkg, [f"{CONFIG}: inconsistent fields ({err})"]) from None
 
 
 def _field_problem(name: str, v, t) -> str | None:
@@ -593,7 +592,7 @@ def _expected_of(cfg: ModelConfig, found: dict, manifest: dict) -> dict:
                         f"tensors the weights hold"])
     try:
         return expected_tensors(cfg, DTYPE_OF_NAME[manifest["dtype"]])
-    except (ValueError, TypeError, RuntimeError, AssertionError) as err:  # a model torch refuses to build
+    except (ValueError, TypeError, RuntimeError) as err:  # a model torch refuses to build
         raise _Refused([f"{CONFIG}: describes no model this code builds ({type(err).__name__}: "
                         f"{str(err)[:160]})"]) from None
 

@@ -83,13 +83,24 @@ class ModelConfig:
     def __post_init__(self):
         object.__setattr__(self, "experts", tuple(self.experts))
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
-        assert len(self.experts) == len(self.moe_layers), "one experts entry per MoE layer"
-        assert list(self.moe_layers) == sorted(set(self.moe_layers)) and all(0 <= i < self.layers for i in self.moe_layers)
-        assert self.head_dim is not None or self.hidden % self.heads == 0
-        assert self.heads % self.kv_group_heads == 0, "heads must be a multiple of kv_heads"
-        assert self.norm in ("layernorm", "rmsnorm") and self.positions in ("learned", "rope")
-        assert self.qk_norm in ("none", "head", "full") and self.activation in ("gelu", "swiglu")
-        assert self.head_size % 2 == 0 or self.positions != "rope", "rotary positions need an even head_dim"
+        # exceptions, not asserts: a package's config.json is untrusted input, and `python -O` drops asserts
+        def need(ok: bool, why: str) -> None:
+            if not ok:
+                raise ValueError(f"model config: {why}")
+
+        need(all(v > 0 for v in (self.vocab_size, self.seq_len, self.layers, self.hidden, self.heads)),
+             "vocab_size, seq_len, layers, hidden and heads must be positive")
+        need(len(self.experts) == len(self.moe_layers), "one experts entry per MoE layer")
+        need(list(self.moe_layers) == sorted(set(self.moe_layers)) and all(0 <= i < self.layers for i in self.moe_layers),
+             "moe_layers: distinct layer indices below layers, in increasing order")
+        need(self.head_dim is not None or self.hidden % self.heads == 0, "hidden must be a multiple of heads")
+        need(self.kv_heads is None or 0 < self.kv_heads, "kv_heads must be positive")
+        need(self.heads % self.kv_group_heads == 0, "heads must be a multiple of kv_heads")
+        need(self.norm in ("layernorm", "rmsnorm"), f"norm {self.norm!r}: layernorm or rmsnorm")
+        need(self.positions in ("learned", "rope"), f"positions {self.positions!r}: learned or rope")
+        need(self.qk_norm in ("none", "head", "full"), f"qk_norm {self.qk_norm!r}: none, head or full")
+        need(self.activation in ("gelu", "swiglu"), f"activation {self.activation!r}: gelu or swiglu")
+        need(self.head_size % 2 == 0 or self.positions != "rope", "rotary positions need an even head_dim")
 
     @property
     def head_size(self) -> int:
@@ -459,7 +470,8 @@ class MoE(nn.Module):
             if cfg.top_k > 1 and not cfg.renormalizes:  # DeepSpeed's gate always renormalises for k >= 2
                 self.moe.deepspeed_moe.gate.__class__ = raw_topk_gate()
         elif impl == "reference":
-            assert ep_size == 1, "the reference MoE holds every expert locally"
+            if ep_size != 1:
+                raise ValueError(f"ep_size {ep_size}: the reference MoE holds every expert locally (1)")
             self.moe = nn.Module()
             self.moe.deepspeed_moe = _ReferenceDispatch(cfg, num_experts)
             if residual:

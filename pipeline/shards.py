@@ -38,7 +38,6 @@ import numpy as np
 from pipeline.artifacts import atomic_write_text
 
 SPLITS = ("train", "val")
-PART_RE = re.compile(r"part-(\d{5})\.json")
 
 
 def shard_name(split: str, part: int) -> str:
@@ -205,11 +204,6 @@ def committed_parts(directory: Path) -> list[dict[str, Any]]:
     while (Path(directory) / part_name(len(parts))).is_file():
         parts.append(json.loads((Path(directory) / part_name(len(parts))).read_text(encoding="utf-8")))
     return parts
-
-
-def split_shards(directory: Path, parts: Sequence[dict[str, Any]], split: str, dtype: np.dtype | str) -> TokenShards:
-    return TokenShards([Path(directory) / shard_name(split, p["part"]) for p in parts],
-                       [p["splits"][split]["tokens"] for p in parts], dtype)
 
 
 def document_ids(directory: Path, split: str) -> Iterator[str]:
