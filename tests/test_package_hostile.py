@@ -225,6 +225,10 @@ CONFIG_DAMAGE = {
     "experts a string": (lambda c: c.update(experts="four"), "config.json: experts must be a list of integers"),
     "unknown mlp type": (lambda c: c.update(mlp_type="dense"), 'config.json: mlp_type must be "standard" or "residual"'),
     "not an object": (lambda c: [c], "config.json: a list"),
+    "an experts entry too many": (lambda c: c.update(experts=[*c["experts"], 4]),
+                                  "config.json: inconsistent fields (model config: one experts entry per MoE layer)"),
+    "kv heads not dividing heads": (lambda c: c.update(kv_heads=c["heads"] - 1),
+                                    "config.json: inconsistent fields (model config: heads must be a multiple of kv_heads)"),
 }
 
 
@@ -233,6 +237,15 @@ def test_a_malformed_config_is_a_listed_problem(pkg, capsys, monkeypatch, damage
     change, expected = CONFIG_DAMAGE[damage]
     edit_json(pkg, "config.json", change)
     refused(pkg, capsys, monkeypatch, expected)
+
+
+def test_an_inconsistent_config_is_refused_under_python_O_too(pkg):
+    """The checks of config.json are exceptions, not asserts, which `python -O` would drop."""
+    edit_json(pkg, "config.json", lambda c: c.update(moe_layers=list(reversed(c["moe_layers"])) + [0]))
+    proc = subprocess.run([sys.executable, "-O", "-m", "pipeline.cli", "verify", str(pkg)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "config.json: inconsistent fields (model config: one experts entry per MoE layer)" in proc.stderr
 
 
 @pytest.mark.parametrize("damage", ["weight_map a list", "not json"])
