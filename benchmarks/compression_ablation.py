@@ -1,4 +1,4 @@
-"""Issue 16's evidence: what compressing the small recipe's teacher costs, measured four ways on ONE teacher.
+"""The compression study: what compressing the small recipe's teacher costs, measured four ways on ONE teacher.
 
     .venv/bin/python benchmarks/compression_ablation.py --teacher-run benchmarks/results/compression_ablation/teacher_run
     .venv/bin/python benchmarks/compression_ablation.py --dry-run          # every run it would make, trains nothing

@@ -1,4 +1,4 @@
-"""benchmarks/compression_ablation.py (issue 16's study): its dry-run plan, and parts B and C end to end on the tiny
+"""benchmarks/compression_ablation.py (the compression study): its dry-run plan, and parts B and C end to end on the tiny
 recipe cut down to the stage tests' sizes (SMALL), a few steps per run, in a temporary directory."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Data-parallel serving (issue 15): each rank its own sequences, tokens crossing ranks only in the expert
+"""Data-parallel serving: each rank its own sequences, tokens crossing ranks only in the expert
 all-to-all, batched and chunked prefill; the same greedy tokens as 1 rank. Real 2-rank runs (DeepSpeed's
 launcher, gloo) of tests/workers/dp_engine.py."""
 

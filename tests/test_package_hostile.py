@@ -1,4 +1,4 @@
-"""A package is untrusted input (issue 13, items 10-13). For each hostile or changing package:
+"""A package is untrusted input. For each hostile or changing package:
 `moe-pipeline verify` exits 1 and lists the problem, and `load_package` raises a PackageError before
 any tensor is read; a file that changes after verification is refused with a FileChangedError naming
 it, and the expert store of `serve --resident-experts` fails that load instead of dying of SIGBUS.

@@ -82,7 +82,7 @@ def test_stop_strings_and_end_of_text(engine):
         engine.submit(p, SamplingParams(max_tokens=engine.cfg.seq_len))
 
 
-# -- issue 13: one request cannot stop the engine, starve it or bloat it -------------------------------
+# -- one request cannot stop the engine, starve it or bloat it -----------------------------------------
 
 def test_a_tiny_temperature_is_greedy_and_an_error_fails_its_request_alone(engine):
     """temperature 1e-40 made logits / T overflow to inf and multinomial raise in the engine loop; an error while
@@ -195,7 +195,7 @@ def test_a_prompt_that_cannot_be_scored_fails_alone_after_its_forward(engine):
     engine.closed = None  # the module's engine serves the other tests
 
 
-# -- issue 15: batched and chunked prefill --------------------------------------------------------------
+# -- batched and chunked prefill ------------------------------------------------------------------------
 
 def test_a_burst_is_prefilled_in_one_padded_forward_with_each_prompts_own_tokens(engine):
     """Prompts of different lengths arriving together share one prefill forward (padded, per-row positions, the

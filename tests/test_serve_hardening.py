@@ -1,4 +1,4 @@
-"""Hostile and unlucky clients against a real server on 127.0.0.1 (issue 13): none of them stops, starves or bloats
+"""Hostile and unlucky clients against a real server on 127.0.0.1: none of them stops, starves or bloats
 it, and each gets a 4xx naming what it did wrong, or correct service."""
 
 from __future__ import annotations
