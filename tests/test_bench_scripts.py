@@ -139,3 +139,12 @@ def test_hf_import_memory_measures_each_layout_against_the_model_bytes(tmp_path)
     assert one["ratio"] > 0.9 and len(ep) == 2 and all(r["ratio"] < one["ratio"] for r in ep)
     assert all(r["param_bytes"] < 0.7 * one["param_bytes"] for r in ep)  # each rank holds its half of the experts
     assert (tmp_path / "out" / "hf_import_memory.png").stat().st_size > 0
+
+
+def test_the_benchmarks_clean_child_environment_drops_every_launcher_variable():
+    """benchmarks/common.py spells out pipeline.dist's LAUNCH_VARS (it is imported before torch): the same names."""
+    import common
+
+    from pipeline.dist import LAUNCH_VARS
+
+    assert sorted(common.RANK_VARS) == sorted(LAUNCH_VARS)
