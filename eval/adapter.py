@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ from lm_eval.models.utils import Collator
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from export.serve.request import Detokenizer
 from pipeline.model import KVCache
 
 NAME = "moe-pipeline"
@@ -215,7 +217,9 @@ class MoEPipelineLM(TemplateLM):
         cache = KVCache(self.model.cfg, 1, len(context) + max_new, device=self._device,
                         dtype=next(self.model.parameters()).dtype)
         step_in = torch.tensor([context], dtype=torch.long, device=self._device)
-        out: list[int] = []
+        # the text so far, decoded a token at a time as the server does (not the whole output again every token)
+        out = SimpleNamespace(generated=[], stream=None)
+        detok = Detokenizer(self.tokenizer)
         text = ""
         for _ in range(max_new):
             logits = self.model(step_in, cache=cache).logits[0, -1].float()
@@ -226,11 +230,12 @@ class MoEPipelineLM(TemplateLM):
                 token = int(logits.argmax())
             if token == self._eot:
                 break
-            out.append(token)
-            text = self.tok_decode(out)
+            out.generated.append(token)
+            text = detok(out)
             if any(s and s in text for s in until):
                 break
             step_in = torch.tensor([[token]], dtype=torch.long, device=self._device)
+        text = detok.final(out) if out.generated else ""  # the tokenizer's decode of the whole output, once
         for s in until:  # cut at the first stop string
             if s and s in text:
                 text = text[:text.index(s)]
