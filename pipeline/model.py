@@ -306,6 +306,14 @@ class Attention(nn.Module):
 
 # -- MLP and Mixture-of-Experts --------------------------------------------------------------
 
+def mlp_activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """fc1's output activated, fc2's input: silu(gate) * up for SwiGLU (fc1 = [gate; up]), else exact GeLU."""
+    if swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
+
+
 class MLP(nn.Module):
     """h -> width -> h: the dense MLP, and every expert. GeLU (8h^2 + 5h parameters at 4x), or SwiGLU with
     fc1 = [gate; up] ([2 x width, h]) and fc2(silu(gate) * up)."""
@@ -319,13 +327,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return self.dropout(self.fc2(h))
+        return self.dropout(self.fc2(mlp_activation(self.fc1(x), self.swiglu)))
 
 
 class Gate(nn.Module):

@@ -34,13 +34,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from export.serve import linears
 from export.serve.linears import linear, serving_linears
 from export.serve.placement.algo import balancedness, native_table, route_pairs
 from export.serve.placement.residency import ExpertStore, Residency, ResidencyStats
-from pipeline.model import GPT, MLP, Gate, ModelConfig, add_shared, mix_residual, router_logits
+from pipeline.model import GPT, MLP, Gate, ModelConfig, add_shared, mix_residual, mlp_activation, router_logits
 
 if TYPE_CHECKING:
     from export.inference import Layout
@@ -397,13 +396,7 @@ class Exchange:
             else:
                 at = torch.cat([torch.arange(a, a + n, device=got.device) for a, n in parts[e]])
                 rows = got[at]
-            h = linear(rows, w1, b1)
-            if self.cfg.activation == "swiglu":  # fc1 = [gate; up]
-                gate, up = h.chunk(2, dim=-1)
-                h = F.silu(gate) * up
-            else:
-                h = F.gelu(h)
-            y = linear(h, w2, b2)
+            y = linear(mlp_activation(linear(rows, w1, b1), self.cfg.activation == "swiglu"), w2, b2)
             if idx is not None:
                 out[idx[0]:idx[0] + idx[1]] = y
             else:
