@@ -19,8 +19,6 @@ were pruned to different expert counts, or a PR-MoE model is refused (NativeExpo
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -96,18 +94,12 @@ def native_tensors(model: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def write_native(model: GPT, out: Path, tokenizer=None, dtype: torch.dtype = torch.bfloat16, force: bool = False,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write `model` as its family's checkpoint in `out` (atomically: a temporary directory, then rename)."""
-    from export.package import _write_shards, publish
+    from export.package import _write_shards, staged
 
     out = Path(out)
     config = native_config(model.cfg, dtype, getattr(tokenizer, "bos_token_id", None),
                            getattr(tokenizer, "eos_token_id", None))
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists: pass --force to replace it, or --out another directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged(out, force) as tmp:
         weights = _write_shards(native_tensors(model, dtype), tmp, max_shard_bytes, {"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
         if tokenizer is not None:
@@ -115,10 +107,6 @@ def write_native(model: GPT, out: Path, tokenizer=None, dtype: torch.dtype = tor
         manifest = {"format": f"hf-{model.cfg.family}", "weights": weights, "files": {
             p.name: {"sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(tmp.iterdir()) if p.is_file()}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

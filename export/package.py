@@ -40,6 +40,7 @@ Weights are read only from safetensors, never pickle.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import errno
@@ -50,6 +51,7 @@ import os
 import shutil
 import stat
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,15 +258,29 @@ def _write_shards(tensors: dict[str, torch.Tensor], tmp: Path, max_bytes: int, m
     return [*files, INDEX]
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Rename the finished directory `tmp` to `out`; an old `out` (with --force) is moved aside first, then removed."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+@contextlib.contextmanager
+def staged(out: Path, force: bool = False) -> Iterator[Path]:
+    """A temporary sibling directory of `out` to write an export into. When the block ends, it is renamed to `out`
+    (an old `out`, with `force`, moved aside first, then removed); when the block raises, it is removed and `out` is
+    as it was. FileExistsError, before anything is written, if `out` exists and not `force`."""
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists: pass --force to replace it, or --out another directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool = False,
@@ -279,8 +295,6 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
     if not (stage_dir / DONE).is_file():
         raise FileNotFoundError(f"{stage_dir / DONE} is missing: the stage is not finished "
                                 f"(run `moe-pipeline distill RECIPE` first)")
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists: pass --force to replace it, or --out another directory")
     cfg = read_model_config(stage_dir)
     torch_dtype = DTYPES[dtype]
     prov = _provenance(stage_dir)
@@ -288,11 +302,7 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
             "source_stage": prov["stage"], "recipe_sha256": str(prov.get("recipe_sha256")),
             "teacher": str((prov.get("teacher") or {}).get("path", "")), "dtype": DTYPE_NAMES[torch_dtype]}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged(out, force) as tmp:
         # weights: every tensor the config implies, read from the stage (any layout), converted
         expected = expected_tensors(cfg, torch_dtype)
         # the stage's model, whatever its layout (shards of several ranks, or a Hugging Face teacher's checkpoint
@@ -340,10 +350,6 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
         problems = verify_package(tmp)
         if problems:
             raise PackageError(tmp, problems)
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
