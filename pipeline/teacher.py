@@ -127,7 +127,9 @@ def check_hardware(recipe: Recipe) -> None:
 
 
 def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -> Path:
-    """Train (or load) the teacher; returns the finished stage directory. Collective over all ranks."""
+    """The teacher stage: the recipe's checks, then one of `import_hf_teacher` (a Hugging Face checkpoint),
+    `load_teacher` (`teacher.load` of our own) or `train_teacher`, then the stage's files and DONE.json. Returns the
+    finished stage directory. Collective over all ranks."""
     t0 = time.time()
     run.check_recipe(recipe, redo)
     if run.done(STAGE) and not redo:
@@ -157,35 +159,12 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
     val = data_lib.PackedTokens(prepared.val, recipe.data.seq_len, prepared.eod_id)
     info: dict = {"inputs": {"recipe_sha256": run.recipe_sha256(), "data_cache": prepared.cache_dir.name}}
 
-    if hf:  # nothing trained or copied: the checkpoint is read where it is
-        model = load_hf_teacher(src, ranks.world, recipe.distributed.ep_size, DTYPES[recipe.teacher.train.precision],
-                                device=dist.device())
-        summary = {"loaded_from": str(src.resolve()), "format": cfg.family,
-                   "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
-                                        recipe.teacher.train.micro_batch_size, ranks)}
-        from pipeline.hf_import import checkpoint_files, name_map
-        from pipeline.weights import file_facts, write_source
-
-        names = checkpoint_files(src)  # each rank hashes its share of the files
-        files = {k: v for part in dist.gather_json(file_facts(src, names[ranks.rank::ranks.world])) for k, v in part.items()}
-        if ranks.rank == 0:
-            write_source(work, src, files, name_map(cfg), {"format": "huggingface", "model_type": cfg.family})
+    if hf:
+        model, summary = import_hf_teacher(recipe, src, cfg, work, val, ranks)
     elif src:
-        model = load_frozen(src, ranks.world, recipe.distributed.ep_size, dist.device())
-        summary = {"loaded_from": str(src.resolve()),
-                   "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
-                                        recipe.teacher.train.micro_batch_size, ranks)}
-        if ranks.rank == 0:
-            for name in [WEIGHTS, INDEX] + [p.name for p in src.glob("model-*.safetensors")]:
-                if (src / name).is_file():
-                    _link_or_copy(src / name, work / name)
+        model, summary = load_teacher(recipe, src, work, val, ranks)
     else:
-        model = build_model(cfg, ranks.world, recipe.distributed.ep_size, groups=False)  # deepspeed.initialize makes them
-        init_weights(model, recipe.seed, ep_rank_of)
-        train = data_lib.PackedTokens(prepared.train, recipe.data.seq_len, prepared.eod_id)
-        summary = train_model(model, recipe.teacher.train, train, val, run, STAGE, work, recipe.seed, ranks,
-                              monitor=recipe.monitor, job=f"{recipe.name}-{STAGE}")
-        save_weights(model, work, {"stage": STAGE, "recipe": recipe.name})
+        model, summary = train_teacher(recipe, cfg, prepared, val, run, work, ranks)
     if ranks.rank == 0:
         write_stage_files(work, cfg, prepared)
         info.update(summary, params=meta_counts(cfg), world_size=ranks.world,
@@ -199,6 +178,52 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
               flush=True)
     barrier()
     return run.stage(STAGE)
+
+
+def import_hf_teacher(recipe: Recipe, src: Path, cfg: ModelConfig, work: Path, val: data_lib.PackedTokens,
+                      ranks: Ranks):
+    """A Hugging Face checkpoint as the teacher: nothing trained or copied, the checkpoint is read where it is
+    (`source.json` records its files' sha256 and the name map). Returns (model, summary)."""
+    from pipeline.hf_import import checkpoint_files, name_map
+    from pipeline.weights import file_facts, write_source
+
+    model = load_hf_teacher(src, ranks.world, recipe.distributed.ep_size, DTYPES[recipe.teacher.train.precision],
+                            device=dist.device())
+    summary = {"loaded_from": str(src.resolve()), "format": cfg.family,
+               "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
+                                    recipe.teacher.train.micro_batch_size, ranks)}
+    names = checkpoint_files(src)  # each rank hashes its share of the files
+    files = {k: v for part in dist.gather_json(file_facts(src, names[ranks.rank::ranks.world])) for k, v in part.items()}
+    if ranks.rank == 0:
+        write_source(work, src, files, name_map(cfg), {"format": "huggingface", "model_type": cfg.family})
+    return model, summary
+
+
+def load_teacher(recipe: Recipe, src: Path, work: Path, val: data_lib.PackedTokens, ranks: Ranks):
+    """A teacher made by `moe-pipeline teacher` (`teacher.load`): scored on the held-out split, its weight files
+    linked (or copied) into the stage. Returns (model, summary)."""
+    model = load_frozen(src, ranks.world, recipe.distributed.ep_size, dist.device())
+    summary = {"loaded_from": str(src.resolve()),
+               "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
+                                    recipe.teacher.train.micro_batch_size, ranks)}
+    if ranks.rank == 0:
+        for name in [WEIGHTS, INDEX] + [p.name for p in src.glob("model-*.safetensors")]:
+            if (src / name).is_file():
+                _link_or_copy(src / name, work / name)
+    return model, summary
+
+
+def train_teacher(recipe: Recipe, cfg: ModelConfig, prepared: data_lib.PreparedData, val: data_lib.PackedTokens,
+                  run: RunDir, work: Path, ranks: Ranks):
+    """The recipe's PR-MoE teacher trained from its seed on DeepSpeed (expert parallel over the ranks), its weights
+    saved into the stage. Returns (model, summary)."""
+    model = build_model(cfg, ranks.world, recipe.distributed.ep_size, groups=False)  # deepspeed.initialize makes them
+    init_weights(model, recipe.seed, ep_rank_of)
+    train = data_lib.PackedTokens(prepared.train, recipe.data.seq_len, prepared.eod_id)
+    summary = train_model(model, recipe.teacher.train, train, val, run, STAGE, work, recipe.seed, ranks,
+                          monitor=recipe.monitor, job=f"{recipe.name}-{STAGE}")
+    save_weights(model, work, {"stage": STAGE, "recipe": recipe.name})
+    return model, summary
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
