@@ -13,7 +13,10 @@ One run, side by side (each throughput the median of --repeats runs; same packag
       measured copy bandwidth (the fastest a token could come if weights were read once per token);
   (e) latency percentiles (p50, p99) of 32 concurrent clients x 10 requests each (--latency-requests), and the failures;
   (f) with --layouts: multi-rank layouts (ep2: data parallel + expert parallel; tp2; expert-slicing-4) against
-      1 rank at 16 and 32 concurrent requests, runs interleaved (target for ep2: at least 1.0x at 32).
+      1 rank at 16 and 32 concurrent requests, runs interleaved (target for ep2: at least 1.0x at 32), and ep2's
+      ceiling on these cores: in this process, without a server, `Engine.step` of 32 rows on --threads threads
+      against 16 rows on half of them (one data-parallel rank's share with every expert, no exchange and no step
+      message), alternated: the most 2 ranks splitting the cores could gain over 1.
 Targets: (b) at least 1.5x HF, (a) not slower than HF. Results: a table on stdout and
 `serve_bench.json` under `--out`. The server runs as a separate process (`moe-pipeline serve`).
 """
@@ -152,6 +155,46 @@ def layout_runs(args, server_env, n: int) -> dict:
     return out
 
 
+def ep2_ceiling(package: Path, threads: int, rounds: int = 6, steps: int = 8) -> dict:
+    """(f)'s ceiling: median ms of `Engine.step` at 32 rows on `threads` threads and at 16 rows on half of them (each
+    its own engine in this process, decoding random 16-token prompts), alternated `rounds` times."""
+    import random
+
+    import torch
+
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine
+    from export.serve.request import SamplingParams
+
+    cases = {"32 rows": (32, threads), "16 rows": (16, max(1, threads // 2))}
+    engines, ms = {}, {name: [] for name in cases}
+    for i, (name, (rows, _)) in enumerate(cases.items()):
+        eng = Engine.from_config(ServeConfig(package=package, kv_cache_memory=1))
+        rnd = random.Random(i)
+        for _ in range(rows):  # enough tokens for every timed step: decode only, all rows all the time
+            eng.submit([rnd.randrange(100, 8000) for _ in range(16)],
+                       SamplingParams(max_tokens=rounds * (steps + 2) + 8, ignore_eos=True))
+        for _ in range(4):
+            eng.step()
+        engines[name] = eng
+    before = torch.get_num_threads()
+    try:
+        for _ in range(rounds):
+            for name, (_, th) in cases.items():
+                torch.set_num_threads(th)
+                engines[name].step()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engines[name].step()
+                ms[name].append((time.perf_counter() - t0) / steps * 1e3)
+    finally:
+        torch.set_num_threads(before)
+    out = {name: {"threads": th, "step_ms": statistics.median(ms[name]), "runs_ms": ms[name]}
+           for name, (_, th) in cases.items()}
+    out["ceiling"] = out["32 rows"]["step_ms"] / out["16 rows"]["step_ms"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--package", type=Path, default=ROOT / "runs" / "tiny" / "package")
@@ -185,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.layouts_only:
         res["layouts"] = layout_runs(args, server_env, n)
+        if "ep2" in args.layouts and device == "cpu":
+            res["ep2_ceiling"] = ep2_ceiling(args.package, args.threads)
         print_layouts(res)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "serve_bench_layouts.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -222,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         res["teacher_sixteen_tok_s"] = t16[1] / t16[0]
     if args.layouts:
         res["layouts"] = layout_runs(args, server_env, n)
+        if "ep2" in args.layouts and device == "cpu":
+            res["ep2_ceiling"] = ep2_ceiling(args.package, args.threads)
     manifest = read_manifest(args.package)
     elt = 4 if manifest["dtype"] == "float32" else 2
     active_bytes = manifest["params"]["active_per_token"] * elt
@@ -261,6 +308,12 @@ def print_layouts(res: dict) -> None:
             print(f"(f) {name:17s} ({' '.join(r['args'])}) at {c:2d} concurrent: {multi['tok_s']:7.1f} tok/s vs 1 rank "
                   f"{one['tok_s']:7.1f} tok/s = {multi['tok_s'] / one['tok_s']:.2f}x (interleaved), failures "
                   f"{multi['failures']} / {one['failures']}")
+    if "ep2_ceiling" in res:
+        c = res["ep2_ceiling"]
+        a, b = c["32 rows"], c["16 rows"]
+        print(f"(f) ep2's ceiling here: Engine.step of 32 rows on {a['threads']} threads {a['step_ms']:.2f} ms vs 16 rows "
+              f"on {b['threads']} {b['step_ms']:.2f} ms = {c['ceiling']:.2f}x at most (in-process, no exchange, "
+              f"no step message)")
 
 
 if __name__ == "__main__":
