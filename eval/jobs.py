@@ -55,9 +55,9 @@ def task_manager(include_path: list[str] | None):
     """lm-eval's TaskManager over its own tasks, the bundled ones and `include_path` folders."""
     from lm_eval.tasks import TaskManager
 
-    from eval.tasks import bundled_task_dir
+    from eval.lm_eval_cli import include_paths
 
-    paths = [str(bundled_task_dir())] + [str(Path(p).resolve()) for p in include_path or []]
+    paths = include_paths([str(Path(p).resolve()) for p in include_path or []])
     for p in paths:
         if not Path(p).is_dir():
             raise FileNotFoundError(f"--include-path {p}: not a directory of task YAMLs")

@@ -60,11 +60,10 @@ def test_register_adds_a_lazy_model_and_keeps_lm_evals_own(tmp_path):
 def test_bundled_tasks_come_first_on_the_include_path(tmp_path, data_cache):
     out = run_py(f"""
         import json
-        from eval.lm_eval_cli import include_paths
+        from eval.lm_eval_cli import include_paths, register
         from eval.tasks import bundled_task_dir
         from lm_eval.api.registry import get_model
         from lm_eval.tasks import TaskManager
-        from eval.lm_eval_cli import register
         bundled = str(bundled_task_dir().resolve())
         config = {str(tmp_path / 'config.yaml')!r}
         open(config, "w").write("include_path: {tmp_path / 'from_yaml'}\\n")
