@@ -160,7 +160,7 @@ def kv_bytes_per_token(cfg, dtype, context: float) -> float:
     """KV-cache bytes a decode step reads at `context` cached tokens (keys and values of every layer)."""
     import torch
 
-    return cfg.layers * 2 * context * cfg.kv_group_heads * cfg.head_size * torch.empty((), dtype=dtype).element_size()
+    return cfg.layers * 2 * context * cfg.kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 # -- (b) decode ----------------------------------------------------------------------------------------------------

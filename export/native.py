@@ -55,25 +55,25 @@ def native_config(cfg: ModelConfig, dtype: torch.dtype, bos: int | None = None, 
     out = {
         "architectures": [ARCHITECTURES[fam]], "model_type": fam, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
-        "num_key_value_heads": cfg.kv_group_heads, "max_position_embeddings": cfg.seq_len,
+        "num_key_value_heads": cfg.kv_heads, "max_position_embeddings": cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
         "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": cfg.aux_loss_coef,
         "torch_dtype": DTYPE_NAMES[dtype], "bos_token_id": bos, "eos_token_id": eos, "use_cache": True,
     }
     if fam == "mixtral":
-        out.update(intermediate_size=cfg.expert_width, num_local_experts=experts, sliding_window=None)
+        out.update(intermediate_size=cfg.expert_hidden, num_local_experts=experts, sliding_window=None)
     elif fam == "olmoe":
-        out.update(intermediate_size=cfg.expert_width, num_experts=experts, norm_topk_prob=cfg.renormalizes,
+        out.update(intermediate_size=cfg.expert_hidden, num_experts=experts, norm_topk_prob=cfg.renormalize,
                    attention_bias=cfg.qkv_bias, clip_qkv=None)
     else:
-        out.update(intermediate_size=cfg.dense_width, moe_intermediate_size=cfg.expert_width, num_experts=experts,
-                   norm_topk_prob=cfg.renormalizes, decoder_sparse_step=1, mlp_only_layers=dense,
+        out.update(intermediate_size=cfg.ffn_hidden, moe_intermediate_size=cfg.expert_hidden, num_experts=experts,
+                   norm_topk_prob=cfg.renormalize, decoder_sparse_step=1, mlp_only_layers=dense,
                    use_sliding_window=False)
         if fam == "qwen2_moe":
             out.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.shared_expert_hidden)
         else:
-            out.update(attention_bias=cfg.qkv_bias, head_dim=cfg.head_size)
+            out.update(attention_bias=cfg.qkv_bias, head_dim=cfg.head_dim)
     return out
 
 

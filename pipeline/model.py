@@ -43,7 +43,9 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class ModelConfig:
     """Every field is required: the defaults and their reasons live in one place, the recipe schema
-    (pipeline/recipe.py, ModelSpec); a saved model carries all of them in its config.json."""
+    (pipeline/recipe.py, ModelSpec); a saved model carries all of them in its config.json. The optional shape
+    fields (head_dim, kv_heads, ffn_hidden, expert_hidden, renormalize) are resolved once, in __post_init__:
+    None on the way in, their value from then on."""
 
     vocab_size: int
     seq_len: int  # context length = number of learned positions
@@ -95,33 +97,19 @@ class ModelConfig:
              "moe_layers: distinct layer indices below layers, in increasing order")
         need(self.head_dim is not None or self.hidden % self.heads == 0, "hidden must be a multiple of heads")
         need(self.kv_heads is None or 0 < self.kv_heads, "kv_heads must be positive")
-        need(self.heads % self.kv_group_heads == 0, "heads must be a multiple of kv_heads")
+        # each optional shape field resolved once, here: a saved config.json carries the resolved values
+        for name, value in (("head_dim", self.hidden // self.heads), ("kv_heads", self.heads),
+                            ("ffn_hidden", self.ffn_mult * self.hidden), ("renormalize", self.top_k > 1)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.expert_hidden is None:
+            object.__setattr__(self, "expert_hidden", self.ffn_hidden)
+        need(self.heads % self.kv_heads == 0, "heads must be a multiple of kv_heads")
         need(self.norm in ("layernorm", "rmsnorm"), f"norm {self.norm!r}: layernorm or rmsnorm")
         need(self.positions in ("learned", "rope"), f"positions {self.positions!r}: learned or rope")
         need(self.qk_norm in ("none", "head", "full"), f"qk_norm {self.qk_norm!r}: none, head or full")
         need(self.activation in ("gelu", "swiglu"), f"activation {self.activation!r}: gelu or swiglu")
-        need(self.head_size % 2 == 0 or self.positions != "rope", "rotary positions need an even head_dim")
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
-
-    @property
-    def kv_group_heads(self) -> int:
-        """Key/value heads (= heads without grouped-query attention)."""
-        return self.kv_heads if self.kv_heads is not None else self.heads
-
-    @property
-    def dense_width(self) -> int:
-        return self.ffn_hidden if self.ffn_hidden is not None else self.ffn_mult * self.hidden
-
-    @property
-    def expert_width(self) -> int:
-        return self.expert_hidden if self.expert_hidden is not None else self.dense_width
-
-    @property
-    def renormalizes(self) -> bool:
-        return self.renormalize if self.renormalize is not None else self.top_k > 1
+        need(self.head_dim % 2 == 0 or self.positions != "rope", "rotary positions need an even head_dim")
 
     def is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -193,7 +181,7 @@ class KVCache(Cache):
     for the whole batch."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
-        shape = (batch, cfg.kv_group_heads, max_len, cfg.head_size)
+        shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.length = 0  # tokens already cached (same for every sequence of the batch)
@@ -230,7 +218,7 @@ def norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
 def rope_tables(cfg: ModelConfig, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [..., T, head_dim] for position ids `pos` [T] or [B, T] (rotate-half layout: the two halves of a
     head share frequencies), in fp32 then cast to the activations' dtype."""
-    d = cfg.head_size
+    d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d))
     ang = pos.float()[..., None] * inv  # [..., T, d/2]
     ang = torch.cat([ang, ang], dim=-1)
@@ -250,8 +238,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         # `num_heads`: the name DeepSpeed's tensor slicing (AutoTP) divides by the slice count
-        self.num_heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_group_heads, cfg.head_size
-        q_width, kv_width = cfg.heads * cfg.head_size, cfg.kv_group_heads * cfg.head_size
+        self.num_heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        q_width, kv_width = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         # separate q, k, v projections (not one fused qkv): DeepSpeed's AutoTP can slice them
         self.q_proj = nn.Linear(cfg.hidden, q_width, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden, kv_width, bias=cfg.qkv_bias)
@@ -260,8 +248,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm != "none":
             full = cfg.qk_norm == "full"
-            self.q_norm = norm(cfg, q_width if full else cfg.head_size)
-            self.k_norm = norm(cfg, kv_width if full else cfg.head_size)
+            self.q_norm = norm(cfg, q_width if full else cfg.head_dim)
+            self.k_norm = norm(cfg, kv_width if full else cfg.head_dim)
         self.dropout = cfg.dropout
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -320,7 +308,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        width = width or cfg.dense_width
+        width = width or cfg.ffn_hidden
         self.swiglu = cfg.activation == "swiglu"
         self.fc1 = nn.Linear(cfg.hidden, 2 * width if self.swiglu else width, bias=cfg.mlp_bias)
         self.fc2 = nn.Linear(width, cfg.hidden, bias=cfg.mlp_bias)
@@ -339,7 +327,7 @@ class Gate(nn.Module):
 class _Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, num_experts: int):
         super().__init__()
-        self.deepspeed_experts = nn.ModuleList(MLP(cfg, cfg.expert_width) for _ in range(num_experts))
+        self.deepspeed_experts = nn.ModuleList(MLP(cfg, cfg.expert_hidden) for _ in range(num_experts))
 
 
 class Routing(NamedTuple):
@@ -414,7 +402,7 @@ class _ReferenceDispatch(nn.Module):
         S, C = x.shape  # tokens, hidden
         factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
         capacity = None if factor is None else expert_capacity(S, E, factor, cfg.top_k, cfg.min_capacity)
-        r = route(router_logits(x, self.gate.wg.weight), cfg.top_k, cfg.renormalizes, capacity)
+        r = route(router_logits(x, self.gate.wg.weight), cfg.top_k, cfg.renormalize, capacity)
         out = torch.zeros_like(x)
         token, choice, per_expert = group_by_expert(r, E)
         start = 0
@@ -463,13 +451,13 @@ class MoE(nn.Module):
             from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
             # DeepSpeed names the parts deepspeed_moe.{gate.wg, experts.deepspeed_experts.i}, mlp, coefficient
-            self.moe = DeepSpeedMoE(cfg.hidden, MLP(cfg, cfg.expert_width), num_experts=num_experts, ep_size=ep_size,
+            self.moe = DeepSpeedMoE(cfg.hidden, MLP(cfg, cfg.expert_hidden), num_experts=num_experts, ep_size=ep_size,
                                     k=cfg.top_k,
                                     capacity_factor=cfg.capacity_factor,
                                     # unused when None: train(False) then turns token dropping off
                                     eval_capacity_factor=cfg.eval_capacity_factor or cfg.capacity_factor,
                                     min_capacity=cfg.min_capacity, use_residual=residual, drop_tokens=True)
-            if cfg.top_k > 1 and not cfg.renormalizes:  # DeepSpeed's gate always renormalises for k >= 2
+            if cfg.top_k > 1 and not cfg.renormalize:  # DeepSpeed's gate always renormalises for k >= 2
                 self.moe.deepspeed_moe.gate.__class__ = raw_topk_gate()
         elif impl == "reference":
             if ep_size != 1:

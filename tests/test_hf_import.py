@@ -34,7 +34,7 @@ def test_an_imported_teacher_gives_the_hugging_face_models_logits_and_tokens(fam
     hf.save_pretrained(tmp_path)
     ours = imported(tmp_path)
     cfg = ours.cfg
-    assert cfg.family == family and cfg.kv_group_heads == 2 and cfg.positions == "rope" and cfg.norm == "rmsnorm"
+    assert cfg.family == family and cfg.kv_heads == 2 and cfg.positions == "rope" and cfg.norm == "rmsnorm"
     assert cfg.moe_layers == {"mixtral": (0, 1, 2), "olmoe": (0, 1, 2), "qwen2_moe": (1, 2), "qwen3_moe": (1,)}[family]
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -31,7 +31,7 @@ def engine_with_blocks(model, tokenizer, blocks: int, block_size: int = 4, **kw)
     from export.serve.engine import Engine
     from export.serve.kv_cache import block_bytes
 
-    per_block = block_bytes(model.cfg, model.cfg.kv_group_heads, block_size, torch.float32)
+    per_block = block_bytes(model.cfg, model.cfg.kv_heads, block_size, torch.float32)
     return Engine(model, tokenizer, kv_cache_memory=blocks * per_block / 2**30, block_size=block_size, **kw)
 
 
@@ -112,7 +112,7 @@ def test_the_model_length_and_the_budget_are_checked_with_the_flags_named(model,
     with pytest.raises(ValueError, match="--kv-cache-memory: .* holds no KV block"):
         Engine(model, tokenizer, kv_cache_memory=1e-9)
     # by default: no more blocks than --max-batch sequences of the model length fill
-    default = plan_kv(model.cfg, model.cfg.kv_group_heads, torch.float32, torch.device("cpu"), max_batch=3)
+    default = plan_kv(model.cfg, model.cfg.kv_heads, torch.float32, torch.device("cpu"), max_batch=3)
     assert default.blocks == 3 * 64 // 16 and default.max_model_len == 64 and "default" in default.budget
 
 

@@ -245,7 +245,7 @@ def test_the_serving_cache_attends_with_the_kernel_and_gives_the_model_s_tokens(
     cfg = model_config(layers=2, hidden=64, heads=4, experts=(4,), moe_layers=(1,))
     torch.manual_seed(0)
     model = GPT(cfg).eval()
-    cache = PagedCache(cfg, blocks=12, block_size=4, heads=cfg.kv_group_heads)
+    cache = PagedCache(cfg, blocks=12, block_size=4, heads=cfg.kv_heads)
     assert cache._kernel is not None
     cache.extend(2, [7, 1, 10, 4, 0])  # sequence 2: 5 + 7 tokens; sequence 0: 9 + 7
     cache.extend(0, [3, 11, 5, 9, 2])
@@ -254,7 +254,7 @@ def test_the_serving_cache_attends_with_the_kernel_and_gives_the_model_s_tokens(
         firsts, refs = [], []
         for seq, p in zip((2, 0), prompts):
             cache.select([seq], [0], [p.shape[1]])
-            assert cache.attend(0, *(torch.zeros(1, cfg.heads, p.shape[1], cfg.head_size) for _ in range(3))) is None
+            assert cache.attend(0, *(torch.zeros(1, cfg.heads, p.shape[1], cfg.head_dim) for _ in range(3))) is None
             firsts.append(model(p, cache=cache).logits[0, -1].argmax().item())
             ref_cache = KVCache(cfg, batch=1, max_len=32)
             model(p, cache=ref_cache)

@@ -189,6 +189,22 @@ def test_a_model_without_moe_layers_works():
     assert counts["total"] == counts["active_per_token"] == sum(p.numel() for p in model.parameters())
 
 
+def test_the_optional_shape_fields_are_resolved_once_and_a_saved_config_reads_back_equal():
+    """head_dim, kv_heads, ffn_hidden, expert_hidden and renormalize: None on the way in, resolved by the config
+    itself (so no code resolves them again), given values kept; to_dict -> ModelConfig is the identity."""
+    cfg = config(top_k=2, experts=(2, 4))
+    assert (cfg.head_dim, cfg.kv_heads, cfg.ffn_hidden, cfg.expert_hidden, cfg.renormalize) == (8, 4, 128, 128, True)
+    assert config(top_k=1).renormalize is False
+    given = config(head_dim=16, kv_heads=2, ffn_hidden=96, expert_hidden=48, renormalize=False, top_k=2)
+    assert (given.head_dim, given.kv_heads, given.ffn_hidden, given.expert_hidden, given.renormalize) == \
+        (16, 2, 96, 48, False)
+    assert config(ffn_hidden=96).expert_hidden == 96  # the experts default to the dense width
+    for c in (cfg, given):
+        assert ModelConfig(**c.to_dict()) == c and None not in [c.to_dict()[k] for k in ("head_dim", "kv_heads", "ffn_hidden", "expert_hidden", "renormalize")]
+    with pytest.raises(ValueError, match="heads must be a multiple of kv_heads"):
+        config(kv_heads=3)
+
+
 def test_route_drops_past_capacity_in_token_order_and_renormalises_top2():
     from pipeline.model import group_by_expert, route
 

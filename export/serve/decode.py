@@ -31,7 +31,7 @@ class Decoder:
     def __init__(self, model: GPT, kernel, cache=None):
         self.model, self.cfg, self.kernel = model, model.cfg, kernel
         self.dtype = model.wte.weight.dtype
-        self.head_dim = self.cfg.head_size
+        self.head_dim = self.cfg.head_dim
         self._cos = self._sin = None  # the RoPE table: [positions, head_dim] in the model's dtype
         # every layer in one kernel call (csrc/gemv.cpp `DecodeModel`) up to `native_rows` rows, where it runs them
         self.native, self.native_rows, self.native_experts = _decode_model(model, kernel, cache) \
@@ -177,8 +177,8 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, bool]:
     moe_layers = [block.mlp for block in model.blocks if block.is_moe]
     native_experts = bool(moe_layers) and all(experts_here(moe) for moe in moe_layers)
     rows = linears.grouped_max_rows(model.wte.weight) * min(cfg.experts) // cfg.top_k if native_experts else 1 << 30
-    native = kernel.DecodeModel(cfg.head_size, *model.blocks[0].attn.qkv.sizes[:2], cfg.top_k,
-                                bool(cfg.renormalizes), cfg.activation == "swiglu")
+    native = kernel.DecodeModel(cfg.head_dim, *model.blocks[0].attn.qkv.sizes[:2], cfg.top_k,
+                                bool(cfg.renormalize), cfg.activation == "swiglu")
     for i, block in enumerate(model.blocks):
         attn, mlp = block.attn, block.mlp
         qkv, out = getattr(attn, "qkv", None), getattr(attn, "out_proj", None)

@@ -42,14 +42,14 @@ CPU_SHARE, GPU_SHARE = 0.25, 0.8
 
 def block_bytes(cfg: ModelConfig, heads: int, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block over every layer: keys and values of `block_size` tokens for `heads` kv heads."""
-    return 2 * cfg.layers * heads * block_size * cfg.head_size * torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.layers * heads * block_size * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def served_kv(model) -> tuple[int, torch.dtype, torch.device]:
     """(kv heads, dtype, device) of a model's KV cache on this rank: its query heads' share of the kv heads under
     tensor slicing, the dtype of its weights (the fp32 MoE gates aside)."""
     dtype = next(p for n, p in model.named_parameters() if not n.endswith("gate.wg.weight")).dtype
-    heads = model.blocks[0].attn.num_heads * model.cfg.kv_group_heads // model.cfg.heads
+    heads = model.blocks[0].attn.num_heads * model.cfg.kv_heads // model.cfg.heads
     return heads, dtype, next(model.parameters()).device
 
 
@@ -92,7 +92,7 @@ class PagedCache(Cache):
 
     def __init__(self, cfg: ModelConfig, blocks: int, block_size: int, heads: int, device=None,
                  dtype=torch.float32):
-        shape = (blocks, heads, block_size, cfg.head_size)  # heads: this rank's (a 1/tp slice under tensor slicing)
+        shape = (blocks, heads, block_size, cfg.head_dim)  # heads: this rank's (a 1/tp slice under tensor slicing)
         # zeros, not empty: a gathered block a mask hides still enters the attention product (0 x NaN is NaN)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]

@@ -456,11 +456,11 @@ class PlacedMoE(nn.Module):
             xs = xs[real]
         wg = self.moe.deepspeed_moe.gate.wg.weight
         if self.exchange.ep == 1 and linears.local_layer(xs, wg, cfg.top_k):  # 1 rank, a decode batch: 2 calls
-            out, counts = self.exchange.run_local(self.index, xs, wg, cfg.top_k, bool(cfg.renormalizes))
+            out, counts = self.exchange.run_local(self.index, xs, wg, cfg.top_k, bool(cfg.renormalize))
         elif self.exchange.gathers(xs, wg, cfg.top_k):  # ranks of one machine, a decode batch: 2 all-reduces
-            out, counts = self.exchange.run_gathered(self.index, xs, wg, cfg.top_k, bool(cfg.renormalizes))
+            out, counts = self.exchange.run_gathered(self.index, xs, wg, cfg.top_k, bool(cfg.renormalize))
         else:
-            weights, token, choice, per_expert = serving_route(xs, wg, cfg.top_k, E, cfg.renormalizes)
+            weights, token, choice, per_expert = serving_route(xs, wg, cfg.top_k, E, cfg.renormalize)
             y, counts = self.exchange.run(self.index, xs[token], per_expert)  # [pairs, C]: each pair's expert output
             # back in (token, choice) order, each token's choices weighted and added: a gather, where a scatter-add
             # (index_add_) starts every intra-op thread even for one token (~0.2 ms a layer at batch 1 when they

@@ -113,7 +113,7 @@ class ExpertStore:
 
     def nbytes(self) -> int:
         """Bytes of one expert in the serving dtype."""
-        h, f = self.cfg.hidden, self.cfg.expert_width
+        h, f = self.cfg.hidden, self.cfg.expert_hidden
         up = 2 * f if self.cfg.activation == "swiglu" else f
         n = up * h + f * h + ((up + h) if self.cfg.mlp_bias else 0)
         return n * torch.finfo(self.dtype).bits // 8
