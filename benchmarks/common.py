@@ -1,4 +1,6 @@
-"""Shared by the benchmark scripts: how to start our own CLI as a user would, in a clean environment."""
+"""Shared by the benchmark scripts: how to start our own CLI as a user would, in a clean environment; a medium
+random package to serve; the machine's read bandwidth and the bytes a decode step reads (decode_bandwidth.py and
+ep_scale_model.py). Nothing heavy at the top: each helper imports torch and the pipeline when it is called."""
 
 from __future__ import annotations
 
@@ -7,13 +9,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# set by a launcher (DeepSpeed's, mpirun, srun) or by pipeline.dist.init(); a child that inherits them thinks it is a
-# rank already (pipeline/dist.py's LAUNCH_VARS, spelled out here: this module is imported before the checkout's path)
-RANK_VARS = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
-             "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
-             "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "RANK", "SLURM_LOCALID",
-             "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE")
 
 
 ISA = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # the flags that decide which kernels a server picks
@@ -43,8 +38,11 @@ def cli_command() -> list[str]:
 
 
 def child_env() -> dict[str, str]:
-    """This environment without rank variables, offline for the hubs, unbuffered output."""
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    """This environment without a launcher's rank variables (pipeline.dist's LAUNCH_VARS: a child that inherited them
+    would take itself for a rank), offline for the hubs, unbuffered output."""
+    from pipeline.dist import LAUNCH_VARS  # here, not at the top: it loads torch, which --help does without
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
     return env
 
@@ -167,3 +165,101 @@ def best_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+# -- read bandwidth and the bytes a decode step reads -------------------------------------------------------------
+
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
+    """Bytes read per second of a `gib` GiB buffer: {op: bytes/s} for sum_fp32, mv_fp32 (and mv_bf16, a kernel
+    diagnostic), best of `repeats` after one untimed run; `bytes_per_s` and `op`: the faster fp32 one."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n = int(gib * (1 << 30)) // 4
+    cols = 4096
+    rows = n // cols
+
+    def best(fn, nbytes):
+        return nbytes / best_seconds(fn, repeats)
+
+    # random values, as the model's weights (a constant buffer, torch.ones, read at 63 GB/s in one of three tries
+    # where random data read at 48). Even so the first sample of a run has read at 77 GB/s twice here, against
+    # 41-53 for the other 15: not explained; decode_bandwidth's paired ratio does not depend on one sample
+    a = random_buffer(rows, cols)
+    v = torch.rand(cols)
+    ops = {"sum_fp32": best(lambda: a.sum(), a.numel() * 4), "mv_fp32": best(lambda: torch.mv(a, v), a.numel() * 4)}
+    b = torch.rand(rows, 2 * cols, dtype=torch.bfloat16)  # the same bytes
+    vb = torch.rand(2 * cols).bfloat16()
+    ops["mv_bf16"] = best(lambda: torch.mv(b, vb), b.numel() * 2)
+    del a, b
+    op = max(("sum_fp32", "mv_fp32"), key=ops.get)
+    return {"ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "buffer_bytes": rows * cols * 4,
+            "threads": threads, "repeats": repeats, "samples": 1}
+
+
+_buffers: dict = {}
+
+
+def random_buffer(rows: int, cols: int):
+    """A [rows, cols] fp32 buffer of uniform random values, made once per shape (1 GiB takes a second to fill)."""
+    import torch
+
+    if (rows, cols) not in _buffers:
+        _buffers.clear()
+        _buffers[rows, cols] = torch.rand(rows, cols, generator=torch.Generator().manual_seed(0))
+    return _buffers[rows, cols]
+
+
+def best_bandwidth(samples: list[dict]) -> dict:
+    """The best of several `read_bandwidth` samples, op by op (a shared machine's slow moments left out)."""
+    ops = {k: max(s["ops_bytes_per_s"][k] for s in samples) for k in samples[0]["ops_bytes_per_s"]}
+    op = max(("sum_fp32", "mv_fp32"), key=ops.get)
+    return {**samples[0], "ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "samples": len(samples),
+            "sample_bytes_per_s": [s["bytes_per_s"] for s in samples],
+            "repeats": sum(s["repeats"] for s in samples)}
+
+
+# the categories of `active_bytes`: where a decode step's reads go
+CATEGORIES = ("attention", "dense_mlp", "gate_routing", "experts", "residual_mlp", "lm_head", "other")
+
+
+def category_of(name: str) -> str:
+    """The breakdown category of a parameter name (pipeline/model.py's names)."""
+    if ".deepspeed_experts." in name:
+        return "experts"
+    if "gate.wg" in name:
+        return "gate_routing"
+    if ".mlp.moe." in name:  # the residual MLP and its mixing coefficient
+        return "residual_mlp"
+    if ".attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "dense_mlp"
+    if name.startswith("lm_head") or name == "wte.weight":
+        return "lm_head"  # tied: the embedding is the head, read whole every step
+    return "other"  # norms, the positional embedding's row
+
+
+def active_bytes(cfg, dtype) -> dict:
+    """Bytes of the parameters one decode step of one token reads, by category: counted on the model of `cfg`
+    built on the meta device (whatever module layout the engine serves it with), in `dtype` with the gates fp32.
+    The experts read are `pipeline.model.param_counts`'s active ones (top_k experts a token)."""
+    from pipeline.build import cast_keeping_gates, meta_model
+    from pipeline.model import param_counts, split_expert_key
+
+    model = cast_keeping_gates(meta_model(cfg), dtype)
+    tied = model.lm_head.weight is model.wte.weight
+    out = dict.fromkeys(CATEGORIES, 0)
+    dense_params = expert_size = 0
+    for name, p in model.named_parameters():  # a tied weight once
+        if split_expert_key(name) is not None:
+            expert_size = p.element_size()
+            continue
+        dense_params += p.numel()
+        if name == "wpe.weight" or (name == "wte.weight" and not tied):
+            out["other"] += p.shape[1] * p.element_size()  # one row
+        else:
+            out[category_of(name)] += p.numel() * p.element_size()
+    out["experts"] = (param_counts(model)["active_per_token"] - dense_params) * expert_size
+    out["total"] = sum(out.values())
+    return out

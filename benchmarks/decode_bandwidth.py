@@ -1,4 +1,4 @@
-"""Batch-1 decode tokens/s of the serving engine against the memory read-bandwidth bound (issue: >= 60% of it).
+"""Batch-1 decode tokens/s of the serving engine against the memory read-bandwidth bound (checked: >= 60% of it).
 
     .venv/bin/python benchmarks/decode_bandwidth.py                      # fp32 and bf16, a few minutes on 2 cores
     .venv/bin/python benchmarks/decode_bandwidth.py --dtype bf16 --new-tokens 512 --repeats 5
@@ -44,66 +44,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, best_seconds, cpu_info, cpu_line, random_package  # noqa: E402
+from common import (CATEGORIES, ROOT, active_bytes, best_bandwidth, cpu_info, cpu_line,  # noqa: E402
+                    random_package, read_bandwidth)
 
 sys.path.insert(1, str(ROOT))  # this checkout's pipeline/, export/
 
-TARGET = 0.60  # the issue's target share of the bound (llama.cpp reaches 84-95% on CPUs)
+TARGET = 0.60  # the share of the bound decode is checked against (llama.cpp reaches 84-95% on CPUs)
 PROMPT = "And God said"
-CATEGORIES = ("attention", "dense_mlp", "gate_routing", "experts", "residual_mlp", "lm_head", "other")
 
 
-# -- (a) read bandwidth --------------------------------------------------------------------------------------------
-
-def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict:
-    """Bytes read per second of a `gib` GiB buffer: {op: bytes/s} for sum_fp32, mv_fp32 (and mv_bf16, a kernel
-    diagnostic), best of `repeats` after one untimed run; `bytes_per_s` and `op`: the faster fp32 one."""
-    import torch
-
-    torch.set_num_threads(threads)
-    n = int(gib * (1 << 30)) // 4
-    cols = 4096
-    rows = n // cols
-
-    def best(fn, nbytes):
-        return nbytes / best_seconds(fn, repeats)
-
-    # random values, as the model's weights (a constant buffer, torch.ones, read at 63 GB/s in one of three tries
-    # where random data read at 48). Even so the first sample of a run has read at 77 GB/s twice here, against
-    # 41-53 for the other 15: not explained; the paired ratio below does not depend on one sample
-    a = random_buffer(rows, cols)
-    v = torch.rand(cols)
-    ops = {"sum_fp32": best(lambda: a.sum(), a.numel() * 4), "mv_fp32": best(lambda: torch.mv(a, v), a.numel() * 4)}
-    b = torch.rand(rows, 2 * cols, dtype=torch.bfloat16)  # the same bytes
-    vb = torch.rand(2 * cols).bfloat16()
-    ops["mv_bf16"] = best(lambda: torch.mv(b, vb), b.numel() * 2)
-    del a, b
-    op = max(("sum_fp32", "mv_fp32"), key=ops.get)
-    return {"ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "buffer_bytes": rows * cols * 4,
-            "threads": threads, "repeats": repeats, "samples": 1}
-
-
-_buffers: dict = {}
-
-
-def random_buffer(rows: int, cols: int):
-    """A [rows, cols] fp32 buffer of uniform random values, made once per shape (1 GiB takes a second to fill)."""
-    import torch
-
-    if (rows, cols) not in _buffers:
-        _buffers.clear()
-        _buffers[rows, cols] = torch.rand(rows, cols, generator=torch.Generator().manual_seed(0))
-    return _buffers[rows, cols]
-
-
-def best_bandwidth(samples: list[dict]) -> dict:
-    """The best of several `read_bandwidth` samples, op by op (a shared machine's slow moments left out)."""
-    ops = {k: max(s["ops_bytes_per_s"][k] for s in samples) for k in samples[0]["ops_bytes_per_s"]}
-    op = max(("sum_fp32", "mv_fp32"), key=ops.get)
-    return {**samples[0], "ops_bytes_per_s": ops, "op": op, "bytes_per_s": ops[op], "samples": len(samples),
-            "sample_bytes_per_s": [s["bytes_per_s"] for s in samples],
-            "repeats": sum(s["repeats"] for s in samples)}
-
+# -- (a) read bandwidth: common.read_bandwidth, sampled around every decode run ---------------------------------
 
 def paired_bandwidth(samples: list[dict]) -> float:
     """The mean bandwidth (the faster fp32 op) of the samples taken just before and just after one decode run: on a
@@ -112,49 +62,6 @@ def paired_bandwidth(samples: list[dict]) -> float:
 
 
 # -- (c) active bytes per token ------------------------------------------------------------------------------------
-
-def category_of(name: str) -> str:
-    """The breakdown category of a parameter name (pipeline/model.py's names)."""
-    if ".deepspeed_experts." in name:
-        return "experts"
-    if "gate.wg" in name:
-        return "gate_routing"
-    if ".mlp.moe." in name:  # the residual MLP and its mixing coefficient
-        return "residual_mlp"
-    if ".attn." in name:
-        return "attention"
-    if ".mlp." in name:
-        return "dense_mlp"
-    if name.startswith("lm_head") or name == "wte.weight":
-        return "lm_head"  # tied: the embedding is the head, read whole every step
-    return "other"  # norms, the positional embedding's row
-
-
-def active_bytes(cfg, dtype) -> dict:
-    """Bytes of the parameters one decode step of one token reads, by category: counted on the model of `cfg`
-    built on the meta device (whatever module layout the engine serves it with), in `dtype` with the gates fp32."""
-    from pipeline.build import cast_keeping_gates, meta_model
-    from pipeline.model import split_expert_key
-
-    model = cast_keeping_gates(meta_model(cfg), dtype)
-    tied = model.lm_head.weight is model.wte.weight
-    out = dict.fromkeys(CATEGORIES, 0)
-    seen = set()
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        size = p.numel() * p.element_size()
-        key = split_expert_key(name)
-        if key is not None:  # top_k experts a token: one expert's share of each of its parameters
-            size = size * cfg.top_k if key.expert == 0 else 0
-        elif name == "wpe.weight" or (name == "wte.weight" and not tied):
-            out["other"] += p.shape[1] * p.element_size()  # one row
-            continue
-        out[category_of(name)] += size
-    out["total"] = sum(out.values())
-    return out
-
 
 def kv_bytes_per_token(cfg, dtype, context: float) -> float:
     """KV-cache bytes a decode step reads at `context` cached tokens (keys and values of every layer)."""

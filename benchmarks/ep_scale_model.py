@@ -7,7 +7,7 @@ degree 8, 16, 64 and 128.
 
 The student is the one `moe-pipeline plan` sizes (recipes/1.3b.yaml, `student:`; distill/student.py): 21 layers,
 hidden 2048, 10 MoE layers with [64 x 8, 128 x 2] experts, top-1, residual MLP, tied 50,304-entry head. Its bytes
-are counted from the model code (benchmarks/decode_bandwidth.active_bytes on the meta device), in bf16.
+are counted from the model code (benchmarks/common.active_bytes on the meta device), in bf16.
 
 Inputs. Measured here, on this CPU: the actual modules at the student's hidden size (`--measure-hidden`), batch 1,
 fp32: a dense Block (attention with a KV cache of `--context` tokens + MLP) and one expert MLP, each timed, and a
@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, best_seconds  # noqa: E402
+from common import ROOT, active_bytes, best_bandwidth, best_seconds, read_bandwidth  # noqa: E402
 
 sys.path.insert(1, str(ROOT))
 
@@ -75,8 +75,6 @@ def shapes(cfg) -> dict:
     """Bytes (bf16, gates fp32) and parameters a decode step reads: the dense part, one expert, the KV cache."""
     import torch
 
-    from decode_bandwidth import active_bytes
-
     act = active_bytes(cfg, torch.bfloat16)
     one_expert = act["experts"] / (len(cfg.experts) * cfg.top_k)
     return {"dense_bytes": act["total"] - act["experts"], "dense_params": (act["total"] - act["experts"]) / 2,
@@ -92,11 +90,12 @@ def measure_cpu(cfg, hidden: int, context: int, repeats: int = 10, buffer_gib: f
 
     import torch
 
-    from decode_bandwidth import best_bandwidth, read_bandwidth
     from pipeline.model import MLP, Block, KVCache
 
     head_dim = cfg.hidden // cfg.heads
-    c = dataclasses.replace(cfg, hidden=hidden, heads=max(1, hidden // head_dim), layers=1, moe_layers=(), experts=())
+    # narrower: the fields resolved from the width (head_dim, kv_heads, ffn_hidden, expert_hidden) resolved again
+    c = dataclasses.replace(cfg, hidden=hidden, heads=max(1, hidden // head_dim), layers=1, moe_layers=(), experts=(),
+                            head_dim=None, kv_heads=None, ffn_hidden=None, expert_hidden=None)
     block, expert = Block(c, 0, "reference", 1).eval(), MLP(c).eval()
     cache = KVCache(c, batch=1, max_len=context + 1)
     cache.length = context  # every timed forward writes the same next position

@@ -1,11 +1,12 @@
-"""Importing a Hugging Face MoE checkpoint as a teacher: time and memory (issue: peak RSS growth <= 1.2x the model's
-bytes at 1 rank, <= 0.7x per rank at EP 2).
+"""Importing a Hugging Face MoE checkpoint as a teacher: time and memory (checked: peak RSS growth <= 1.2x the
+model's bytes at 1 rank, <= 0.7x per rank at EP 2).
 
     .venv/bin/python benchmarks/hf_import_memory.py                        # a ~4.7 GB Mixtral-layout checkpoint
     .venv/bin/python benchmarks/hf_import_memory.py --family qwen3_moe --gb 6
 
-A checkpoint of random bf16 weights in the family's real layout (config.json written by export/native.py, the
-Hub's tensor names, ~1 GB shards with model.safetensors.index.json) is written once under `--work`: Mixtral's
+A checkpoint of random bf16 weights in the family's real layout, written by our own export
+(`export.native.write_native`: config.json, the Hub's tensor names, shards of `--shard-mb` (1 GiB) with
+model.safetensors.index.json), is written once under `--work`: Mixtral's
 shape at hidden 2048 (16 heads, 4 kv heads, 8 experts of width 5632, top-2, vocab 32000), as many layers as
 reach `--gb`. Then, each in a fresh process (`pipeline.build.load_hf_teacher`: built on the meta device,
 materialised empty, filled tensor by tensor):
@@ -62,44 +63,26 @@ def family_config(family: str, gb: float, hidden: int = 2048):
 
 
 def write_checkpoint(cfg, out: Path, shard_bytes: int = 1 << 30) -> int:
-    """Random bf16 weights of `cfg` under the family's Hub names, sharded; returns the weights' bytes."""
+    """Random bf16 weights of `cfg` written by our own Hugging Face-family export (`export.native.write_native`: the
+    Hub's names, config.json, shards of at most `shard_bytes` with model.safetensors.index.json); returns the
+    weights' bytes. Written once: a finished one (its DONE file) is reused."""
     import torch
-    from safetensors.torch import save_file
 
-    from export.native import native_config
+    from export.native import write_native
     from pipeline.build import meta_model
-    from pipeline.hf_import import hf_sources
     from pipeline.weights import unique_params
 
     if (out / "DONE").is_file():
         return int((out / "DONE").read_text())
-    out.mkdir(parents=True, exist_ok=True)
+    model = meta_model(cfg).to(torch.bfloat16).to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
-    shapes = {}
-    for name, p in unique_params(meta_model(cfg)):
-        keys = hf_sources(cfg, name)
-        for key in keys:
-            shapes[key] = (p.shape[0] // len(keys), *p.shape[1:])
-    groups, current, size = [], [], 0
-    for key, shape in shapes.items():
-        n = 2 * int(torch.Size(shape).numel())
-        if current and size + n > shard_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append(key)
-        size += n
-    groups.append(current)
-    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    total = 0
-    for f, group in zip(names, groups):
-        tensors = {k: (torch.randn(shapes[k], generator=g) * 0.02).to(torch.bfloat16) for k in group}
-        total += sum(t.numel() * 2 for t in tensors.values())
-        save_file(tensors, str(out / f), metadata={"format": "pt"})
-        print(f"[hf-import-memory] wrote {f} ({sum(t.numel() * 2 for t in tensors.values()) / 1e9:.2f} GB)", flush=True)
-        del tensors
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": {k: f for f, grp in zip(names, groups) for k in grp}}))
-    (out / "config.json").write_text(json.dumps(native_config(cfg, torch.bfloat16), indent=1))
+    with torch.no_grad():
+        for _, p in unique_params(model):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    total = sum(p.numel() * p.element_size() for _, p in unique_params(model))
+    print(f"[hf-import-memory] writing {total / 1e9:.2f} GB of random bf16 weights to {out} ...", flush=True)
+    write_native(model, out, dtype=torch.bfloat16, force=True, max_shard_bytes=shard_bytes)
+    del model
     (out / "DONE").write_text(str(total))
     return total
 
@@ -192,12 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/moe-hf-import-memory"))
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hf_import_memory")
     p.add_argument("--skip-transformers", action="store_true", help="leave out transformers' own load")
+    p.add_argument("--shard-mb", type=int, default=1024, help="the checkpoint's shard size, MiB (default 1024)")
     args = p.parse_args(argv)
     os.chdir(ROOT)
     cfg = family_config(args.family, args.gb, args.hidden)
-    src = args.work / f"{args.family}-h{args.hidden}-{cfg.layers}layers"
-    nbytes = write_checkpoint(cfg, src)
-    shards = len(list(src.glob("model-*.safetensors")))
+    src = args.work / (f"{args.family}-h{args.hidden}-{cfg.layers}layers"
+                       + ("" if args.shard_mb == 1024 else f"-shards{args.shard_mb}mb"))
+    nbytes = write_checkpoint(cfg, src, args.shard_mb << 20)
+    shards = len(list(src.glob("*.safetensors")))
     res = {"family": args.family, "layers": cfg.layers, "gb": nbytes / 1e9, "model_bytes": nbytes, "shards": shards,
            "runs": {}}
     modes = {"1 rank": "one", "EP 2": "ep2"}

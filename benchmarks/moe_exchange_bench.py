@@ -99,7 +99,10 @@ def layer_config(recipe_path: Path, hidden: int | None, experts: int):
     from pipeline.recipe import load_recipe
 
     cfg = teacher_config(load_recipe(recipe_path))
-    return dataclasses.replace(cfg, layers=1, moe_layers=(0,), experts=(experts,), hidden=hidden or cfg.hidden)
+    # another width: the fields resolved from it (head_dim, kv_heads, ffn_hidden, expert_hidden) resolved again
+    width = {} if hidden in (None, cfg.hidden) else dict(hidden=hidden, head_dim=None, kv_heads=None, ffn_hidden=None,
+                                                         expert_hidden=None)
+    return dataclasses.replace(cfg, layers=1, moe_layers=(0,), experts=(experts,), **width)
 
 
 def build_layers(cfg, rank: int, seed: int, store_dir: Path):
