@@ -1,4 +1,4 @@
-"""benchmarks/compression_ablation.py (the compression study): its dry-run plan, and parts B and C end to end on the tiny
+"""research/compression_ablation.py (the compression study): its dry-run plan, and parts B and C end to end on the tiny
 recipe cut down to the stage tests' sizes (SMALL), a few steps per run, in a temporary directory."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import sys
 import pytest
 from conftest import ROOT, SMALL, child_env, sets
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import compression_ablation
+sys.path.insert(0, str(ROOT))  # the checkout's root: the studies are the package `research`
+from research import compression_ablation  # noqa: E402
 
-SCRIPT = ROOT / "benchmarks" / "compression_ablation.py"
+SCRIPT = ROOT / "research" / "compression_ablation.py"
 TEACHER = ["teacher.train.steps=8", "teacher.train.checkpoint_every=4", "teacher.train.eval_every=8"]
 
 
@@ -58,6 +58,24 @@ def test_spearman_and_ranks_with_ties():
     assert compression_ablation.spearman([1, 2], [5, 5])["rho"] is None  # constant: undefined, not nan
     assert compression_ablation.pruned([4, 8, 8], 0.75, 1, None) == [3, 6, 6]
     assert compression_ablation.pruned([2, 4], 0.5, 1, 2) == [2, 2]
+
+
+def test_paper_runs_directories_and_overrides(tmp_path):
+    """research/common.py's paper protocol (kd_ablation.py's runs, compression part A): where a (variant, seed) goes
+    and the --set flags it is distilled with."""
+    from research.common import PaperRuns, scaled_warmup, set_flags
+
+    runs = PaperRuns(recipe="recipes/tiny.yaml", out=tmp_path, steps=60, evals=3, timeout=None, recipe_seed=1234,
+                     recipe_student_steps=300, recipe_student_warmup=30)
+    assert runs.run_dir("staged_scratch", 1234) == (tmp_path / "runs" / "staged_scratch_s60").resolve()
+    assert runs.run_dir("no_kd_scratch", 1235).name == "no_kd_scratch_s60_seed1235"  # another seed: a suffix
+    teacher = tmp_path / "teacher_run" / "teacher"
+    assert set_flags(runs.overrides("no_kd_scratch", 1235, teacher)) == [
+        "--set", f"teacher.load={teacher}", "--set", "seed=1235", "--set", "student.train.steps=60",
+        "--set", "student.train.warmup_steps=6", "--set", "student.train.eval_every=20",
+        "--set", "student.init=random", "--set", "kd.beta=0.0", "--set", "kd.stop_at=null"]
+    assert scaled_warmup(30, 1, 300) == 1 and scaled_warmup(0, 60, 300) == 0
+    assert set_flags({"a": None, "b": [3, 6]}) == ["--set", "a=null", "--set", "b=[3, 6]"]
 
 
 @pytest.mark.slow

@@ -1,16 +1,16 @@
 """The compression study: what compressing the small recipe's teacher costs, measured four ways on ONE teacher.
 
-    .venv/bin/python benchmarks/compression_ablation.py --teacher-run benchmarks/results/compression_ablation/teacher_run
-    .venv/bin/python benchmarks/compression_ablation.py --dry-run          # every run it would make, trains nothing
-    .venv/bin/python benchmarks/compression_ablation.py --parts B C --budget 200 --candidates 4   # a part of it
+    .venv/bin/python research/compression_ablation.py --teacher-run research/results/compression_ablation/teacher_run
+    .venv/bin/python research/compression_ablation.py --dry-run          # every run it would make, trains nothing
+    .venv/bin/python research/compression_ablation.py --parts B C --budget 200 --candidates 4   # a part of it
 
 Held-out loss on the whole validation split (nats/token) is the primary metric of every trained model. The
 protocol is fixed by flags with defaults before the first run (the KD stop `--kd-stop 60%`, `--seeds`, the
 student budget `--budget B` = the recipe's `student.train.steps`, `--candidates 8` trained for `--candidate-steps`
 = B/4 each); whatever ordering comes out is reported.
 
-  A. The paper's protocol (benchmarks/kd_ablation.py's `run_variant`, imported, into OUT/paper/; or reusing, read
-     only, the finished runs of an earlier `kd_ablation.py --out` of this teacher, `--paper-out`): students from
+  A. The paper's protocol (kd_ablation.py's runs: research/common.py's `PaperRuns`, into OUT/paper/; or reusing,
+     read only, the finished runs of an earlier `kd_ablation.py --out` of this teacher, `--paper-out`): students from
      random weights trained `--paper-steps` (default: the teacher's own steps, its token budget) without KD
      (`no_kd_scratch`), with KD all the way (`kd_all_scratch`) and with KD for the first 60% (`staged_scratch`); the `--spread-variant` (default no_kd_scratch) with both
      `--seeds`, the others with the first. Reported: held-out loss, gap to the teacher, the seed-to-seed spread,
@@ -33,7 +33,7 @@ checkpoint), so the same arguments pick up where a run stopped. A reused run is 
 recipe must be the one these arguments make, and its teacher stage must come from this teacher (else: another
 --out). Results: a table on stdout, `compression_ablation.json` and `compression_ablation.png` (held-out loss
 per run with the teacher and baseline lines; the plan-vs-trained scatter with rho) under `--out` (default
-benchmarks/results/compression_study/, git-ignored, which also holds the runs and their logs).
+research/results/compression_study/, git-ignored, which also holds the runs and their logs).
 
 Wall time on 2 CPU cores (small.yaml, B = 500): 4 part A runs (~20-28 min each), the baseline (~20 min), 3 part B
 students (~19-25 min each), 8 part C candidates at 125 steps (~5-7 min each): about 3-4 h in all (`--dry-run`
@@ -71,31 +71,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kd_ablation
-from common import ROOT, cli_command, run_logged
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: research.common, pipeline/
+from research.common import (ROOT, PaperRuns, cli_command, ensure_teacher, run_logged,  # noqa: E402
+                             scaled_warmup, set_flags, stage_done, stage_records, yaml_value)
 
 RECIPE = "recipes/small.yaml"
 PAPER_VARIANTS = ("no_kd_scratch", "kd_all_scratch", "staged_scratch")
 FRACTIONS = (0.75, 0.5)
 EXPERT_RULES = ("frequency", "saliency")
-
-_done = kd_ablation._done
-_scaled_warmup = kd_ablation._scaled_warmup
-
-
-def _value(v) -> str:
-    """A --set value as YAML: null for None, [3, 6] for a list."""
-    return "null" if v is None else json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
-
-
-def _sets(overrides: dict) -> list[str]:
-    out = []
-    for key, value in overrides.items():
-        out += ["--set", f"{key}={_value(value)}"]
-    return out
 
 
 # -- recipes and run directories ----------------------------------------------------------------
@@ -108,7 +92,7 @@ def _recipe_path(text: str) -> Path:
 def _load(recipe_file: Path, overrides: dict | list = ()):
     from pipeline.recipe import load_recipe
 
-    items = [f"{k}={_value(v)}" for k, v in overrides.items()] if isinstance(overrides, dict) else list(overrides)
+    items = [f"{k}={yaml_value(v)}" for k, v in overrides.items()] if isinstance(overrides, dict) else list(overrides)
     return load_recipe(recipe_file, items)
 
 
@@ -122,13 +106,13 @@ def check_reused(run: Path, recipe_file: Path, overrides: dict, teacher_stage: P
         if changes:
             raise SystemExit(f"{run} holds another run ({'; '.join(changes[:3])}): pass another --out, "
                              f"or remove that run directory")
-    done = _done(run / "teacher")
+    done = stage_done(run / "teacher")
     if teacher_stage is not None and done and done.get("loaded_from") not in (None, str(teacher_stage.resolve())):
         raise SystemExit(f"{run} was distilled from {done['loaded_from']}, not {teacher_stage}: pass another --out")
 
 
 def _status(stage_dir: Path) -> str:
-    if _done(stage_dir) is not None:
+    if stage_done(stage_dir) is not None:
         return "done"
     return "partial" if stage_dir.with_name(stage_dir.name + ".partial").exists() else "new"
 
@@ -155,10 +139,11 @@ def pruned(counts: list[int], fraction: float, top_k: int, ep: int | None) -> li
     return out
 
 
-# -- the runs -----------------------------------------------------------------------------------
+# -- the study: its arguments, recipe and teacher, and how one student run is made ------------------------------
 
 class Study:
-    """The arguments, the recipe, the teacher and what every part needs to make its runs."""
+    """The arguments, the recipe, the teacher, the progress counter, and the student runs parts B and C make (the
+    parts themselves are the functions `part_a`, `part_b`, `part_c` below)."""
 
     def __init__(self, args):
         self.args = args
@@ -168,37 +153,47 @@ class Study:
         self.runs_total = 0
         self.runs_started = 0
 
-    # -- common overrides of a student run --
-    def student_sets(self, steps: int, evals: int, extra: dict) -> dict:
-        r = self.recipe
-        return {"teacher.load": str(self.teacher_stage), "seed": self.args.seeds[0],
-                "student.train.steps": steps,
-                "student.train.warmup_steps": _scaled_warmup(r.student.train.warmup_steps, steps, r.student.train.steps),
-                "student.train.eval_every": max(1, steps // evals),
-                "student.train.eval_batches": self.args.eval_batches_yaml,
-                "teacher.train.eval_batches": self.args.eval_batches_yaml,
-                "student.init": "teacher", "kd.stop_at": self.args.kd_stop, **extra}
-
     def progress(self, label: str) -> None:
         self.runs_started += 1
         elapsed = time.perf_counter() - self.t0
         print(f"[{label}] run {self.runs_started} of at most {self.runs_total} this call, {elapsed / 60:.1f} min so "
               f"far", flush=True)
 
+    def load_teacher(self) -> None:
+        """The finished teacher (--teacher-run, or trained into OUT/teacher_run), checked against the recipe."""
+        a = self.args
+        self.teacher_run, done = ensure_teacher(str(a.recipe_file), self.out, a.timeout, a.teacher_run)
+        self.teacher_stage = self.teacher_run / "teacher"
+        self.teacher_done = done
+        from pipeline.teacher import check_loadable
+
+        check_loadable(self.recipe, self.teacher_stage)  # once, here, rather than in every run's teacher.load
+
+    def student_sets(self, steps: int, evals: int, extra: dict) -> dict:
+        """The overrides of a student run from the teacher's layers: `steps` steps, `evals` evaluations, `extra`."""
+        r = self.recipe
+        return {"teacher.load": str(self.teacher_stage), "seed": self.args.seeds[0],
+                "student.train.steps": steps,
+                "student.train.warmup_steps": scaled_warmup(r.student.train.warmup_steps, steps, r.student.train.steps),
+                "student.train.eval_every": max(1, steps // evals),
+                "student.train.eval_batches": self.args.eval_batches_yaml,
+                "teacher.train.eval_batches": self.args.eval_batches_yaml,
+                "student.init": "teacher", "kd.stop_at": self.args.kd_stop, **extra}
+
     def train_student(self, part: str, name: str, run: Path, sets: dict, log: Path) -> dict:
         """`moe-pipeline distill` into `run` unless its student stage is done; its row."""
         check_reused(run, self.args.recipe_file, sets, self.teacher_stage)
         wall = None
-        if _done(run / "student") is None:
+        if stage_done(run / "student") is None:
             self.progress(f"{part} {name}")
             print(f"[{part} {name}] {sets['student.train.steps']} steps into {run} (log {log}) ...", flush=True)
             wall = run_logged([*cli_command(), "distill", str(self.args.recipe_file), "--run-dir", str(run),
-                               *_sets(sets)], log, self.args.timeout)
+                               *set_flags(sets)], log, self.args.timeout)
         else:
             print(f"[{part} {name}] already finished: {run}/student", flush=True)
-        done, link = _done(run / "student"), _done(run / "teacher") or {}
+        done, link = stage_done(run / "student"), stage_done(run / "teacher") or {}
         selection = json.loads((run / "student" / "selection.json").read_text())
-        recs = [r for r in kd_ablation._records(run) if r.get("stage") == "student"]
+        recs = stage_records(run, "student")
         row = {"name": name, "run_dir": str(run), "overrides": sets, "val_loss": done["val_loss"],
                "teacher_val_loss": done["teacher_val_loss"], "gap": done["val_loss"] - done["teacher_val_loss"],
                "layers": len(done["kept_teacher_layers"]), "kept_teacher_layers": done["kept_teacher_layers"],
@@ -213,209 +208,14 @@ class Study:
               f"student stage {row['wall']['student_stage_s']:.0f}s", flush=True)
         return row
 
-    # -- the teacher --
-    def teacher(self) -> None:
-        a = self.args
-        ns = SimpleNamespace(teacher_run=a.teacher_run, teacher_steps=None, recipe=str(a.recipe_file), out=self.out,
-                             timeout=a.timeout)
-        self.teacher_run, done = kd_ablation.ensure_teacher(ns)
-        self.teacher_stage = self.teacher_run / "teacher"
-        self.teacher_done = done
-        from pipeline.teacher import check_loadable
 
-        check_loadable(self.recipe, self.teacher_stage)  # once, here, rather than in every run's teacher.load
+# -- part A: the paper's protocol ---------------------------------------------------------------------------------
 
-    # -- part A --
-    def part_a(self) -> dict:
-        a = self.args
-        ns = paper_ns(a, self.recipe, a.paper_out)
-        rows, failed = [], {}
-        for name, seed in paper_runs(a):
-            label = f"A {name} seed {seed}"
-            run, sets = paper_run_dir(ns, name, seed), paper_sets(ns, name, seed, self.teacher_stage)
-            check_reused(run, a.recipe_file, sets, self.teacher_stage)
-            if a.paper_reuse_only and _done(run / "student") is None:  # never train into another study's directory
-                print(f"[{label}] not finished in --paper-out {a.paper_out}: left out (not trained there)", flush=True)
-                failed[label] = f"{run}: no student/DONE.json in --paper-out (only reused there, never trained)"
-                continue
-            try:
-                if _done(run / "student") is None:
-                    self.progress(label)
-                row = kd_ablation.run_variant(name, ns, self.teacher_run, seed)
-                assert row["run_dir"] == str(run) and row["overrides"] == sets, "kd_ablation's runs changed"
-                rows.append(row)
-            except RuntimeError as err:
-                print(f"[{label}] FAILED: {err}", file=sys.stderr, flush=True)
-                failed[label] = str(err)
-        return summarise_a(rows, failed, a.spread_variant, a.seeds)
-
-    # -- part B --
-    def part_b(self) -> dict:
-        a = self.args
-        students, failed = [], {}
-        base = None
-        try:
-            base = self.baseline()
-        except RuntimeError as e:
-            print(f"[B baseline] FAILED: {e}", file=sys.stderr, flush=True)
-            failed["baseline"] = str(e)
-        scores = self.plan()["block_importance"] if self.recipe.student.layer_selection == "importance" else None
-        for name, extra in practical_variants(self, scores):
-            run = self.out / "practical" / f"{name}_s{a.budget}"
-            try:
-                row = self.train_student("B", name, run, self.student_sets(a.budget, a.evals, extra),
-                                         run.parent / f"{name}_s{a.budget}.log")
-                students.append(row)
-            except RuntimeError as e:
-                print(f"[B {name}] FAILED: {e}", file=sys.stderr, flush=True)
-                failed[name] = str(e)
-        tasks = None
-        if a.tasks and base is not None and students:
-            try:
-                tasks = self.eval_tasks(base, students)
-            except RuntimeError as e:
-                print(f"[B eval] FAILED: {e}", file=sys.stderr, flush=True)
-                failed["eval"] = str(e)
-        return summarise_b(base, students, failed, tasks, self.teacher_done)
-
-    def baseline_sets(self) -> dict:
-        a, t = self.args, self.recipe.teacher.train
-        s = self.recipe.student.train
-        return {"teacher.train.steps": a.budget,
-                "teacher.train.warmup_steps": _scaled_warmup(s.warmup_steps, a.budget, s.steps),
-                "teacher.train.eval_every": max(1, a.budget // a.evals),
-                "teacher.train.eval_batches": a.eval_batches_yaml,
-                "teacher.train.checkpoint_every": min(t.checkpoint_every, a.budget), "seed": a.seeds[0]}
-
-    def baseline_dir(self) -> Path:
-        return self.out / "baseline" / f"teacher_plus{self.args.budget}"
-
-    def baseline(self) -> dict:
-        """The teacher trained B more steps (see the module docstring), by this script's worker."""
-        run, sets = self.baseline_dir(), self.baseline_sets()
-        check_reused(run, self.args.recipe_file, sets, None)
-        wall = None
-        if _done(run / "teacher") is None:
-            self.progress("B baseline")
-            request = run.parent / f"{run.name}.request.json"
-            request.parent.mkdir(parents=True, exist_ok=True)
-            request.write_text(json.dumps({"recipe": str(self.args.recipe_file), "overrides": sets,
-                                           "source": str(self.teacher_stage), "run_dir": str(run)}, indent=1))
-            print(f"[B baseline] the teacher + {self.args.budget} steps into {run} ...", flush=True)
-            wall = run_logged([sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(request)],
-                              run.parent / f"{run.name}.log", self.args.timeout)
-        else:
-            print(f"[B baseline] already finished: {run}/teacher", flush=True)
-        done = _done(run / "teacher")
-        if done.get("continued_from") != str(self.teacher_stage.resolve()):
-            raise SystemExit(f"{run} continues {done.get('continued_from')}, not {self.teacher_stage}: another --out")
-        recs = [r for r in kd_ablation._records(run) if r.get("stage") == "teacher"]
-        logged_steps = max((r["step"] for r in recs if "loss" in r), default=0)
-        row = {"name": "baseline", "run_dir": str(run), "overrides": sets, "val_loss": done["val_loss"],
-               "steps": done["steps"], "logged_steps": logged_steps,
-               "total_teacher_steps": done["continued_from_steps"] + done["steps"],
-               "resumed_from_step": done.get("resumed_from_step"), "params": done.get("params"),
-               "wall": {"stage_s": done.get("wall_seconds"), "train_s": done.get("train_seconds"),
-                        "bench_s": None if wall is None else round(wall, 1)},
-               "val_curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]}
-        print(f"[B baseline] held-out loss {row['val_loss']:.4f} after {row['steps']} more steps "
-              f"({row['total_teacher_steps']} in all; teacher {self.teacher_done['val_loss']:.4f})", flush=True)
-        return row
-
-    def eval_tasks(self, base: dict, students: list[dict]) -> dict:
-        a = self.args
-        out = self.out / "eval"
-        models = [str(self.teacher_stage), str(Path(base["run_dir"]) / "teacher")] + \
-                 [str(Path(s["run_dir"]) / "student") for s in students]
-        cmd = [*cli_command(), "eval", *models, "--out", str(out)]
-        cmd += [] if a.tasks == "bundled" else ["--tasks", a.tasks]
-        cmd += [] if a.tasks_limit is None else ["--limit", str(a.tasks_limit)]
-        print(f"[B eval] {len(models)} models on {a.tasks} tasks -> {out} ...", flush=True)
-        wall = run_logged(cmd, self.out / "eval.log", a.timeout)
-        return read_tasks(out / "results.json", models, wall)
-
-    # -- part C --
-    def part_c(self) -> dict:
-        a = self.args
-        plan = self.plan()
-        picked = choose_candidates(plan, self, a.candidates)
-        scored = self.score_extra([c for c in picked if c["source"] != "plan"], plan)
-        for c in picked:
-            if c["source"] != "plan":
-                c["pre_val_loss"] = scored[c["name"]]
-        rows, failed = [], {}
-        steps = a.candidate_steps
-        for c in picked:
-            run = self.out / "ranking" / f"{c['slug']}_s{steps}"
-            extra = {"student.layers": c["layers"], "student.layer_selection": c["rule_layers"],
-                     "student.experts": c["experts_override"], "student.expert_selection": c["rule_experts"]}
-            try:
-                row = self.train_student("C", c["name"], run, self.student_sets(steps, 1, extra),
-                                         run.parent / f"{c['slug']}_s{steps}.log")
-            except RuntimeError as e:
-                print(f"[C {c['name']}] FAILED: {e}", file=sys.stderr, flush=True)
-                failed[c["name"]] = str(e)
-                continue
-            row.update(kind=c["kind"], source=c["source"], pre_val_loss=c["pre_val_loss"],
-                       matches_candidate=row["kept_teacher_layers"] == c["kept_teacher_layers"]
-                       and list(row["experts"]) == c["experts"]
-                       and {str(k): v for k, v in (row["kept_experts"] or {}).items()} == c["kept_experts"])
-            rows.append(row)
-        return summarise_c(rows, failed, plan, scored.get("_check"), steps)
-
-    def plan_file_ok(self, path: Path) -> bool:
-        if not path.is_file():
-            return False
-        d = json.loads(path.read_text())
-        s = self.recipe.student
-        micro = s.train.micro_batch_size
-        want_tokens = max(1, self.args.plan_blocks // micro) * micro * self.recipe.data.seq_len
-        return (d.get("teacher") == str(self.teacher_stage.resolve()) and d.get("held_out_tokens") == want_tokens
-                and d.get("calibration_batches") == s.calibration_batches)
-
-    def plan(self) -> dict:
-        a = self.args
-        mine, theirs = self.out / "plan" / "measure.json", self.teacher_run / "plan" / "measure.json"
-        for path in (mine, theirs):
-            if self.plan_file_ok(path):
-                print(f"[C plan] reusing {path}", flush=True)
-                return {**json.loads(path.read_text()), "path": str(path), "bench_s": None}
-        self.progress("C plan")
-        cmd = [*cli_command(), "plan", str(a.recipe_file), "--measure", "--run-dir", str(self.teacher_run), "--json",
-               "--blocks", str(a.plan_blocks), "--out", str(mine.parent)]
-        print(f"[C plan] {' '.join(cmd[len(cli_command()):])} ...", flush=True)
-        wall = run_logged(cmd, self.out / "plan.log", a.timeout)
-        if not self.plan_file_ok(mine):
-            raise SystemExit(f"{mine}: the plan did not write a measurement of {self.teacher_stage}")
-        return {**json.loads(mine.read_text()), "path": str(mine), "bench_s": round(wall, 1)}
-
-    def score_extra(self, cands: list[dict], plan: dict) -> dict:
-        """The untrained held-out loss of candidates the plan's table has no row for, by distill.measure's code
-        path on the plan's blocks (cached in OUT/plan/extra.json); plus one plan row rescored (`_check`)."""
-        cache_path = self.out / "plan" / "extra.json"
-        key = f"{self.teacher_stage.resolve()}|{plan['held_out_tokens']}"
-        cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
-        cache = cache if cache.get("key") == key else {"key": key, "scores": {}}
-        check_row = next(r for r in plan["candidates"] if r["kind"] == "depth")
-        todo = [c for c in cands if c["name"] not in cache["scores"]]
-        if todo or "_check" not in cache:
-            print(f"[C plan] scoring {len(todo)} pruned candidate(s) untrained (and rescoring "
-                  f"'{check_row['name']}' as a check) ...", flush=True)
-            specs = [(c["name"], c["kept_teacher_layers"], c["experts"], c["kept_experts"]) for c in todo]
-            specs.append(("_check", check_row["kept_teacher_layers"], check_row["experts"], {}))
-            cache["scores"].update(score_untrained(self.recipe, self.teacher_stage, specs, plan["held_out_tokens"]))
-            cache["_check"] = {"name": check_row["name"], "plan": check_row["val_loss"],
-                               "rescored": cache["scores"].pop("_check")}
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            cache_path.write_text(json.dumps(cache, indent=1))
-        return {**cache["scores"], "_check": cache["_check"]}
-
-
-def paper_ns(a, recipe, out: Path) -> SimpleNamespace:
-    """The arguments kd_ablation.run_variant reads."""
-    return SimpleNamespace(out=out, steps=a.paper_steps, recipe=str(a.recipe_file), recipe_seed=recipe.seed,
-                           recipe_student_steps=recipe.student.train.steps,
-                           recipe_student_warmup=recipe.student.train.warmup_steps, evals=a.evals, timeout=a.timeout)
+def paper_protocol(a, recipe) -> PaperRuns:
+    """Part A's runs: kd_ablation.py's, into --paper-out (default OUT/paper) at --paper-steps."""
+    return PaperRuns(recipe=str(a.recipe_file), out=a.paper_out, steps=a.paper_steps, evals=a.evals,
+                     timeout=a.timeout, recipe_seed=recipe.seed, recipe_student_steps=recipe.student.train.steps,
+                     recipe_student_warmup=recipe.student.train.warmup_steps)
 
 
 def paper_runs(a) -> list[tuple[str, int]]:
@@ -425,20 +225,31 @@ def paper_runs(a) -> list[tuple[str, int]]:
     return out
 
 
-def paper_run_dir(ns, name: str, seed: int) -> Path:
-    """kd_ablation.run_variant's directory for (variant, seed)."""
-    suffix = "" if seed == ns.recipe_seed else f"_seed{seed}"
-    return (ns.out / "runs" / f"{name}_s{ns.steps}{suffix}").resolve()
+def part_a(study: Study) -> dict:
+    a = study.args
+    runs = paper_protocol(a, study.recipe)
+    rows, failed = [], {}
+    for name, seed in paper_runs(a):
+        label = f"A {name} seed {seed}"
+        run = runs.run_dir(name, seed)
+        check_reused(run, a.recipe_file, runs.overrides(name, seed, study.teacher_stage), study.teacher_stage)
+        if a.paper_reuse_only and stage_done(run / "student") is None:  # never train into another study's directory
+            print(f"[{label}] not finished in --paper-out {a.paper_out}: left out (not trained there)", flush=True)
+            failed[label] = f"{run}: no student/DONE.json in --paper-out (only reused there, never trained)"
+            continue
+        try:
+            if stage_done(run / "student") is None:
+                study.progress(label)
+            rows.append(runs.run(name, study.teacher_run, seed))
+        except RuntimeError as err:
+            print(f"[{label}] FAILED: {err}", file=sys.stderr, flush=True)
+            failed[label] = str(err)
+    return summarise_a(rows, failed, a.spread_variant, a.seeds)
 
 
-def paper_sets(ns, name: str, seed: int, teacher_stage: Path) -> dict:
-    """kd_ablation.run_variant's overrides for (variant, seed) (checked against the row it returns)."""
-    return {"teacher.load": str(teacher_stage), "seed": seed, "student.train.steps": ns.steps,
-            "student.train.warmup_steps": _scaled_warmup(ns.recipe_student_warmup, ns.steps, ns.recipe_student_steps),
-            "student.train.eval_every": max(1, ns.steps // ns.evals), **kd_ablation.VARIANTS[name][0]}
+# -- part B: the practical protocol against the teacher trained B more steps --------------------------------------
 
-
-def practical_variants(study, scores: list[float] | None = None) -> list[tuple[str, dict]]:
+def practical_variants(study: Study, scores: list[float] | None = None) -> list[tuple[str, dict]]:
     """Part B's students: (name, overrides). `scores`: block importance, for a recipe that keeps layers by it."""
     r, a = study.recipe, study.args
     full = kept_counts(r, scores)
@@ -451,7 +262,130 @@ def practical_variants(study, scores: list[float] | None = None) -> list[tuple[s
     return out
 
 
-def choose_candidates(plan: dict, study, n: int) -> list[dict]:
+def baseline_sets(study: Study) -> dict:
+    a, t = study.args, study.recipe.teacher.train
+    s = study.recipe.student.train
+    return {"teacher.train.steps": a.budget,
+            "teacher.train.warmup_steps": scaled_warmup(s.warmup_steps, a.budget, s.steps),
+            "teacher.train.eval_every": max(1, a.budget // a.evals),
+            "teacher.train.eval_batches": a.eval_batches_yaml,
+            "teacher.train.checkpoint_every": min(t.checkpoint_every, a.budget), "seed": a.seeds[0]}
+
+
+def baseline_dir(study: Study) -> Path:
+    return study.out / "baseline" / f"teacher_plus{study.args.budget}"
+
+
+def train_baseline(study: Study) -> dict:
+    """The teacher trained B more steps (see the module docstring), by this script's worker."""
+    run, sets = baseline_dir(study), baseline_sets(study)
+    check_reused(run, study.args.recipe_file, sets, None)
+    wall = None
+    if stage_done(run / "teacher") is None:
+        study.progress("B baseline")
+        request = run.parent / f"{run.name}.request.json"
+        request.parent.mkdir(parents=True, exist_ok=True)
+        request.write_text(json.dumps({"recipe": str(study.args.recipe_file), "overrides": sets,
+                                       "source": str(study.teacher_stage), "run_dir": str(run)}, indent=1))
+        print(f"[B baseline] the teacher + {study.args.budget} steps into {run} ...", flush=True)
+        wall = run_logged([sys.executable, str(Path(__file__).resolve()), "--baseline-worker", str(request)],
+                          run.parent / f"{run.name}.log", study.args.timeout)
+    else:
+        print(f"[B baseline] already finished: {run}/teacher", flush=True)
+    done = stage_done(run / "teacher")
+    if done.get("continued_from") != str(study.teacher_stage.resolve()):
+        raise SystemExit(f"{run} continues {done.get('continued_from')}, not {study.teacher_stage}: another --out")
+    recs = stage_records(run, "teacher")
+    logged_steps = max((r["step"] for r in recs if "loss" in r), default=0)
+    row = {"name": "baseline", "run_dir": str(run), "overrides": sets, "val_loss": done["val_loss"],
+           "steps": done["steps"], "logged_steps": logged_steps,
+           "total_teacher_steps": done["continued_from_steps"] + done["steps"],
+           "resumed_from_step": done.get("resumed_from_step"), "params": done.get("params"),
+           "wall": {"stage_s": done.get("wall_seconds"), "train_s": done.get("train_seconds"),
+                    "bench_s": None if wall is None else round(wall, 1)},
+           "val_curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]}
+    print(f"[B baseline] held-out loss {row['val_loss']:.4f} after {row['steps']} more steps "
+          f"({row['total_teacher_steps']} in all; teacher {study.teacher_done['val_loss']:.4f})", flush=True)
+    return row
+
+
+def eval_tasks(study: Study, base: dict, students: list[dict]) -> dict:
+    """`moe-pipeline eval` of the teacher, the baseline and the students on --tasks, into OUT/eval/."""
+    a = study.args
+    out = study.out / "eval"
+    models = [str(study.teacher_stage), str(Path(base["run_dir"]) / "teacher")] + \
+             [str(Path(s["run_dir"]) / "student") for s in students]
+    cmd = [*cli_command(), "eval", *models, "--out", str(out)]
+    cmd += [] if a.tasks == "bundled" else ["--tasks", a.tasks]
+    cmd += [] if a.tasks_limit is None else ["--limit", str(a.tasks_limit)]
+    print(f"[B eval] {len(models)} models on {a.tasks} tasks -> {out} ...", flush=True)
+    wall = run_logged(cmd, study.out / "eval.log", a.timeout)
+    return read_tasks(out / "results.json", models, wall)
+
+
+def part_b(study: Study) -> dict:
+    a = study.args
+    students, failed = [], {}
+    base = None
+    try:
+        base = train_baseline(study)
+    except RuntimeError as e:
+        print(f"[B baseline] FAILED: {e}", file=sys.stderr, flush=True)
+        failed["baseline"] = str(e)
+    scores = measure_plan(study)["block_importance"] if study.recipe.student.layer_selection == "importance" else None
+    for name, extra in practical_variants(study, scores):
+        run = study.out / "practical" / f"{name}_s{a.budget}"
+        try:
+            row = study.train_student("B", name, run, study.student_sets(a.budget, a.evals, extra),
+                                      run.parent / f"{name}_s{a.budget}.log")
+            students.append(row)
+        except RuntimeError as e:
+            print(f"[B {name}] FAILED: {e}", file=sys.stderr, flush=True)
+            failed[name] = str(e)
+    tasks = None
+    if a.tasks and base is not None and students:
+        try:
+            tasks = eval_tasks(study, base, students)
+        except RuntimeError as e:
+            print(f"[B eval] FAILED: {e}", file=sys.stderr, flush=True)
+            failed["eval"] = str(e)
+    return summarise_b(base, students, failed, tasks, study.teacher_done)
+
+
+# -- part C: the plan's untrained ranking against the trained one ------------------------------------------------
+
+def plan_file_ok(study: Study, path: Path) -> bool:
+    """Whether `path` is a plan measurement of this teacher on the blocks --plan-blocks asks for."""
+    if not path.is_file():
+        return False
+    d = json.loads(path.read_text())
+    s = study.recipe.student
+    micro = s.train.micro_batch_size
+    want_tokens = max(1, study.args.plan_blocks // micro) * micro * study.recipe.data.seq_len
+    return (d.get("teacher") == str(study.teacher_stage.resolve()) and d.get("held_out_tokens") == want_tokens
+            and d.get("calibration_batches") == s.calibration_batches)
+
+
+def measure_plan(study: Study) -> dict:
+    """`moe-pipeline plan --measure` of the teacher (OUT/plan/measure.json), or one made before (OUT/plan/ or
+    TEACHER/plan/) that `plan_file_ok` accepts."""
+    a = study.args
+    mine, theirs = study.out / "plan" / "measure.json", study.teacher_run / "plan" / "measure.json"
+    for path in (mine, theirs):
+        if plan_file_ok(study, path):
+            print(f"[C plan] reusing {path}", flush=True)
+            return {**json.loads(path.read_text()), "path": str(path), "bench_s": None}
+    study.progress("C plan")
+    cmd = [*cli_command(), "plan", str(a.recipe_file), "--measure", "--run-dir", str(study.teacher_run), "--json",
+           "--blocks", str(a.plan_blocks), "--out", str(mine.parent)]
+    print(f"[C plan] {' '.join(cmd[len(cli_command()):])} ...", flush=True)
+    wall = run_logged(cmd, study.out / "plan.log", a.timeout)
+    if not plan_file_ok(study, mine):
+        raise SystemExit(f"{mine}: the plan did not write a measurement of {study.teacher_stage}")
+    return {**json.loads(mine.read_text()), "path": str(mine), "bench_s": round(wall, 1)}
+
+
+def choose_candidates(plan: dict, study: Study, n: int) -> list[dict]:
     """`n` candidates: the plan's depth rows (deduplicated by kept layers) picked evenly along their untrained
     loss, and about a third pruned students (the recipe's depth and rule, then 75% / 50% experts by each rule)."""
     r = study.recipe
@@ -472,7 +406,7 @@ def choose_candidates(plan: dict, study, n: int) -> list[dict]:
     return [depth[i] for i in picks] + combos[:n_combo]
 
 
-def pruned_candidates(plan: dict, study) -> list[dict]:
+def pruned_candidates(plan: dict, study: Study) -> list[dict]:
     """The recipe's student (its depth, its layer rule) with 75% / 50% of the kept layers' experts, the chosen
     rule first, with the kept experts the student stage will choose (the plan's expert scores)."""
     from distill.student import select_experts, select_layers
@@ -502,6 +436,12 @@ def pruned_candidates(plan: dict, study) -> list[dict]:
     return out
 
 
+def candidate_overrides(c: dict) -> dict:
+    """A part C candidate's student overrides (its depth, layer rule, expert counts and expert rule)."""
+    return {"student.layers": c["layers"], "student.layer_selection": c["rule_layers"],
+            "student.experts": c["experts_override"], "student.expert_selection": c["rule_experts"]}
+
+
 def score_untrained(recipe, teacher_dir: Path, specs: list[tuple], held_out_tokens: int) -> dict[str, float]:
     """distill.measure's scoring of (name, kept layers, experts, kept experts) candidates, untrained."""
     from distill.student import init_from_teacher, student_config
@@ -525,6 +465,58 @@ def score_untrained(recipe, teacher_dir: Path, specs: list[tuple], held_out_toke
         out[name] = round(evaluate(model.to(on).requires_grad_(False), val, batches, micro, one), 5)
         del model
     return out
+
+
+def score_extra(study: Study, cands: list[dict], plan: dict) -> dict:
+    """The untrained held-out loss of candidates the plan's table has no row for, by distill.measure's code
+    path on the plan's blocks (cached in OUT/plan/extra.json); plus one plan row rescored (`_check`)."""
+    cache_path = study.out / "plan" / "extra.json"
+    key = f"{study.teacher_stage.resolve()}|{plan['held_out_tokens']}"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    cache = cache if cache.get("key") == key else {"key": key, "scores": {}}
+    check_row = next(r for r in plan["candidates"] if r["kind"] == "depth")
+    todo = [c for c in cands if c["name"] not in cache["scores"]]
+    if todo or "_check" not in cache:
+        print(f"[C plan] scoring {len(todo)} pruned candidate(s) untrained (and rescoring "
+              f"'{check_row['name']}' as a check) ...", flush=True)
+        specs = [(c["name"], c["kept_teacher_layers"], c["experts"], c["kept_experts"]) for c in todo]
+        specs.append(("_check", check_row["kept_teacher_layers"], check_row["experts"], {}))
+        cache["scores"].update(score_untrained(study.recipe, study.teacher_stage, specs, plan["held_out_tokens"]))
+        cache["_check"] = {"name": check_row["name"], "plan": check_row["val_loss"],
+                           "rescored": cache["scores"].pop("_check")}
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        cache_path.write_text(json.dumps(cache, indent=1))
+    return {**cache["scores"], "_check": cache["_check"]}
+
+
+def part_c(study: Study) -> dict:
+    a = study.args
+    plan = measure_plan(study)
+    picked = choose_candidates(plan, study, a.candidates)
+    scored = score_extra(study, [c for c in picked if c["source"] != "plan"], plan)
+    for c in picked:
+        if c["source"] != "plan":
+            c["pre_val_loss"] = scored[c["name"]]
+    rows, failed = [], {}
+    steps = a.candidate_steps
+    for c in picked:
+        run = study.out / "ranking" / f"{c['slug']}_s{steps}"
+        try:
+            row = study.train_student("C", c["name"], run, study.student_sets(steps, 1, candidate_overrides(c)),
+                                      run.parent / f"{c['slug']}_s{steps}.log")
+        except RuntimeError as e:
+            print(f"[C {c['name']}] FAILED: {e}", file=sys.stderr, flush=True)
+            failed[c["name"]] = str(e)
+            continue
+        row.update(kind=c["kind"], source=c["source"], pre_val_loss=c["pre_val_loss"],
+                   matches_candidate=row["kept_teacher_layers"] == c["kept_teacher_layers"]
+                   and list(row["experts"]) == c["experts"]
+                   and {str(k): v for k, v in (row["kept_experts"] or {}).items()} == c["kept_experts"])
+        rows.append(row)
+    return summarise_c(rows, failed, plan, scored.get("_check"), steps)
+
+
+PARTS = {"A": part_a, "B": part_b, "C": part_c}
 
 
 # -- summaries ----------------------------------------------------------------------------------
@@ -640,81 +632,95 @@ def read_tasks(results: Path, models: list[str], wall: float) -> dict:
 # -- report -------------------------------------------------------------------------------------
 
 def print_report(result: dict) -> None:
+    """The tables of every part run, then part D (wall times)."""
     t = result["teacher"]
     p = result["protocol"]
+    held_out = "the whole validation split" if p["eval_batches"] is None else f"{p['eval_batches']} batches"
     print(f"\n== compression study, {result['meta']['recipe']}: one teacher ({t['val_loss_protocol']:.4f} held-out, "
           f"{t.get('steps')} steps), part A {p.get('paper_steps')} student steps, budget B = {p['budget']} student "
-          f"steps, KD stop {p['kd_stop']}, "
-          f"held-out loss on {'the whole validation split' if p['eval_batches'] is None else str(p['eval_batches']) + ' batches'} ==")
+          f"steps, KD stop {p['kd_stop']}, held-out loss on {held_out} ==")
     parts = result["parts"]
     if "A" in parts:
-        a = parts["A"]
-        print("\nA. paper's protocol (random init, B steps)")
-        print(f"{'variant':<30}{'held-out':>10}{'gap':>9}{'gap %':>8}{'stage s':>9}")
-        for r in a["variants"]:
-            label = r["variant"] + ("" if r["seed"] == p["seeds"][0] else f" seed {r['seed']}")
-            print(f"{label:<30}{r['val_loss']:>10.4f}{r['gap']:>+9.4f}{r['gap_pct']:>+7.1f}%"
-                  f"{r['student_wall_s'] or 0:>9.0f}")
-        for k, v in a["failed"].items():
-            print(f"{k:<30} FAILED: {v.splitlines()[0]}")
-        sp = a["spread"]
-        if sp["max_minus_min"] is not None:
-            print(f"seed spread of {sp['variant']} over seeds {sp['seeds']}: {sp['max_minus_min']:.4f}; no-KD gap to "
-                  f"the teacher {a['no_kd_gap']:+.4f}: capacity-limited = {a['capacity_limited']} "
-                  f"(gap >= 2 x spread = {2 * sp['max_minus_min']:.4f})")
-        if a["ordering"]:
-            print("best to worst: " + " < ".join(a["ordering"]))
+        report_a(parts["A"], p["seeds"])
     if "B" in parts:
-        b = parts["B"]
-        print("\nB. practical protocol (teacher init, B steps, staged KD) against the teacher + B steps")
-        print(f"{'run':<14}{'layers':>7}{'experts':>16}{'held-out':>10}{'retention':>11}{'vs teacher':>12}"
-              f"{'stage s':>9}")
-        if b["baseline"]:
-            base = b["baseline"]
-            print(f"{'baseline':<14}{'all':>7}{'all':>16}{base['val_loss']:>10.4f}{1.0:>11.3f}{'':>12}"
-                  f"{base['wall']['stage_s'] or 0:>9.0f}")
-        for s in b["students"]:
-            ret = f"{s['retention']:>11.3f}" if s["retention"] is not None else f"{'-':>11}"
-            print(f"{s['name']:<14}{s['layers']:>7}{s['experts']!s:>16}{s['val_loss']:>10.4f}{ret}"
-                  f"{s['retention_vs_teacher']:>12.3f}{s['wall']['student_stage_s'] or 0:>9.0f}")
-        for k, v in b["failed"].items():
-            print(f"{k:<14} FAILED: {v.splitlines()[0]}")
-        print("retention = baseline held-out loss / student's; vs teacher = teacher's / student's. best to worst: "
-              + " < ".join(b["ordering"]))
-        if b["tasks"]:
-            for name, per in b["tasks"]["models"].items():
-                print(f"  {name}: " + ", ".join(f"{task} {c['metric']} {c['value']:.4f}" for task, c in per.items()))
-            for name, per in b["tasks"]["retention_vs_baseline"].items():
-                print(f"  {name} retention of the baseline's score: "
-                      + ", ".join(f"{task} {v:.3f}" for task, v in per.items()))
+        report_b(parts["B"])
     if "C" in parts:
-        c = parts["C"]
-        print(f"\nC. plan ranking: untrained held-out loss ({c['plan']['held_out_tokens']:,} tokens) vs trained "
-              f"({c['steps']} steps each)")
-        print(f"{'candidate':<48}{'untrained':>10}{'trained':>9}{'ranks':>10}{'stage s':>9}")
-        for r in c["candidates"]:
-            mark = "" if r["matches_candidate"] else " (!)"
-            print(f"{(r['name'] + mark)[:47]:<48}{r['pre_val_loss']:>10.4f}{r['val_loss']:>9.4f}"
-                  f"{r['pre_rank']:>5.1f}{r['trained_rank']:>5.1f}{r['wall']['student_stage_s'] or 0:>9.0f}")
-        for k, v in c["failed"].items():
-            print(f"{k[:47]:<48} FAILED: {v.splitlines()[0]}")
-        sp = c["spearman"]
-        rho = "undefined" if sp["rho"] is None else f"{sp['rho']:+.3f}"
-        print(f"Spearman rho = {rho} over n = {sp['n']} ({sp['method']}"
-              + (f", p = {sp['p_value']:.3g})" if sp["p_value"] is not None else ")"))
-        if c["plan_check"]:
-            ch = c["plan_check"]
-            print(f"check: '{ch['name']}' rescored here {ch['rescored']:.5f}, in the plan {ch['plan']:.5f}")
-    runs = result["runs"]
+        report_c(parts["C"])
+    report_d(result["runs"], result["meta"]["total_seconds"])
+
+
+def report_a(a: dict, seeds: list[int]) -> None:
+    print("\nA. paper's protocol (random init, B steps)")
+    print(f"{'variant':<30}{'held-out':>10}{'gap':>9}{'gap %':>8}{'stage s':>9}")
+    for r in a["variants"]:
+        label = r["variant"] + ("" if r["seed"] == seeds[0] else f" seed {r['seed']}")
+        print(f"{label:<30}{r['val_loss']:>10.4f}{r['gap']:>+9.4f}{r['gap_pct']:>+7.1f}%"
+              f"{r['student_wall_s'] or 0:>9.0f}")
+    for k, v in a["failed"].items():
+        print(f"{k:<30} FAILED: {v.splitlines()[0]}")
+    sp = a["spread"]
+    if sp["max_minus_min"] is not None:
+        print(f"seed spread of {sp['variant']} over seeds {sp['seeds']}: {sp['max_minus_min']:.4f}; no-KD gap to "
+              f"the teacher {a['no_kd_gap']:+.4f}: capacity-limited = {a['capacity_limited']} "
+              f"(gap >= 2 x spread = {2 * sp['max_minus_min']:.4f})")
+    if a["ordering"]:
+        print("best to worst: " + " < ".join(a["ordering"]))
+
+
+def report_b(b: dict) -> None:
+    print("\nB. practical protocol (teacher init, B steps, staged KD) against the teacher + B steps")
+    print(f"{'run':<14}{'layers':>7}{'experts':>16}{'held-out':>10}{'retention':>11}{'vs teacher':>12}"
+          f"{'stage s':>9}")
+    if b["baseline"]:
+        base = b["baseline"]
+        print(f"{'baseline':<14}{'all':>7}{'all':>16}{base['val_loss']:>10.4f}{1.0:>11.3f}{'':>12}"
+              f"{base['wall']['stage_s'] or 0:>9.0f}")
+    for s in b["students"]:
+        ret = f"{s['retention']:>11.3f}" if s["retention"] is not None else f"{'-':>11}"
+        print(f"{s['name']:<14}{s['layers']:>7}{s['experts']!s:>16}{s['val_loss']:>10.4f}{ret}"
+              f"{s['retention_vs_teacher']:>12.3f}{s['wall']['student_stage_s'] or 0:>9.0f}")
+    for k, v in b["failed"].items():
+        print(f"{k:<14} FAILED: {v.splitlines()[0]}")
+    print("retention = baseline held-out loss / student's; vs teacher = teacher's / student's. best to worst: "
+          + " < ".join(b["ordering"]))
+    if b["tasks"]:
+        for name, per in b["tasks"]["models"].items():
+            print(f"  {name}: " + ", ".join(f"{task} {c['metric']} {c['value']:.4f}" for task, c in per.items()))
+        for name, per in b["tasks"]["retention_vs_baseline"].items():
+            print(f"  {name} retention of the baseline's score: "
+                  + ", ".join(f"{task} {v:.3f}" for task, v in per.items()))
+
+
+def report_c(c: dict) -> None:
+    print(f"\nC. plan ranking: untrained held-out loss ({c['plan']['held_out_tokens']:,} tokens) vs trained "
+          f"({c['steps']} steps each)")
+    print(f"{'candidate':<48}{'untrained':>10}{'trained':>9}{'ranks':>10}{'stage s':>9}")
+    for r in c["candidates"]:
+        mark = "" if r["matches_candidate"] else " (!)"
+        print(f"{(r['name'] + mark)[:47]:<48}{r['pre_val_loss']:>10.4f}{r['val_loss']:>9.4f}"
+              f"{r['pre_rank']:>5.1f}{r['trained_rank']:>5.1f}{r['wall']['student_stage_s'] or 0:>9.0f}")
+    for k, v in c["failed"].items():
+        print(f"{k[:47]:<48} FAILED: {v.splitlines()[0]}")
+    sp = c["spearman"]
+    rho = "undefined" if sp["rho"] is None else f"{sp['rho']:+.3f}"
+    print(f"Spearman rho = {rho} over n = {sp['n']} ({sp['method']}"
+          + (f", p = {sp['p_value']:.3g})" if sp["p_value"] is not None else ")"))
+    if c["plan_check"]:
+        ch = c["plan_check"]
+        print(f"check: '{ch['name']}' rescored here {ch['rescored']:.5f}, in the plan {ch['plan']:.5f}")
+
+
+def report_d(runs: list[dict], total_seconds: float) -> None:
     print("\nD. wall time per run (stage: DONE.json; here: measured by this call, - when reused)")
     for r in runs:
         here = "-" if r["bench_s"] is None else f"{r['bench_s']:.0f}s"
         print(f"  {r['part']} {r['name'][:44]:<45} stage {r['stage_s'] or 0:>6.0f}s  here {here}")
     print(f"  sum of stage times {sum(r['stage_s'] or 0 for r in runs) / 60:.1f} min; this call "
-          f"{result['meta']['total_seconds'] / 60:.1f} min")
+          f"{total_seconds / 60:.1f} min")
 
 
 def save(out: Path, result: dict) -> tuple[Path, Path]:
+    """compression_ablation.json and compression_ablation.png (trained held-out losses; plan vs trained)."""
     out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out / "compression_ablation.json", out / "compression_ablation.png"
     json_path.write_text(json.dumps(result, indent=1) + "\n")
@@ -724,8 +730,18 @@ def save(out: Path, result: dict) -> tuple[Path, Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = result["parts"]
     fig, (ax_l, ax_c) = plt.subplots(1, 2, figsize=(12, 4.4), dpi=80, gridspec_kw={"width_ratios": [1.4, 1]})
+    plot_losses(ax_l, result)
+    plot_ranking(ax_c, result["parts"].get("C"))
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return json_path, png_path
+
+
+def plot_losses(ax, result: dict) -> None:
+    """A bar per trained run (part A blue, B orange, C green), the teacher and the baseline as lines."""
+    parts = result["parts"]
     bars, colors = [], []
     for r in parts.get("A", {}).get("variants", []):
         label = r["variant"].replace("_scratch", "") + ("" if r["seed"] == result["protocol"]["seeds"][0]
@@ -740,50 +756,49 @@ def save(out: Path, result: dict) -> tuple[Path, Path]:
         bars.append((f"C {r['name'].replace(' layers', 'L').replace('experts ', 'e')}", r["val_loss"]))
         colors.append("C2")
     if bars:
-        ax_l.bar(range(len(bars)), [v for _, v in bars], color=colors)
-        ax_l.set_xticks(range(len(bars)), [n for n, _ in bars], fontsize=6, rotation=60, ha="right")
+        ax.bar(range(len(bars)), [v for _, v in bars], color=colors)
+        ax.set_xticks(range(len(bars)), [n for n, _ in bars], fontsize=6, rotation=60, ha="right")
         for i, (_, v) in enumerate(bars):
-            ax_l.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=6)
+            ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=6)
     teacher = result["teacher"]["val_loss_protocol"]
     ref = [teacher]
-    ax_l.axhline(teacher, color="k", ls="--", lw=1, label=f"teacher {teacher:.3f}")
+    ax.axhline(teacher, color="k", ls="--", lw=1, label=f"teacher {teacher:.3f}")
     if b.get("baseline"):
         v = b["baseline"]["val_loss"]
         ref.append(v)
-        ax_l.axhline(v, color="C3", ls=":", lw=1.5, label=f"teacher + B steps {v:.3f}")
+        ax.axhline(v, color="C3", ls=":", lw=1.5, label=f"teacher + B steps {v:.3f}")
     vals = [v for _, v in bars] + ref
     lo, hi = min(vals), max(vals)
-    ax_l.set_ylim(lo - 0.1 * (hi - lo + 0.05), hi + 0.1 * (hi - lo + 0.05))
-    ax_l.set_ylabel("held-out loss (nats/token)", fontsize=8)
-    ax_l.set_title("trained held-out loss: A paper protocol (blue), B practical (orange), C ranking (green)",
-                   fontsize=8)
-    ax_l.tick_params(axis="y", labelsize=7)
-    ax_l.legend(fontsize=7, loc="best")
-    c = parts.get("C")
-    if c and c["candidates"]:
-        xs, ys = [r["pre_val_loss"] for r in c["candidates"]], [r["val_loss"] for r in c["candidates"]]
-        shown = set()
-        for r, x, y in zip(c["candidates"], xs, ys):
-            label = {"depth": "depth (plan's row)", "experts": "depth + pruned experts"}[r["kind"]]
-            ax_c.scatter([x], [y], color="C2" if r["kind"] == "depth" else "C4", s=25,
-                         label=None if label in shown else label)
-            shown.add(label)
-            ax_c.annotate(r["name"], (x, y), fontsize=5, xytext=(3, 2), textcoords="offset points")
-        ax_c.legend(fontsize=7)
-        rho = c["spearman"]["rho"]
-        ax_c.set_title(f"plan vs trained ({c['steps']} steps): Spearman rho = "
-                       f"{'n/a' if rho is None else f'{rho:+.2f}'}, n = {c['spearman']['n']}", fontsize=8)
-        ax_c.set_xlabel("untrained held-out loss (plan --measure)", fontsize=8)
-        ax_c.set_ylabel("trained held-out loss", fontsize=8)
-        ax_c.tick_params(labelsize=7)
-        ax_c.margins(0.2)
-    else:
-        ax_c.set_axis_off()
-        ax_c.set_title("part C not run", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
-    return json_path, png_path
+    ax.set_ylim(lo - 0.1 * (hi - lo + 0.05), hi + 0.1 * (hi - lo + 0.05))
+    ax.set_ylabel("held-out loss (nats/token)", fontsize=8)
+    ax.set_title("trained held-out loss: A paper protocol (blue), B practical (orange), C ranking (green)",
+                 fontsize=8)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.legend(fontsize=7, loc="best")
+
+
+def plot_ranking(ax, c: dict | None) -> None:
+    """Part C's candidates: untrained against trained held-out loss, with Spearman's rho."""
+    if not (c and c["candidates"]):
+        ax.set_axis_off()
+        ax.set_title("part C not run", fontsize=8)
+        return
+    xs, ys = [r["pre_val_loss"] for r in c["candidates"]], [r["val_loss"] for r in c["candidates"]]
+    shown = set()
+    for r, x, y in zip(c["candidates"], xs, ys):
+        label = {"depth": "depth (plan's row)", "experts": "depth + pruned experts"}[r["kind"]]
+        ax.scatter([x], [y], color="C2" if r["kind"] == "depth" else "C4", s=25,
+                   label=None if label in shown else label)
+        shown.add(label)
+        ax.annotate(r["name"], (x, y), fontsize=5, xytext=(3, 2), textcoords="offset points")
+    ax.legend(fontsize=7)
+    rho = c["spearman"]["rho"]
+    ax.set_title(f"plan vs trained ({c['steps']} steps): Spearman rho = "
+                 f"{'n/a' if rho is None else f'{rho:+.2f}'}, n = {c['spearman']['n']}", fontsize=8)
+    ax.set_xlabel("untrained held-out loss (plan --measure)", fontsize=8)
+    ax.set_ylabel("trained held-out loss", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.margins(0.2)
 
 
 def run_rows(parts: dict, teacher: dict) -> list[dict]:
@@ -813,89 +828,113 @@ def run_rows(parts: dict, teacher: dict) -> list[dict]:
 
 # -- dry run ------------------------------------------------------------------------------------
 
-def dry_run(study) -> int:
-    """Every run the arguments make, with its overrides and state, and a rough wall-time estimate; trains nothing."""
-    a, r = study.args, study.recipe
-    teacher_run = (a.teacher_run or a.out / "teacher_run").resolve()
-    study.teacher_run, study.teacher_stage = teacher_run, teacher_run / "teacher"
-    tdone = _done(study.teacher_stage)
-    cli = "moe-pipeline"
-    recipe = str(a.recipe_file)
-    # seconds per teacher training step, from the finished teacher (its train time includes its evaluations)
-    per_step = tdone["train_seconds"] / tdone["steps"] if tdone else None
-    lt = r.model.layers
-    total = 0.0
-    lines = []
+CLI = "moe-pipeline"
 
-    def est(steps: int, layers: int, kd_share: float) -> float:
+
+class DryRun:
+    """Every run the arguments make, with its command, its state (new, partial, done) and a rough wall-time
+    estimate from the finished teacher's time per step; trains nothing."""
+
+    def __init__(self, study: Study):
+        a, r = study.args, study.recipe
+        teacher_run = (a.teacher_run or a.out / "teacher_run").resolve()
+        study.teacher_run, study.teacher_stage = teacher_run, teacher_run / "teacher"
+        self.study, self.args, self.r = study, a, r
+        self.tdone = stage_done(study.teacher_stage)
+        self.recipe = str(a.recipe_file)
+        # seconds per teacher training step, from the finished teacher (its train time includes its evaluations)
+        self.per_step = self.tdone["train_seconds"] / self.tdone["steps"] if self.tdone else None
+        stop = _load(a.recipe_file, {"kd.stop_at": a.kd_stop}).kd_stop_step()
+        self.share = (stop if stop is not None else r.student.train.steps) / r.student.train.steps  # KD's share
+
+    def est(self, steps: int, layers: int, kd_share: float) -> float:
         """A student step ~ layers/teacher layers of a teacher step, plus a third of one while the teacher runs."""
-        return steps * per_step * (layers / lt + kd_share / 3) + 45 if per_step else 0.0
+        return steps * self.per_step * (layers / self.r.model.layers + kd_share / 3) + 45 if self.per_step else 0.0
 
-    stop = _load(a.recipe_file, {"kd.stop_at": a.kd_stop}).kd_stop_step()
-    share = (stop if stop is not None else r.student.train.steps) / r.student.train.steps
-    if tdone is None:
-        lines.append(("-", "teacher", f"{cli} teacher {recipe} --run-dir {teacher_run}", "new",
-                      r.teacher.train.steps * 2.7))
-    else:
-        lines.append(("-", "teacher", f"reuse {study.teacher_stage} (held-out {tdone['val_loss']:.4f})", "done", 0))
-    if "A" in a.parts:
-        ns = paper_ns(a, r, a.paper_out)
+    def distill(self, run: Path, sets: dict) -> str:
+        return f"{CLI} distill {self.recipe} --run-dir {run} " + " ".join(set_flags(sets))
+
+    def teacher(self) -> list[tuple]:
+        study = self.study
+        if self.tdone is None:
+            return [("-", "teacher", f"{CLI} teacher {self.recipe} --run-dir {study.teacher_run}", "new",
+                     self.r.teacher.train.steps * 2.7)]
+        return [("-", "teacher", f"reuse {study.teacher_stage} (held-out {self.tdone['val_loss']:.4f})", "done", 0)]
+
+    def part_a(self) -> list[tuple]:
+        a, r, lines = self.args, self.r, []
+        runs = paper_protocol(a, r)
         for name, seed in paper_runs(a):
             kd_share = 0.0 if name == "no_kd_scratch" else (1.0 if name == "kd_all_scratch" else 0.6)
-            run = paper_run_dir(ns, name, seed)
-            lines.append(("A", f"{name} seed {seed}", f"{cli} distill {recipe} --run-dir {run} "
-                          + " ".join(_sets(paper_sets(ns, name, seed, study.teacher_stage))),
-                          _status(run / "student"), est(a.paper_steps, r.student.layers, kd_share)))
-    if "B" in a.parts:
-        run = study.baseline_dir()
-        lines.append(("B", "baseline", f"worker: load {study.teacher_stage} weights, train_model into {run} with "
-                      + " ".join(_sets(study.baseline_sets())), _status(run / "teacher"),
-                      a.budget * (per_step or 0) + 45 * bool(per_step)))
+            run = runs.run_dir(name, seed)
+            lines.append(("A", f"{name} seed {seed}", self.distill(run, runs.overrides(name, seed,
+                                                                                      self.study.teacher_stage)),
+                          _status(run / "student"), self.est(a.paper_steps, r.student.layers, kd_share)))
+        return lines
+
+    def part_b(self) -> list[tuple]:
+        a, r, study = self.args, self.r, self.study
+        run = baseline_dir(study)
+        lines = [("B", "baseline", f"worker: load {study.teacher_stage} weights, train_model into {run} with "
+                  + " ".join(set_flags(baseline_sets(study))), _status(run / "teacher"),
+                  a.budget * (self.per_step or 0) + 45 * bool(self.per_step))]
         if r.student.layer_selection == "importance":  # the kept layers' experts need the plan's scores
             variants = []
             lines.append(("B", "students", "full and pruned: decided once the plan's importance scores exist", "new",
-                          (1 + len(a.fractions)) * est(a.budget, r.student.layers, share)))
+                          (1 + len(a.fractions)) * self.est(a.budget, r.student.layers, self.share)))
         else:
             variants = practical_variants(study)
         for name, extra in variants:
             run = a.out / "practical" / f"{name}_s{a.budget}"
-            lines.append(("B", name, f"{cli} distill {recipe} --run-dir {run} "
-                          + " ".join(_sets(study.student_sets(a.budget, a.evals, extra))), _status(run / "student"),
-                          est(a.budget, r.student.layers, share)))
+            lines.append(("B", name, self.distill(run, study.student_sets(a.budget, a.evals, extra)),
+                          _status(run / "student"), self.est(a.budget, r.student.layers, self.share)))
         if a.tasks:
-            lines.append(("B", "eval", f"{cli} eval <teacher, baseline, students> --tasks {a.tasks}", "new", 0))
-    if "C" in a.parts:
-        plan = None
-        for path in (a.out / "plan" / "measure.json", teacher_run / "plan" / "measure.json"):
-            if tdone and study.plan_file_ok(path):
+            lines.append(("B", "eval", f"{CLI} eval <teacher, baseline, students> --tasks {a.tasks}", "new", 0))
+        return lines
+
+    def part_c(self) -> list[tuple]:
+        a, r, study = self.args, self.r, self.study
+        for path in (a.out / "plan" / "measure.json", study.teacher_run / "plan" / "measure.json"):
+            if self.tdone and plan_file_ok(study, path):
                 plan = {**json.loads(path.read_text()), "path": str(path)}
-                lines.append(("C", "plan", f"reuse {path}", "done", 0))
                 break
-        if plan is None:
-            cmd = (f"{cli} plan {recipe} --measure --run-dir {teacher_run} --json --blocks {a.plan_blocks} "
-                   f"--out {a.out / 'plan'}")
-            lines.append(("C", "plan", cmd, "new", 90))
-            lines.append(("C", f"{a.candidates} candidates",
-                          f"chosen from the plan's table once it exists, {a.candidate_steps} steps each", "new",
-                          a.candidates * est(a.candidate_steps, r.student.layers, share)))
         else:
-            for c in choose_candidates(plan, study, a.candidates):
-                run = a.out / "ranking" / f"{c['slug']}_s{a.candidate_steps}"
-                extra = {"student.layers": c["layers"], "student.layer_selection": c["rule_layers"],
-                         "student.experts": c["experts_override"], "student.expert_selection": c["rule_experts"]}
-                lines.append(("C", c["name"], f"{cli} distill {recipe} --run-dir {run} "
-                              + " ".join(_sets(study.student_sets(a.candidate_steps, 1, extra))),
-                              _status(run / "student"), est(a.candidate_steps, c["layers"], share)))
-    print(f"dry run: {len(lines)} runs under {a.out} (recipe {recipe}); nothing is trained")
-    for part, name, cmd, state, seconds in lines:
-        todo = seconds if state != "done" else 0
-        total += todo
-        print(f"[{part}] {name} ({state}{f', ~{todo / 60:.0f} min' if todo else ''})\n    {cmd}")
-    if per_step:
-        print(f"estimated wall time of what is left: {total / 3600:.1f} h on this machine alone "
-              f"(from the teacher's {per_step:.2f} s per training step; a KD step adds about a third of one)")
-    else:
-        print("no finished teacher yet: no wall-time estimate (the teacher's own time per step sets it)")
+            cmd = (f"{CLI} plan {self.recipe} --measure --run-dir {study.teacher_run} --json "
+                   f"--blocks {a.plan_blocks} --out {a.out / 'plan'}")
+            return [("C", "plan", cmd, "new", 90),
+                    ("C", f"{a.candidates} candidates",
+                     f"chosen from the plan's table once it exists, {a.candidate_steps} steps each", "new",
+                     a.candidates * self.est(a.candidate_steps, r.student.layers, self.share))]
+        lines = [("C", "plan", f"reuse {path}", "done", 0)]
+        for c in choose_candidates(plan, study, a.candidates):
+            run = a.out / "ranking" / f"{c['slug']}_s{a.candidate_steps}"
+            lines.append(("C", c["name"],
+                          self.distill(run, study.student_sets(a.candidate_steps, 1, candidate_overrides(c))),
+                          _status(run / "student"), self.est(a.candidate_steps, c["layers"], self.share)))
+        return lines
+
+    def print(self, lines: list[tuple]) -> None:
+        total = 0.0
+        print(f"dry run: {len(lines)} runs under {self.args.out} (recipe {self.recipe}); nothing is trained")
+        for part, name, cmd, state, seconds in lines:
+            todo = seconds if state != "done" else 0
+            total += todo
+            print(f"[{part}] {name} ({state}{f', ~{todo / 60:.0f} min' if todo else ''})\n    {cmd}")
+        if self.per_step:
+            print(f"estimated wall time of what is left: {total / 3600:.1f} h on this machine alone "
+                  f"(from the teacher's {self.per_step:.2f} s per training step; a KD step adds about a third of one)")
+        else:
+            print("no finished teacher yet: no wall-time estimate (the teacher's own time per step sets it)")
+
+
+def dry_run(study: Study) -> int:
+    """Every run the arguments make, with its overrides and state, and a rough wall-time estimate; trains nothing."""
+    d = DryRun(study)
+    lines = d.teacher()
+    for part in ("A", "B", "C"):
+        if part in study.args.parts:
+            lines += getattr(d, f"part_{part.lower()}")()
+    d.print(lines)
     return 0
 
 
@@ -923,7 +962,7 @@ def continue_teacher(request_path: Path) -> int:
     if run.done(STAGE):
         print(f"[baseline] already done: {run.stage(STAGE)}", flush=True)
         return 0
-    source_done = _done(source)
+    source_done = stage_done(source)
     if source_done is None:
         raise SystemExit(f"{source}/DONE.json is missing: not a finished teacher stage")
     check_loadable(recipe, source)  # the network the recipe describes
@@ -955,13 +994,13 @@ def continue_teacher(request_path: Path) -> int:
 
 # -- main ---------------------------------------------------------------------------------------
 
-def parse_args(argv: list[str] | None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default=RECIPE, help=f"the recipe (default {RECIPE})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="a recipe override for every run (the resolved recipe is written to OUT/recipe.yaml)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compression_study",
-                   help="JSON, PNG, logs and the runs (default benchmarks/results/compression_study)")
+    p.add_argument("--out", type=Path, default=ROOT / "research" / "results" / "compression_study",
+                   help="JSON, PNG, logs and the runs (default research/results/compression_study)")
     p.add_argument("--teacher-run", type=Path, default=None,
                    help="a finished teacher run to reuse (holds teacher/DONE.json); default: train one into OUT")
     p.add_argument("--paper-out", type=Path, default=None,
@@ -996,6 +1035,13 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--timeout", type=float, default=None, help="seconds per CLI command (default: none)")
     p.add_argument("--dry-run", action="store_true", help="print every run and its overrides; train nothing")
     p.add_argument("--baseline-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None):
+    """The flags, resolved against the recipe (its seeds and steps fill the defaults) and checked; with --set, the
+    resolved recipe written to OUT/recipe.yaml, which every run then uses."""
+    p = parser()
     args = p.parse_args(argv)
     if args.baseline_worker is not None:
         return args
@@ -1018,6 +1064,16 @@ def parse_args(argv: list[str] | None):
     args.budget = args.budget or recipe.student.train.steps
     args.paper_steps = args.paper_steps or recipe.teacher.train.steps
     args.candidate_steps = args.candidate_steps or max(1, args.budget // 4)
+    check_protocol(p, args, recipe)
+    args.eval_batches_yaml = "null" if args.eval_batches is None else args.eval_batches
+    if args.teacher_run is not None:
+        args.teacher_run = args.teacher_run.resolve()
+    return args
+
+
+def check_protocol(p: argparse.ArgumentParser, args, recipe) -> None:
+    """Exit 2 (argparse's error) on flags that make no protocol: non-positive budgets, a part A that would not be
+    kd_ablation's, held-out blocks that differ between the parts."""
     if min(args.budget, args.paper_steps, args.candidate_steps, args.evals) < 1 or args.candidates < 2:
         p.error("--budget, --paper-steps, --candidate-steps and --evals must be positive, --candidates at least 2")
     if "A" in args.parts and args.kd_stop != "60%":
@@ -1028,33 +1084,37 @@ def parse_args(argv: list[str] | None):
         p.error(f"--eval-batches {args.eval_batches}: part A (kd_ablation) evaluates on the recipe's "
                 f"student.train.eval_batches ({recipe.student.train.eval_batches}); make them match (--set "
                 f"student.train.eval_batches=...) so every part scores the same held-out blocks")
-    args.eval_batches_yaml = "null" if args.eval_batches is None else args.eval_batches
-    if args.teacher_run is not None:
-        args.teacher_run = args.teacher_run.resolve()
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.baseline_worker is not None:
         return continue_teacher(args.baseline_worker)
-    sys.path.insert(0, str(ROOT))
     study = Study(args)
     if args.dry_run:
         return dry_run(study)
     study.runs_total = sum({"A": len(paper_runs(args)), "B": 2 + len(args.fractions) + bool(args.tasks),
                             "C": 1 + args.candidates}[p] for p in args.parts)
-    study.teacher()
+    study.load_teacher()
     parts, failed = {}, False
     for part in ("A", "B", "C"):
         if part in args.parts:
             print(f"\n== part {part} ==", flush=True)
-            parts[part] = getattr(study, f"part_{part.lower()}")()
+            parts[part] = PARTS[part](study)
             failed |= bool(parts[part]["failed"])
     total = time.perf_counter() - study.t0
+    result = result_of(study, parts, total, sys.argv[1:] if argv is None else argv)
+    print_report(result)
+    json_path, png_path = save(args.out, result)
+    print(f"\nwrote {json_path} and {png_path}; this call {total / 60:.1f} min")
+    return 1 if failed else 0
+
+
+def result_of(study: Study, parts: dict, total: float, argv: list[str]) -> dict:
+    """compression_ablation.json: the machine, the protocol, the teacher, every part's summary, part D's rows."""
     import torch
 
-    t = study.teacher_done
+    args, t = study.args, study.teacher_done
     teacher = {k: t.get(k) for k in ("val_loss", "steps", "train_seconds", "wall_seconds", "val_unigram_entropy",
                                      "params", "bench_wall_s", "reused")}
     teacher["run_dir"] = str(study.teacher_run)
@@ -1066,20 +1126,17 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
                  "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                  "recipe": args.recipe, "recipe_file": str(args.recipe_file), "overrides": args.overrides,
-                 "argv": sys.argv[1:] if argv is None else argv, "total_seconds": round(total, 1)},
-        "protocol": {"budget": args.budget, "paper_steps": args.paper_steps, "candidate_steps": args.candidate_steps, "candidates": args.candidates,
-                     "seeds": args.seeds, "spread_variant": args.spread_variant, "kd_stop": args.kd_stop,
-                     "expert_selection": args.expert_selection, "fractions": args.fractions, "evals": args.evals,
-                     "eval_batches": args.eval_batches, "plan_blocks": args.plan_blocks,
+                 "argv": argv, "total_seconds": round(total, 1)},
+        "protocol": {"budget": args.budget, "paper_steps": args.paper_steps, "candidate_steps": args.candidate_steps,
+                     "candidates": args.candidates, "seeds": args.seeds, "spread_variant": args.spread_variant,
+                     "kd_stop": args.kd_stop, "expert_selection": args.expert_selection, "fractions": args.fractions,
+                     "evals": args.evals, "eval_batches": args.eval_batches, "plan_blocks": args.plan_blocks,
                      "metric": "held-out loss (nats/token)"},
         "teacher": teacher,
         "parts": parts,
     }
     result["runs"] = run_rows(parts, teacher)
-    print_report(result)
-    json_path, png_path = save(args.out, result)
-    print(f"\nwrote {json_path} and {png_path}; this call {total / 60:.1f} min")
-    return 1 if failed else 0
+    return result
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """KD ablation on the tiny recipe: does staged KD (Mixture-of-Students) beat no KD and KD all the way?
 
-    .venv/bin/python benchmarks/kd_ablation.py                      # ~30-40 minutes on 2 CPU cores
-    .venv/bin/python benchmarks/kd_ablation.py --steps 20 --teacher-steps 20 --out /tmp/kd   # a quick check
-    .venv/bin/python benchmarks/kd_ablation.py --teacher-run runs/tiny   # reuse a finished teacher run
-    .venv/bin/python benchmarks/kd_ablation.py --recipe recipes/small.yaml --seeds 1234 1235 \
+    .venv/bin/python research/kd_ablation.py                      # ~30-40 minutes on 2 CPU cores
+    .venv/bin/python research/kd_ablation.py --steps 20 --teacher-steps 20 --out /tmp/kd   # a quick check
+    .venv/bin/python research/kd_ablation.py --teacher-run runs/tiny   # reuse a finished teacher run
+    .venv/bin/python research/kd_ablation.py --recipe recipes/small.yaml --seeds 1234 1235 \
         --variants no_kd_scratch kd_all_scratch staged_scratch     # the paper's protocol, seed-to-seed spread
 
 The paper's small-scale claim (DeepSpeed-MoE, "Mixture-of-Students and staged KD"): a 21-layer
@@ -36,7 +36,9 @@ Read back: the final held-out loss (`val_loss`) and the teacher's (`teacher_val_
 `student/DONE.json`, the validation curve from `metrics.jsonl` (records with stage "student" and
 `val_loss`), the training CE/KD curves likewise. Results: one table on stdout, `kd_ablation.json` and
 `kd_ablation.png` (final held-out loss per variant with the teacher as a line; validation curves)
-under `--out` (default `benchmarks/results/kd_ablation/`, git-ignored, which also holds the runs).
+under `--out` (default `research/results/kd_ablation/`, git-ignored, which also holds the runs). The runs and
+how a variant is read back are research/common.py's (`PaperRuns`, `ensure_teacher`), shared with the compression
+study's part A.
 """
 
 from __future__ import annotations
@@ -51,130 +53,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cli_command, run_logged  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: research.common, pipeline/
+from research.common import ROOT, VARIANTS, PaperRuns, ensure_teacher  # noqa: E402
 
 RECIPE = "recipes/tiny.yaml"
-
-# name -> (--set overrides, one-line description)
-VARIANTS: dict[str, tuple[dict[str, str], str]] = {
-    "no_kd_scratch": ({"student.init": "random", "kd.beta": "0.0", "kd.stop_at": "null"},
-                      "random init, no KD"),
-    "kd_all_scratch": ({"student.init": "random", "kd.stop_at": "null"},
-                       "random init, KD all the way"),
-    "staged_scratch": ({"student.init": "random", "kd.stop_at": "60%"},
-                       "random init, KD for 60% (MoS)"),
-    "staged_teacher_paper": ({"student.init": "teacher", "student.layer_selection": "paper", "kd.stop_at": "60%"},
-                             "teacher init (paper layers), KD 60%"),
-    "staged_teacher_importance": ({"student.init": "teacher", "student.layer_selection": "importance",
-                                   "kd.stop_at": "60%"},
-                                  "teacher init (importance layers), KD 60%"),
-}
-
-
-def _sets(overrides: dict[str, object]) -> list[str]:
-    out = []
-    for key, value in overrides.items():
-        out += ["--set", f"{key}={value}"]
-    return out
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by a kill
-            continue
-    return out
-
-
-def _done(stage_dir: Path) -> dict | None:
-    path = stage_dir / "DONE.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-# -- the runs ------------------------------------------------------------------------------------
-
-def ensure_teacher(args) -> tuple[Path, dict]:
-    """The finished teacher run directory (trained here unless --teacher-run) and its DONE.json."""
-    if args.teacher_run is not None:
-        run = args.teacher_run.resolve()
-        done = _done(run / "teacher")
-        if done is None:
-            raise SystemExit(f"--teacher-run {run}: {run}/teacher/DONE.json is missing (not a finished teacher run)")
-        print(f"[teacher] reusing {run}/teacher (held-out loss {done['val_loss']:.4f})", flush=True)
-        return run, {**done, "bench_wall_s": None, "reused": True}
-    overrides = {}
-    name = "teacher_run"
-    if args.teacher_steps is not None:
-        overrides = {"teacher.train.steps": args.teacher_steps,
-                     "teacher.train.warmup_steps": _scaled_warmup(args.recipe_teacher_warmup, args.teacher_steps,
-                                                                  args.recipe_teacher_steps)}
-        name = f"teacher_run_s{args.teacher_steps}"
-    run = (args.out / name).resolve()
-    if _done(run / "teacher") is not None:
-        done = _done(run / "teacher")
-        print(f"[teacher] already finished: {run}/teacher (held-out loss {done['val_loss']:.4f})", flush=True)
-        return run, {**done, "bench_wall_s": None, "reused": True}
-    print(f"[teacher] training {args.recipe} into {run} ...", flush=True)
-    wall = run_logged([*cli_command(), "teacher", args.recipe, "--run-dir", str(run), *_sets(overrides)], run.parent / f"{name}.log",
-                args.timeout)
-    done = _done(run / "teacher")
-    print(f"[teacher] done in {wall:.0f}s: held-out loss {done['val_loss']:.4f}", flush=True)
-    return run, {**done, "bench_wall_s": round(wall, 1), "reused": False}
-
-
-def _scaled_warmup(warmup: int, steps: int, recipe_steps: int) -> int:
-    """The recipe's warmup, scaled with the step budget (and never more than the steps)."""
-    return min(steps, max(1, round(warmup * steps / recipe_steps))) if warmup else 0
-
-
-def run_variant(name: str, args, teacher_run: Path, seed: int) -> dict:
-    overrides, text = VARIANTS[name]
-    # the recipe's own seed keeps the directory name of runs made before --seeds existed
-    suffix = "" if seed == args.recipe_seed else f"_seed{seed}"
-    run = (args.out / "runs" / f"{name}_s{args.steps}{suffix}").resolve()
-    sets = {"teacher.load": str(teacher_run / "teacher"), "seed": seed,
-            "student.train.steps": args.steps,
-            "student.train.warmup_steps": _scaled_warmup(args.recipe_student_warmup, args.steps,
-                                                         args.recipe_student_steps),
-            "student.train.eval_every": max(1, args.steps // args.evals),
-            **overrides}
-    wall = None
-    if _done(run / "student") is None:
-        print(f"[{name}] {text}: {args.steps} steps into {run} ...", flush=True)
-        wall = run_logged([*cli_command(), "distill", args.recipe, "--run-dir", str(run), *_sets(sets)],
-                          run.parent / f"{name}{suffix}.log",
-                    args.timeout)
-    else:
-        print(f"[{name}] already finished: {run}/student", flush=True)
-    done = _done(run / "student")
-    recs = [r for r in _records(run) if r.get("stage") == "student"]
-    val_curve = [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]
-    train_curve = [{k: r[k] for k in ("step", "loss", "lm_loss", "kd_loss", "beta", "tokens_per_s") if k in r}
-                   for r in recs if "lm_loss" in r]
-    # real training throughput while the teacher runs (beta > 0) and after the stop (beta = 0)
-    speed = {phase: [r["tokens_per_s"] for r in train_curve if "tokens_per_s" in r and (r.get("beta", 0) > 0) == kd_on]
-             for phase, kd_on in (("kd", True), ("lm", False))}
-    selection = json.loads((run / "student" / "selection.json").read_text())
-    row = {"variant": name, "seed": seed, "description": text, "run_dir": str(run), "overrides": sets,
-           "val_loss": done["val_loss"], "teacher_val_loss": done["teacher_val_loss"],
-           "gap": done["val_loss"] - done["teacher_val_loss"],
-           "gap_pct": 100 * (done["val_loss"] / done["teacher_val_loss"] - 1),
-           "kd_stop_step": done.get("kd_stop_step"), "kept_teacher_layers": done.get("kept_teacher_layers"),
-           "selection_scores": selection.get("scores"),
-           "student_wall_s": done.get("wall_seconds"), "student_train_s": done.get("train_seconds"),
-           "tokens_per_s_kd": statistics.median(speed["kd"]) if speed["kd"] else None,
-           "tokens_per_s_lm": statistics.median(speed["lm"]) if speed["lm"] else None,
-           "resumed_from_step": done.get("resumed_from_step"), "bench_wall_s": None if wall is None else round(wall, 1),
-           "val_curve": val_curve, "train_curve": train_curve}
-    print(f"[{name}] held-out loss {row['val_loss']:.4f} (teacher {row['teacher_val_loss']:.4f}, "
-          f"gap {row['gap']:+.4f}), student stage {row['student_wall_s']:.0f}s", flush=True)
-    return row
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -263,10 +145,11 @@ def save(out: Path, result: dict) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
+    """The flags, with the recipe's values the runs derive from (seed, steps, warmups) added to them."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kd_ablation",
-                   help="JSON, PNG, logs and the run directories (default benchmarks/results/kd_ablation)")
+    p.add_argument("--out", type=Path, default=ROOT / "research" / "results" / "kd_ablation",
+                   help="JSON, PNG, logs and the run directories (default research/results/kd_ablation)")
     p.add_argument("--steps", type=int, default=None, help="student steps per variant (default: the recipe's)")
     p.add_argument("--teacher-run", type=Path, default=None,
                    help="a finished teacher run directory to reuse (holds teacher/DONE.json)")
@@ -280,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="student seeds per variant (data order and init; default: the recipe's seed)")
     args = p.parse_args(argv)
     os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
     from pipeline.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
@@ -294,14 +176,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.evals < 1:
         p.error("--steps and --evals must be positive")
     args.out = args.out.resolve()
-    t0 = time.perf_counter()
+    return args, recipe
 
-    teacher_run, teacher = ensure_teacher(args)
+
+def main(argv: list[str] | None = None) -> int:
+    args, recipe = parse_args(argv)
+    t0 = time.perf_counter()
+    teacher_run, teacher = ensure_teacher(args.recipe, args.out, args.timeout, args.teacher_run, args.teacher_steps,
+                                          recipe.teacher.train)
+    runs = PaperRuns(recipe=args.recipe, out=args.out, steps=args.steps, evals=args.evals, timeout=args.timeout,
+                     recipe_seed=args.recipe_seed, recipe_student_steps=args.recipe_student_steps,
+                     recipe_student_warmup=args.recipe_student_warmup)
     rows, failed = [], {}
     for name in args.variants:
         for seed in args.seeds:
             try:
-                rows.append(run_variant(name, args, teacher_run, seed))
+                rows.append(runs.run(name, teacher_run, seed))
             except RuntimeError as err:  # report it and go on with the others
                 print(f"[{name} seed {seed}] FAILED: {err}", file=sys.stderr, flush=True)
                 failed[f"{name} seed {seed}"] = str(err)
