@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = 5.0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "runs" / "tiny" / "student",
                    help="a stage directory or package (default runs/tiny/student: run README command 1 first)")
@@ -44,49 +44,73 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model.is_dir():
         p.error(f"--model {args.model}: no such directory; run `moe-pipeline distill recipes/tiny.yaml` first "
                 "or name a stage directory")
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return args
 
-    import torch
+
+def task_requests(lm, task_name: str, n: int) -> tuple[list, int]:
+    """The first `n` loglikelihood requests lm-eval builds for the bundled task, tokenized by the adapter, and
+    the tokens they score."""
     from lm_eval.tasks import TaskManager
 
-    from eval.adapter import MoEPipelineLM
     from eval.tasks import bundled_task_dir
 
-    lm = MoEPipelineLM(path=str(args.model), batch_size=1, dtype=args.dtype, progress=False)
-    dtype_name = str(next(lm.model.parameters()).dtype).replace("torch.", "")
     task = TaskManager(include_path=str(bundled_task_dir()), include_defaults=False).load_task_or_group(
-        [args.task])[args.task]
-    task.build_all_requests(limit=args.requests, rank=0, world_size=1)
-    instances = task.instances[:args.requests]
+        [task_name])[task_name]
+    task.build_all_requests(limit=n, rank=0, world_size=1)
     requests = []
-    for inst in instances:
+    for inst in task.instances[:n]:
         ctx, cont = inst.args
         ctx_ids, cont_ids = lm._encode_pair(ctx, cont)
         requests.append(((ctx, cont), ctx_ids, cont_ids))
     tokens = sum(len((c + d)[-(lm.max_length + 1):]) - 1 for _, c, d in requests)
+    return requests, tokens
 
+
+def time_batch_sizes(lm, requests: list, tokens: int, batch_sizes: list[int], repeats: int) -> tuple[list, dict]:
+    """Each batch size's median seconds over `repeats` passes over every request (after a warm-up), and its
+    answers."""
     rows, answers = [], {}
-    for bs in args.batch_sizes:
+    for bs in batch_sizes:
         lm._loglikelihood_tokens(requests[:max(bs, 8)], disable_tqdm=True, override_bs=bs)  # warm-up
         times = []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             t0 = time.perf_counter()
             answers[bs] = lm._loglikelihood_tokens(requests, disable_tqdm=True, override_bs=bs)
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
         rows.append({"batch_size": bs, "seconds": round(t, 3), "requests_per_s": round(len(requests) / t, 2),
                      "tokens_per_s": round(tokens / t, 1)})
-    base = answers[args.batch_sizes[0]]
+    ref = rows[0]["requests_per_s"]
+    for r in rows:
+        r["speedup_vs_first"] = round(r["requests_per_s"] / ref, 2)
+    return rows, answers
+
+
+def check_answers(answers: dict, first: int, dtype_name: str) -> None:
+    """Every batch size's scores equal the first's (within 1e-3 in fp32, with the same is_greedy flags)."""
+    base = answers[first]
     for bs, ans in answers.items():
         tol = 1e-3 if dtype_name == "float32" else 0.5  # bf16: padding changes matmul shapes, so rounding
         assert all(abs(a[0] - b[0]) < tol and (a[1] == b[1] or dtype_name != "float32") for a, b in zip(ans, base)), \
             f"batch {bs} differs"
-    ref = rows[0]["requests_per_s"]
-    for r in rows:
-        r["speedup_vs_first"] = round(r["requests_per_s"] / ref, 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+
+    from eval.adapter import MoEPipelineLM
+
+    lm = MoEPipelineLM(path=str(args.model), batch_size=1, dtype=args.dtype, progress=False)
+    dtype_name = str(next(lm.model.parameters()).dtype).replace("torch.", "")
+    requests, tokens = task_requests(lm, args.task, args.requests)
+    rows, answers = time_batch_sizes(lm, requests, tokens, args.batch_sizes, args.repeats)
+    check_answers(answers, args.batch_sizes[0], dtype_name)
 
     print(f"\n== lm-eval loglikelihood, {args.model} ({lm.model.cfg.layers} layers, experts "
           f"{list(lm.model.cfg.experts)}, context {lm.max_length}), {len(requests)} {args.task} requests "
@@ -99,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if big is not None and args.batch_sizes[0] == 1:
         print(f"batch 32 / batch 1 = {big['speedup_vs_first']:.2f} (target >= {TARGET}: "
               f"{'ok' if big['speedup_vs_first'] >= TARGET else 'MISSED'}); every batch size gave the same answers")
-    result = {"task": args.task, "meta": {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+    result = {"task": args.task,
+              "meta": {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
                        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
                        "load_avg_1m": os.getloadavg()[0], "torch": torch.__version__, "model": str(args.model),
                        "dtype": dtype_name},

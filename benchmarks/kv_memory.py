@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, child_env, cli_command, random_package  # noqa: E402
+from common import ROOT, child_env, random_package  # noqa: E402
 
 CONTEXT = 32768
 OVERRIDES = [f"data.seq_len={CONTEXT}", "model.hidden=512", "model.heads=8", "model.experts=[8, 8]"]

@@ -32,7 +32,6 @@ import http.client
 import json
 import random
 import socket
-import statistics
 import sys
 import threading
 import time
