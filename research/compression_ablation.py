@@ -96,6 +96,15 @@ def _load(recipe_file: Path, overrides: dict | list = ()):
     return load_recipe(recipe_file, items)
 
 
+def study_recipe(a, extra: dict | None = None):
+    """The recipe every run uses, with `extra` on top: OUT/recipe.yaml once written (with --set), else the recipe
+    with the --set overrides (a dry run writes nothing, so OUT/recipe.yaml may not exist yet)."""
+    items = [f"{k}={yaml_value(v)}" for k, v in (extra or {}).items()]
+    if a.recipe_file.is_file():
+        return _load(a.recipe_file, items)
+    return _load(a.recipe_base, [*a.overrides, *items])
+
+
 def check_reused(run: Path, recipe_file: Path, overrides: dict, teacher_stage: Path | None) -> None:
     """A run directory made earlier must hold the recipe these arguments make, cut from this teacher."""
     from pipeline.recipe import diff_recipes, load_stored_recipe
@@ -147,7 +156,7 @@ class Study:
 
     def __init__(self, args):
         self.args = args
-        self.recipe = _load(args.recipe_file)
+        self.recipe = study_recipe(args)
         self.out = args.out
         self.t0 = time.perf_counter()
         self.runs_total = 0
@@ -844,7 +853,7 @@ class DryRun:
         self.recipe = str(a.recipe_file)
         # seconds per teacher training step, from the finished teacher (its train time includes its evaluations)
         self.per_step = self.tdone["train_seconds"] / self.tdone["steps"] if self.tdone else None
-        stop = _load(a.recipe_file, {"kd.stop_at": a.kd_stop}).kd_stop_step()
+        stop = study_recipe(a, {"kd.stop_at": a.kd_stop}).kd_stop_step()
         self.share = (stop if stop is not None else r.student.train.steps) / r.student.train.steps  # KD's share
 
     def est(self, steps: int, layers: int, kd_share: float) -> float:
@@ -1050,7 +1059,7 @@ def parse_args(argv: list[str] | None):
     args.paper_out = (args.paper_out or args.out / "paper").resolve()
     base = _recipe_path(args.recipe)
     recipe = _load(base, args.overrides)  # errors name the key, before anything runs
-    args.recipe_file = base
+    args.recipe_base = args.recipe_file = base
     if args.overrides:
         args.recipe_file = args.out / "recipe.yaml"
         if not args.dry_run:

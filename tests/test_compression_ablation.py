@@ -45,6 +45,15 @@ def test_dry_run_lists_every_run_with_its_overrides_and_writes_nothing(tmp_path,
     assert "practical/full_s120 " in text and "baseline/teacher_plus120 " in text and "30 steps each" in text
 
 
+def test_dry_run_with_overrides_names_the_recipe_the_runs_will_use(tmp_path, capsys):
+    out = tmp_path / "study"
+    assert compression_ablation.main(["--dry-run", "--recipe", "recipes/tiny.yaml", "--set", "student.train.steps=40",
+                                      "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert not out.exists()  # OUT/recipe.yaml is written by a real run only
+    assert f"distill {out / 'recipe.yaml'} --run-dir {out / 'practical' / 'full_s40'} " in text
+
+
 def test_protocol_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
         compression_ablation.main(["--dry-run", "--recipe", "recipes/tiny.yaml", "--kd-stop", "50%"])
