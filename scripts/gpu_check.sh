@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 14, benchmarks/gpu_check.py): training in fp32/bf16/fp16, the fp16 KD gradient, export and
+# The GPU check (benchmarks/gpu_check.py): training in fp32/bf16/fp16, the fp16 KD gradient, export and
 # serving, a serving benchmark. One command, under 5 minutes on one GPU; everything it measures goes to OUT.
 #
 #     bash scripts/gpu_check.sh OUT                  # on the lent GPU machine (after scripts/gpu_wheels.sh here)
