@@ -77,7 +77,7 @@ def plan(recipe: Recipe, world: int) -> dict:
     teacher = teacher_config(recipe)
     method = "paper" if recipe.student.layer_selection == "importance" else recipe.student.layer_selection
     kept = select_layers(teacher, recipe.student.layers, recipe.moe_layer_count(recipe.student.layers), method)
-    imported = recipe.hf_teacher() is not None  # frozen: weights in the student's precision
+    trained = recipe.teacher.trained()  # else loaded and frozen: weights in the student's precision
     student = describe(student_config(teacher, kept, recipe.student.experts), recipe.student.train, world, ep,
                        seq_len=recipe.data.seq_len)
     # distillation holds the frozen teacher (weights only, the student's precision) on the same ranks
@@ -85,8 +85,8 @@ def plan(recipe: Recipe, world: int) -> dict:
                              world, frozen=True)
     student["memory_per_rank_with_teacher_bytes"] = student["memory_per_rank_bytes"] + frozen["total"]
     return {
-        "teacher": describe(teacher, recipe.student.train if imported else recipe.teacher.train, world, ep, imported,
-                            recipe.data.seq_len),
+        "teacher": describe(teacher, recipe.teacher.train if trained else recipe.student.train, world, ep,
+                            not trained, recipe.data.seq_len),
         "student": student,
     }
 

@@ -46,7 +46,6 @@ import datetime as _dt
 import errno
 import hashlib
 import json
-import math
 import os
 import shutil
 import stat
@@ -54,8 +53,10 @@ import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from safetensors.torch import save_file
 
 from pipeline.artifacts import (CONFIG, DONE, DTYPE_ALIASES, DTYPE_NAMES, DTYPE_OF_NAME, DTYPES, INDEX, MANIFEST,
@@ -129,51 +130,103 @@ def model_config_of(pkg: Path) -> ModelConfig:
 
 def model_config_from(raw, pkg: Path) -> ModelConfig:
     """The ModelConfig of a package's parsed config.json; a PackageError names each missing or ill-typed field."""
-    if not isinstance(raw, dict):
-        raise PackageError(pkg, [f"{CONFIG}: {_kind(raw)}, not a JSON object"])
-    fields = ModelConfig.__dataclass_fields__
-    # the family fields have defaults (the PR-MoE GPT's): a package written before them lacks them
-    missing = [f for f, d in fields.items() if f not in raw and d.default is dataclasses.MISSING]
-    if missing:
-        raise PackageError(pkg, [f"{CONFIG}: missing field(s) {', '.join(missing)}"])
-    types = typing.get_type_hints(ModelConfig)
-    problems = [f"{CONFIG}: {f} must be {want}, got {_kind(raw[f])}"
-                for f in fields if f in raw and (want := _field_problem(f, raw[f], types[f]))]
-    if problems:
-        raise PackageError(pkg, problems)
+    _refuse_schema(pkg, _ConfigSchema, raw, CONFIG)
     try:
-        return ModelConfig(**{f: raw[f] for f in fields if f in raw})
+        return ModelConfig(**{f: raw[f] for f in ModelConfig.__dataclass_fields__ if f in raw})
     except ValueError as err:
         raise PackageError(pkg, [f"{CONFIG}: inconsistent fields ({err})"]) from None
 
 
-def _field_problem(name: str, v, t) -> str | None:
-    """What a config.json field of type `t` must be, when `v` is not that (None: it is)."""
-    def count(x, least):
-        return isinstance(x, int) and not isinstance(x, bool) and x >= least
+# -- the schemas of manifest.json and config.json: pydantic, strict (JSON's types as written, no coercion) --------
 
-    def number(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+_STRICT = ConfigDict(strict=True, extra="allow")
 
+
+class _FileEntry(BaseModel):
+    model_config = _STRICT
+    sha256: str = Field(pattern="^[0-9a-f]{64}$", description="64 hex digits")
+    size: int = Field(ge=0, description="a byte count")
+
+
+class _ManifestSchema(BaseModel):
+    """The manifest keys that verification and the CLI read."""
+
+    model_config = _STRICT
+    files: dict[str, _FileEntry] = Field(description="an object {file name: {sha256, size}}")
+    weights: list[str] = Field(min_length=1, description="a list of file names")
+    format_version: Literal[FORMAT_VERSION] = Field(description=f"{FORMAT_VERSION}, the format this code reads")
+    dtype: Literal[tuple(DTYPE_OF_NAME)] = Field(description=f"one of {', '.join(DTYPE_OF_NAME)}")
+    tensors: int = Field(description="a count")
+
+
+def _config_field(name: str, hint, default):
+    """A ModelConfig field's JSON form: counts are integers >= 1 (>= 0 where zero means none), numbers finite."""
     least = 0 if name in ("min_capacity", "moe_layers", "shared_expert_hidden") else 1
-    if t is int:
-        return None if count(v, least) else f"an integer >= {least}"
-    if t == int | None:
-        return None if v is None or count(v, least) else f"an integer >= {least} or null"
-    if t == tuple[int, ...]:
-        return None if isinstance(v, list) and all(count(x, least) for x in v) else f"a list of integers >= {least}"
-    if t is float:
-        return None if number(v) else "a number >= 0"
-    if t == float | None:
-        return None if v is None or number(v) else "a number >= 0 or null"
-    if t is bool:
-        return None if isinstance(v, bool) else "true or false"
-    if t == bool | None:
-        return None if v is None or isinstance(v, bool) else "true, false or null"
+    optional = type(None) in typing.get_args(hint)
+    base = next(t for t in typing.get_args(hint) if t is not type(None)) if optional else hint
     if name == "mlp_type":
-        return None if v in ("standard", "residual") else '"standard" or "residual"'
-    assert t is str, f"ModelConfig.{name}: a field of type {t} needs a check here"
-    return None if isinstance(v, str) else "a string"
+        forms = (Literal["standard", "residual"], '"standard" or "residual"', {})
+    elif base is int:
+        forms = (int, f"an integer >= {least}", {"ge": least})
+    elif base == tuple[int, ...]:
+        forms = (list[Annotated[int, Field(ge=least)]], f"a list of integers >= {least}", {})
+    elif base is float:
+        forms = (float, "a number >= 0", {"ge": 0, "allow_inf_nan": False})
+    elif base is bool:
+        forms = (bool, "true or false", {})
+    elif base is str:
+        forms = (str, "a string", {})  # which strings: ModelConfig's own checks
+    else:
+        raise TypeError(f"ModelConfig.{name}: a field of type {hint} needs a JSON form here")
+    annotation, description, constraints = forms
+    if optional:
+        annotation, description = annotation | None, f"{description} or null"
+    return annotation, Field(... if default is dataclasses.MISSING else default, description=description,
+                             **constraints)
+
+
+_HINTS = typing.get_type_hints(ModelConfig)
+# every ModelConfig field; the family fields have defaults (the PR-MoE GPT's): a package written before them lacks them
+_ConfigSchema = create_model("_ConfigSchema", __config__=_STRICT, **{
+    f.name: _config_field(f.name, _HINTS[f.name], f.default) for f in dataclasses.fields(ModelConfig)})
+
+
+def _schema_problems(schema: type[BaseModel], raw, file: str) -> list[str]:
+    """Each problem of `raw` against `schema`, as "FILE: KEY must be WHAT, got VALUE" (the field's description)."""
+    if not isinstance(raw, dict):
+        return [f"{file}: {_kind(raw)}, not a JSON object"]
+    try:
+        schema.model_validate(raw)
+        return []
+    except ValidationError as err:
+        problems = {}
+        for e in err.errors(include_url=False):
+            where, expected, value = _located(schema, raw, e["loc"])
+            problems.setdefault(where, f"{file}: {where} must be {expected}, got {value}")
+        return list(problems.values())
+
+
+def _located(schema: type[BaseModel], raw, loc: tuple) -> tuple[str, str, str]:
+    """(the key path as written in messages, its field's description, what was found) for an error at `loc`; the
+    path stops at the field that failed (a union's member names after it are pydantic's, not the file's)."""
+    node, where, expected, value = schema, "", "", raw
+    for part in loc:
+        if isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
+            field = node.model_fields[part]
+            node, expected, where = field.annotation, field.description, f"{where}.{part}" if where else part
+        elif typing.get_origin(node) is dict and isinstance(part, str):
+            node = typing.get_args(node)[1]
+            expected, where = f"an object {{{', '.join(node.model_fields)}}}", f"{where}[{part!r}]"
+        else:
+            break
+        value = value.get(part, ...) if isinstance(value, dict) else ...
+    return where, expected, "nothing" if value is ... else _kind(value)
+
+
+def _refuse_schema(pkg: Path, schema: type[BaseModel], raw, file: str) -> None:
+    problems = _schema_problems(schema, raw, file)
+    if problems:
+        raise PackageError(pkg, problems)
 
 
 def _kind(v) -> str:
@@ -646,42 +699,7 @@ def _check_tensors(expected: dict, found: dict, manifest: dict) -> None:
 
 def _manifest_problems(manifest) -> list[str]:
     """What is missing or of the wrong type in a parsed manifest (the keys verification and the CLI read)."""
-    if not isinstance(manifest, dict):
-        return [f"{MANIFEST}: {_kind(manifest)}, not a JSON object"]
-    problems = []
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        problems.append(f"{MANIFEST}: files must be an object {{file name: {{sha256, size}}}}, "
-                        f"got {_got(manifest, 'files')}")
-    else:
-        for name, entry in files.items():
-            if not isinstance(entry, dict):
-                problems.append(f"{MANIFEST}: files[{name!r}] must be an object {{sha256, size}}, got {_kind(entry)}")
-                continue
-            size, digest = entry.get("size"), entry.get("sha256")
-            if "size" not in entry:
-                problems.append(f"{MANIFEST}: files[{name!r}] has no size")
-            elif not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
-                problems.append(f"{MANIFEST}: files[{name!r}].size must be a byte count, got {_kind(size)}")
-            if "sha256" not in entry:
-                problems.append(f"{MANIFEST}: files[{name!r}] has no sha256")
-            elif not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
-                problems.append(f"{MANIFEST}: files[{name!r}].sha256 must be 64 hex digits, got {_kind(digest)}")
-    weights = manifest.get("weights")
-    if not (isinstance(weights, list) and weights and all(isinstance(w, str) for w in weights)):
-        problems.append(f"{MANIFEST}: weights must be a list of file names, got {_got(manifest, 'weights')}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        problems.append(f"{MANIFEST}: format_version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
-    if manifest.get("dtype") not in DTYPE_OF_NAME:
-        problems.append(f"{MANIFEST}: dtype must be one of {', '.join(DTYPE_OF_NAME)}, got {_got(manifest, 'dtype')}")
-    tensors = manifest.get("tensors")
-    if not (isinstance(tensors, int) and not isinstance(tensors, bool)):
-        problems.append(f"{MANIFEST}: tensors must be a count, got {_got(manifest, 'tensors')}")
-    return problems
-
-
-def _got(d: dict, key: str) -> str:
-    return _kind(d[key]) if key in d else "nothing"
+    return _schema_problems(_ManifestSchema, manifest, MANIFEST)
 
 
 def _read_json_bytes(fh) -> bytes:

@@ -52,6 +52,11 @@ def read_config_file(path: Path, missing: str = "a config.json of a Hugging Face
         raise HFImportError(f"{path}: missing: {missing}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise HFImportError(f"{path}: not JSON ({err})") from None
+    return check_family(raw, path)
+
+
+def check_family(raw, path: Path) -> dict:
+    """`raw` (the parsed config.json at `path`) if it is of a supported family."""
     family = raw.get("model_type") if isinstance(raw, dict) else None
     if family not in SUPPORTED:
         raise HFImportError(f"{path}: model_type {family!r} is not supported; supported families: "

@@ -7,6 +7,9 @@ message names the key path, the value and what was expected (the CLI prints it a
 Rules across fields are pydantic model validators on the section they involve (on `Recipe` when
 they span sections); those that depend on the world size read it from the validation context,
 `Recipe.model_validate(raw, context={"world_size": N})`, which `validate` and `load_recipe` pass.
+Validators do no file I/O: what they need from files (a Hugging Face teacher's config.json, whether a
+tokenizer directory holds a tokenizer.json) is read once before validation (`read_teacher_files`) and
+handed to them in the same context; the recipe keeps the teacher's config (`Recipe.hf_teacher`).
 
     python -m pipeline.recipe recipes/tiny.yaml --set teacher.train.steps=50   # print the resolved recipe
 """
@@ -16,11 +19,13 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 # GPT-2's 50,257 entries padded to 50,304, as Megatron's make-vocab-size-divisible-by 128 does:
 # matmuls over a multiple of 128 are faster, and the paper's parameter counts assume it.
@@ -49,6 +54,9 @@ class RecipeError(ValueError):
         return err
 
 
+TOKENIZER_FORMS = "'gpt2', 'bpe', or a directory with a Hugging Face tokenizer.json (a checkpoint's tokenizer files)"
+
+
 class Section(BaseModel):
     # strict: a string is not silently turned into a number; frozen: a recipe never changes after loading
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -68,10 +76,10 @@ class DataSpec(Section):
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_kind(cls, v: str, info: ValidationInfo) -> str:
-        if v in ("gpt2", "bpe") or (info.context or {}).get("stored") or (Path(v) / "tokenizer.json").is_file():
+        files = (info.context or {}).get("teacher_files")
+        if v in ("gpt2", "bpe") or files is None or v in files.tokenizer_dirs:
             return v
-        raise RecipeError("data.tokenizer", v, "'gpt2', 'bpe', or a directory with a Hugging Face tokenizer.json "
-                          "(a checkpoint's tokenizer files)")
+        raise RecipeError("data.tokenizer", v, TOKENIZER_FORMS)
 
 
 class ModelSpec(Section):
@@ -132,6 +140,14 @@ class TrainSpec(Section):
     log_every: int = Field(10, ge=1)
 
 
+class EvalSpec(Section):
+    """How a loaded teacher (teacher.load) is scored on the held-out split: nothing of it is trained."""
+
+    micro_batch_size: int = Field(4, ge=1)  # sequences per rank per forward
+    eval_batches: int | None = Field(8, ge=1)  # held-out micro-batches (all ranks); None: the whole split
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # a Hugging Face checkpoint's weights are loaded in it
+
+
 class TeacherSpec(Section):
     # an existing teacher instead of training one: a directory made by `moe-pipeline teacher` (config.json,
     # model.safetensors, tokenizer/), or a Hugging Face checkpoint of a supported family (config.json with its
@@ -140,7 +156,20 @@ class TeacherSpec(Section):
     # a Hugging Face config.json alone (recipes/hf/<family>.json: architecture, no weights): the teacher's shape
     # for `plan` and the recipe's checks while teacher.load is unset
     architecture: str | None = None
-    train: TrainSpec
+    # how the PR-MoE teacher is trained: required unless teacher.load or teacher.architecture names one (unused then)
+    train: TrainSpec | None = None
+    eval: EvalSpec = EvalSpec()  # how a loaded teacher is scored
+
+    def trained(self) -> bool:
+        """Whether the teacher stage trains a teacher (else it loads teacher.load)."""
+        return self.load is None and self.architecture is None
+
+    @model_validator(mode="after")
+    def _train_when_trained(self) -> Self:
+        if self.trained() and self.train is None:
+            raise RecipeError("teacher.train", None, "required: how to train the teacher (steps, batch sizes, lr); "
+                              "or teacher.load an existing one")
+        return self
 
 
 class StudentSpec(Section):
@@ -242,39 +271,15 @@ class Recipe(Section):
     distributed: DistributedSpec = DistributedSpec()
     monitor: MonitorSpec = MonitorSpec()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _tokenizer_of_the_teacher(cls, raw: Any) -> Any:
-        """data.tokenizer, when not given and teacher.load is a Hugging Face checkpoint with a tokenizer.json: its."""
-        teacher = raw.get("teacher") if isinstance(raw, dict) else None
-        load = teacher.get("load") if isinstance(teacher, dict) else None
-        data = raw.get("data", {}) if isinstance(raw, dict) else None
-        if isinstance(load, str) and isinstance(data, dict) and "tokenizer" not in data \
-                and (Path(load) / "tokenizer.json").is_file() and _is_hf_checkpoint(Path(load)):
-            raw = {**raw, "data": {**data, "tokenizer": load}}
-        return raw
+    _hf_config: dict | None = PrivateAttr(None)  # from the validation context's TeacherFiles
 
     # -- derived facts, computed from the fields above (never stored twice) --
 
     def hf_teacher(self) -> dict | None:
         """The teacher's Hugging Face config.json (teacher.load's checkpoint, else teacher.architecture), or None
-        for a PR-MoE teacher (the model section; a directory made by `moe-pipeline teacher`). Read once per file
-        version, however many checks ask."""
-        load, arch = self.teacher.load, self.teacher.architecture
-        if load:
-            path = Path(load) / "config.json"
-            try:
-                stamp = path.stat().st_mtime_ns
-            except OSError:
-                return None  # no teacher there yet: the teacher stage says so when it reads it
-            return _hf_config(str(path), stamp, "teacher.load", load)
-        if arch is None:
-            return None
-        try:
-            stamp = Path(arch).stat().st_mtime_ns
-        except OSError:
-            stamp = None
-        return _hf_config(arch, stamp, "teacher.architecture", arch)
+        for a PR-MoE teacher (the model section; a directory made by `moe-pipeline teacher`): read once, before
+        validation (`read_teacher_files`)."""
+        return self._hf_config
 
     def teacher_layout(self) -> tuple[int, list[int], list[int], int]:
         """(layers, 0-indexed MoE layers, experts per MoE layer, top_k) of the teacher."""
@@ -329,6 +334,11 @@ class Recipe(Section):
         it ran, and cannot be made again here."""
         return self.model is None and self.hf_teacher() is None
 
+    def trainings(self) -> list[tuple[str, TrainSpec]]:
+        """The train sections that train something: the student's, and the teacher's unless it is loaded."""
+        teacher = [("teacher.train", self.teacher.train)] if self.teacher.trained() else []
+        return teacher + [("student.train", self.student.train)]
+
     def _world(self, info: ValidationInfo) -> int:
         """The world size a recipe is checked for: the caller's (context "world_size"), else distributed.nproc."""
         return (info.context or {}).get("world_size") or self.distributed.nproc
@@ -336,17 +346,15 @@ class Recipe(Section):
     # -- rules across sections (each section's own rules are on its class); run in this order --
 
     @model_validator(mode="after")
+    def _teacher_files(self, info: ValidationInfo) -> Self:
+        files = (info.context or {}).get("teacher_files")
+        self._hf_config = files.config if files is not None else None
+        return self
+
+    @model_validator(mode="after")
     def _teacher_is_described(self, info: ValidationInfo) -> Self:
         stored = (info.context or {}).get("stored")
         raw = self.hf_teacher()
-        if raw is None and self.model is None and self.teacher.load and not stored \
-                and not Path(self.teacher.load).is_dir():  # no shape to check against: a Hub name, say
-            from pipeline.hf_import import HFImportError, read_hf_config
-
-            try:
-                read_hf_config(self.teacher.load)
-            except HFImportError as err:
-                raise RecipeError("teacher.load", self.teacher.load, str(err).split(": ", 1)[1]) from None
         if raw is None and self.model is None and not (self.teacher.load and stored):
             raise RecipeError("model", None, "required: the PR-MoE teacher's shape; it may be left out only when "
                               "teacher.load or teacher.architecture names a Hugging Face checkpoint's config.json")
@@ -392,15 +400,14 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _schedules(self) -> Self:
-        for name, train in (("teacher.train", self.teacher.train), ("student.train", self.student.train)):
+        for name, train in self.trainings():
             if train.min_lr > train.lr:
                 raise RecipeError(f"{name}.min_lr", train.min_lr, f"<= {name}.lr ({train.lr})")
             if train.warmup_steps > train.steps:
                 raise RecipeError(f"{name}.warmup_steps", train.warmup_steps, f"<= {name}.steps ({train.steps})")
             if not all(0 <= b < 1 for b in train.betas):
                 raise RecipeError(f"{name}.betas", train.betas, "two numbers in [0, 1)")
-            trains = name == "student.train" or (self.teacher.load is None and self.hf_teacher() is None)
-            if train.precision != "fp32" and train.zero_stage == 0 and trains:
+            if train.precision != "fp32" and train.zero_stage == 0:
                 # without ZeRO, DeepSpeed's engine never scales an fp16 loss though its fp16 optimizers divide the
                 # gradients by the loss scale (updates 2^16 times too small, no clipping), and sums bf16 gradients
                 # over the micro-steps in bf16; its ZeRO optimizers scale fp16 losses, accumulate bf16 in fp32
@@ -441,7 +448,7 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _batches_split_over_world(self, info: ValidationInfo) -> Self:
         world = self._world(info)
-        for name, train in (("teacher.train", self.teacher.train), ("student.train", self.student.train)):
+        for name, train in self.trainings():
             per_step = train.micro_batch_size * world
             if train.global_batch_size % per_step:
                 raise RecipeError(f"{name}.global_batch_size", train.global_batch_size, f"a multiple of "
@@ -451,34 +458,65 @@ class Recipe(Section):
 
 # -- loading ------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=16)
-def _hf_config(path: str, stamp: int | None, key: str, value: str) -> dict | None:
-    """A teacher's Hugging Face config.json, or None for teacher.load's own format (no model_type). `stamp`: the
-    file's mtime, so that a changed file is read again."""
-    import json
+@dataclass(frozen=True)
+class TeacherFiles:
+    """What validating a recipe needs from files, read once before it (`read_teacher_files`)."""
 
-    from pipeline.hf_import import HFImportError, read_config_file
+    config: dict | None  # the teacher's Hugging Face config.json: teacher.load's checkpoint, else teacher.architecture
+    tokenizer_dirs: frozenset[str]  # data.tokenizer, when it is a directory holding a tokenizer.json (or stored)
 
-    if key == "teacher.load":
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
-            return None
-        if not (isinstance(raw, dict) and "model_type" in raw):
-            return None  # our own teacher directory: checked when the teacher stage reads it
+
+def _str_at(raw: Any, *keys: str) -> str | None:
+    for key in keys:
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    return raw if isinstance(raw, str) else None
+
+
+def _hf_config_file(path: Path, key: str, value: str, parsed: dict | None = None) -> dict:
+    """The supported Hugging Face config.json at `path` (`parsed`: already read), or a RecipeError naming `key`."""
+    from pipeline.hf_import import HFImportError, check_family, read_config_file
+
     try:
-        return read_config_file(path, "a config.json, e.g. recipes/hf/mixtral.json")
+        return check_family(parsed, path) if parsed is not None else \
+            read_config_file(path, "a config.json, e.g. recipes/hf/mixtral.json")
     except HFImportError as err:
         raise RecipeError(key, value, str(err)) from None
 
 
-def _is_hf_checkpoint(path: Path) -> bool:
-    """Whether `path` holds a Hugging Face checkpoint's config.json (read once: `Recipe.hf_teacher` reads it cached)."""
-    try:
-        stamp = (path / "config.json").stat().st_mtime_ns
-    except OSError:
-        return False
-    return _hf_config(str(path / "config.json"), stamp, "teacher.load", str(path)) is not None
+def read_teacher_files(raw: dict, stored: bool = False) -> tuple[dict, TeacherFiles]:
+    """The files a recipe names, read once, before validation: the teacher's Hugging Face config.json (teacher.load,
+    a checkpoint directory or Hub name, else teacher.architecture) and data.tokenizer's directory. Returns the
+    mapping with data.tokenizer defaulted to a checkpoint's own tokenizer, and what was read. `stored`: a recipe a
+    run or package stored, whose teacher and tokenizer directories may be gone by now."""
+    import json
+
+    load, arch = _str_at(raw, "teacher", "load"), _str_at(raw, "teacher", "architecture")
+    config = None
+    if load is not None:
+        path = Path(load) / "config.json"
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError):
+            found = None  # no teacher there yet: the teacher stage says so when it reads it
+        if isinstance(found, dict) and "model_type" in found:  # else our own teacher directory: the stage checks it
+            config = _hf_config_file(path, "teacher.load", load, found)
+        elif found is None and not stored and not Path(load).is_dir() and not isinstance(raw.get("model"), dict):
+            from pipeline.hf_import import HFImportError, read_hf_config
+
+            try:  # no shape to check against: a Hub name, say; read_hf_config says what to do
+                read_hf_config(Path(load))
+            except HFImportError as err:
+                raise RecipeError("teacher.load", load, str(err).split(": ", 1)[1]) from None
+    elif arch is not None:
+        config = _hf_config_file(Path(arch), "teacher.architecture", arch)
+    data = raw.get("data", {})
+    if config is not None and load is not None and isinstance(data, dict) and "tokenizer" not in data \
+            and (Path(load) / "tokenizer.json").is_file():  # a checkpoint's own tokenizer, unless one is named
+        raw = {**raw, "data": {**data, "tokenizer": load}}
+    tokenizer = _str_at(raw, "data", "tokenizer")
+    dirs = frozenset([tokenizer]) if tokenizer and (stored or (Path(tokenizer) / "tokenizer.json").is_file()) else \
+        frozenset()
+    return raw, TeacherFiles(config, dirs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -556,8 +594,9 @@ def load_recipe(path: str | Path, overrides: list[str] = (), world_size: int | N
 def validate(raw: dict, world_size: int | None = None, stored: bool = False) -> Recipe:
     """A recipe from a parsed mapping, checked for `world_size` ranks (None: its distributed.nproc). `stored`: one
     a run or package stored, whose Hugging Face teacher and tokenizer directories may be gone by now."""
+    raw, files = read_teacher_files(raw, stored) if isinstance(raw, dict) else (raw, None)
     try:
-        return Recipe.model_validate(raw, context={"world_size": world_size, "stored": stored})
+        return Recipe.model_validate(raw, context={"world_size": world_size, "stored": stored, "teacher_files": files})
     except ValidationError as err:
         raise _first_error(err) from None
 
@@ -570,6 +609,13 @@ def validate_stored(raw: dict) -> Recipe:
     stop = kd.get("stop_at") if isinstance(kd, dict) else None
     if isinstance(stop, float) and 0 < stop <= 1:
         raw = {**raw, "kd": {**kd, "stop_at": f"{stop * 100:g}%"}}
+    teacher = raw.get("teacher") if isinstance(raw, dict) else None
+    if isinstance(teacher, dict) and (teacher.get("load") or teacher.get("architecture")) \
+            and isinstance(teacher.get("train"), dict) and "eval" not in teacher:
+        # stored before teacher.eval: a loaded teacher was scored with teacher.train's settings
+        train = teacher["train"]
+        raw = {**raw, "teacher": {**teacher, "eval": {k: train[k] for k in ("micro_batch_size", "eval_batches",
+                                                                            "precision") if k in train}}}
     return validate(raw, stored=True)
 
 
@@ -597,8 +643,9 @@ def diff_recipes(a: Recipe, b: Recipe) -> list[str]:
             return out
         return {prefix[:-1]: d}
     fa, fb = flat(a.model_dump(mode="json")), flat(b.model_dump(mode="json"))
+    unused = ("teacher.train",) if not (a.teacher.trained() or b.teacher.trained()) else ()  # a loaded teacher's
     return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb))
-            if fa.get(k) != fb.get(k) and not k.startswith(RUN_INDEPENDENT)]
+            if fa.get(k) != fb.get(k) and not k.startswith(RUN_INDEPENDENT + unused)]
 
 
 if __name__ == "__main__":

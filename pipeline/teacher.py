@@ -119,7 +119,7 @@ def check_hf_tokenizer(recipe: Recipe, src: Path) -> None:
 def check_hardware(recipe: Recipe) -> None:
     import torch
 
-    for name, train in (("teacher.train", recipe.teacher.train), ("student.train", recipe.student.train)):
+    for name, train in recipe.trainings():
         if train.precision == "fp16" and not torch.cuda.is_available():
             raise RecipeError(f"{name}.precision", "fp16", "bf16 or fp32 on a machine without GPUs "
                               "(DeepSpeed's fp16 loss scaling is for GPUs), e.g. --set " + f"{name}.precision=bf16 "
@@ -187,11 +187,11 @@ def import_hf_teacher(recipe: Recipe, src: Path, cfg: ModelConfig, work: Path, v
     from pipeline.hf_import import checkpoint_files, name_map
     from pipeline.weights import file_facts, write_source
 
-    model = load_hf_teacher(src, ranks.world, recipe.distributed.ep_size, DTYPES[recipe.teacher.train.precision],
+    model = load_hf_teacher(src, ranks.world, recipe.distributed.ep_size, DTYPES[recipe.teacher.eval.precision],
                             device=dist.device())
     summary = {"loaded_from": str(src.resolve()), "format": cfg.family,
-               "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
-                                    recipe.teacher.train.micro_batch_size, ranks)}
+               "val_loss": evaluate(model, val, recipe.teacher.eval.eval_batches,
+                                    recipe.teacher.eval.micro_batch_size, ranks)}
     names = checkpoint_files(src)  # each rank hashes its share of the files
     files = {k: v for part in dist.gather_json(file_facts(src, names[ranks.rank::ranks.world])) for k, v in part.items()}
     if ranks.rank == 0:
@@ -204,8 +204,8 @@ def load_teacher(recipe: Recipe, src: Path, work: Path, val: data_lib.PackedToke
     linked (or copied) into the stage. Returns (model, summary)."""
     model = load_frozen(src, ranks.world, recipe.distributed.ep_size, dist.device())
     summary = {"loaded_from": str(src.resolve()),
-               "val_loss": evaluate(model, val, recipe.teacher.train.eval_batches,
-                                    recipe.teacher.train.micro_batch_size, ranks)}
+               "val_loss": evaluate(model, val, recipe.teacher.eval.eval_batches,
+                                    recipe.teacher.eval.micro_batch_size, ranks)}
     if ranks.rank == 0:
         for name in [WEIGHTS, INDEX] + [p.name for p in src.glob("model-*.safetensors")]:
             if (src / name).is_file():

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = [
     "model.layers=4", "model.hidden=64", "model.heads=4", "model.experts=[2,4]", "data.seq_len=64",
     "teacher.train.micro_batch_size=4", "teacher.train.global_batch_size=8", "teacher.train.warmup_steps=2",
-    "teacher.train.log_every=2", "teacher.train.eval_batches=2", "student.layers=3",
+    "teacher.train.log_every=2", "teacher.train.eval_batches=2", "teacher.eval.micro_batch_size=4",
+    "teacher.eval.eval_batches=2", "student.layers=3",
     "student.train.micro_batch_size=4", "student.train.global_batch_size=8",
 ]
 

@@ -21,8 +21,8 @@ SMALL = ["data.seq_len=32", "data.validation_fraction=0.2", "student.layers=2", 
          "student.train.micro_batch_size=2", "student.train.global_batch_size=4", "student.train.warmup_steps=1",
          "student.train.log_every=2", "student.train.eval_every=6", "student.train.checkpoint_every=2",
          "student.train.eval_batches=2", "student.train.precision=fp32", "student.train.zero_stage=0",
-         "teacher.train.precision=fp32", "teacher.train.eval_batches=2", "teacher.train.micro_batch_size=2",
-         "teacher.train.global_batch_size=2", "distributed.nproc=1", "distributed.ep_size=null", "kd.stop_at=50%"]
+         "teacher.eval.precision=fp32", "teacher.eval.eval_batches=2", "teacher.eval.micro_batch_size=2",
+         "distributed.nproc=1", "distributed.ep_size=null", "kd.stop_at=50%"]
 
 COMMON = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 128}

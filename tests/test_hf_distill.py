@@ -82,7 +82,7 @@ def test_distill_on_a_hugging_face_teacher_then_export_it_in_its_family(family, 
     Mixtral's student is chosen by block importance and pruned to 2 of 4 experts by saliency: one expert count in
     every layer still, so its family expresses it."""
     run = tmp_path / family
-    more = ["distributed.nproc=2", "distributed.ep_size=2", "teacher.train.global_batch_size=4"] if nproc == 2 else []
+    more = ["distributed.nproc=2", "distributed.ep_size=2"] if nproc == 2 else []
     if family == "mixtral":
         more = ["student.layer_selection=importance", "student.experts=[2,2]", "student.expert_selection=saliency"]
     cli("distill", RECIPES[family], "--run-dir", str(run), *family_sets(checkpoints, family, *more))
@@ -140,8 +140,8 @@ def test_a_qwen2_moe_distill_resumes_after_sigkill_to_the_same_weights(checkpoin
     killed_at_checkpoint("distill", RECIPES["qwen2_moe"], "--run-dir", str(killed), *more,
                          latest=killed / "student.partial" / "checkpoints" / "latest")
     assert not (killed / "student").exists()
-    out = cli("distill", RECIPES["qwen2_moe"], "--run-dir", str(killed), *more)
-    assert "resumed from" in out.stdout + out.stderr
+    cli("distill", RECIPES["qwen2_moe"], "--run-dir", str(killed), *more)
+    assert json.loads((killed / "student" / "DONE.json").read_text())["resumed_from_step"] > 0
     resumed, uninterrupted = load_file(killed / "student" / "model.safetensors"), load_file(straight / "student" / "model.safetensors")
     assert resumed.keys() == uninterrupted.keys()
     for k in uninterrupted:

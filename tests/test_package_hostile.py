@@ -197,7 +197,8 @@ def test_an_index_placing_a_tensor_in_the_wrong_shard_is_refused(sharded, capsys
 
 MANIFEST_DAMAGE = {
     "files a list": (lambda m: {**m, "files": sorted(m["files"])}, "manifest.json: files must be an object"),
-    "no size": (lambda m: drop(m["files"]["config.json"], "size"), "manifest.json: files['config.json'] has no size"),
+    "no size": (lambda m: drop(m["files"]["config.json"], "size"),
+                "manifest.json: files['config.json'].size must be a byte count, got nothing"),
     "size a string": (lambda m: m["files"]["config.json"].update(size=str(m["files"]["config.json"]["size"])),
                       "manifest.json: files['config.json'].size must be a byte count, got a string"),
     "entry a number": (lambda m: m["files"].update({"config.json": 7}),

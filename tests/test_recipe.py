@@ -4,6 +4,7 @@ and one line naming the key."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pydantic
 import pytest
@@ -38,7 +39,8 @@ def test_every_shipped_recipe_loads_builds_its_deepspeed_config_and_plans(path, 
     assert recipe.name == path.stem
     layers, moe_layers, experts, _ = recipe.teacher_layout()
     assert len(experts) == len(moe_layers) and (recipe.model is None) == (recipe.hf_teacher() is not None)
-    for train in (recipe.teacher.train, recipe.student.train):
+    assert (recipe.teacher.train is not None) == recipe.teacher.trained() == (recipe.model is not None)
+    for _, train in recipe.trainings():
         ds = json.loads(json.dumps(deepspeed_config(train, world)))  # plain JSON, as DeepSpeed reads it
         assert ds["train_batch_size"] == train.global_batch_size
         assert ds["gradient_accumulation_steps"] >= 1
@@ -87,6 +89,41 @@ def test_a_recipe_per_hugging_face_family_drops_an_eighth_of_the_layers_and_take
     assert load_stored_recipe(tmp_path / "recipe.yaml").data.tokenizer == str(ckpt)
     with pytest.raises(RecipeError, match="data.tokenizer = .*a directory with a Hugging Face tokenizer.json"):
         load_recipe(ROOT / "recipes" / "tiny.yaml", [f"data.tokenizer={ckpt}"])
+
+
+def test_a_loaded_teacher_is_scored_by_teacher_eval_and_needs_no_train_section(tmp_path, monkeypatch):
+    """A Hugging Face family recipe has teacher.eval, not a train section; a PR-MoE recipe needs teacher.train (the
+    error names it) and keeps it, unused, once teacher.load names a teacher; validators read no file (the teacher's
+    config.json is read once, before); a recipe stored with a loaded teacher's train section (as runs were) reads
+    back with its eval settings taken from it."""
+    import shutil
+
+    from pipeline import recipe as recipe_mod
+
+    r = load_recipe(ROOT / "recipes" / "qwen3-30b-a3b-mos.yaml", world_size=8)
+    assert r.teacher.train is None and not r.teacher.trained() and [n for n, _ in r.trainings()] == ["student.train"]
+    assert (r.teacher.eval.micro_batch_size, r.teacher.eval.eval_batches, r.teacher.eval.precision) == (1, 10, "bf16")
+    with pytest.raises(RecipeError, match=r"^teacher.train = None: required: how to train the teacher"):
+        load_recipe(ROOT / "recipes" / "tiny.yaml", ["teacher.train=null"])
+    loaded = load_recipe(ROOT / "recipes" / "tiny.yaml", [f"teacher.load={tmp_path}"])
+    assert loaded.teacher.train is not None and not loaded.teacher.trained()
+    assert (loaded.teacher.eval.micro_batch_size, loaded.teacher.eval.eval_batches) == (8, None)  # as tiny's train
+    # the teacher's file is read once, before validation: a validator that opened a file would fail here
+    ckpt = tmp_path / "qwen"
+    ckpt.mkdir()
+    shutil.copy(ROOT / "recipes" / "hf" / "qwen3_moe.json", ckpt / "config.json")
+    real_open, opened = Path.read_text, []
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: opened.append(self) or real_open(self, *a, **k))
+    r = load_recipe(ROOT / "recipes" / "qwen3-30b-a3b-mos.yaml", [f"teacher.load={ckpt}"], world_size=8)
+    assert r.hf_teacher()["model_type"] == "qwen3_moe" and opened.count(ckpt / "config.json") == 1
+    monkeypatch.undo()
+    # stored with the dummy train section of before: eval from it, and the same run as the recipe of today
+    raw = yaml.safe_load(dump_recipe(r))
+    del raw["teacher"]["eval"]
+    raw["teacher"]["train"] = {"steps": 1, "micro_batch_size": 1, "global_batch_size": 128, "lr": 1e-5,
+                               "precision": "bf16", "eval_batches": 10}
+    stored = recipe_mod.validate_stored(raw)
+    assert stored.teacher.eval == r.teacher.eval and recipe_mod.diff_recipes(stored, r) == []
 
 
 def test_paper_recipes_follow_the_paper():
