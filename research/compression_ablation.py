@@ -186,7 +186,7 @@ class Study:
                 "student.train.warmup_steps": scaled_warmup(r.student.train.warmup_steps, steps, r.student.train.steps),
                 "student.train.eval_every": max(1, steps // evals),
                 "student.train.eval_batches": self.args.eval_batches_yaml,
-                "teacher.train.eval_batches": self.args.eval_batches_yaml,
+                "teacher.eval.eval_batches": self.args.eval_batches_yaml,
                 "student.init": "teacher", "kd.stop_at": self.args.kd_stop, **extra}
 
     def train_student(self, part: str, name: str, run: Path, sets: dict, log: Path) -> dict:
