@@ -45,7 +45,8 @@ class ModelConfig:
     """Every field is required: the defaults and their reasons live in one place, the recipe schema
     (pipeline/recipe.py, ModelSpec); a saved model carries all of them in its config.json. The optional shape
     fields (head_dim, kv_heads, ffn_hidden, expert_hidden, renormalize) are resolved once, in __post_init__:
-    None on the way in, their value from then on."""
+    None on the way in, their value from then on. So `dataclasses.replace(cfg, hidden=...)` keeps the old widths:
+    a config of another shape sets those it derives from anew (None to derive them again)."""
 
     vocab_size: int
     seq_len: int  # context length = number of learned positions
