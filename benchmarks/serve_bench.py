@@ -13,7 +13,7 @@ One run, side by side (each throughput the median of --repeats runs; same packag
       measured copy bandwidth (the fastest a token could come if weights were read once per token);
   (e) latency percentiles (p50, p99) of 32 concurrent clients x 10 requests each (--latency-requests), and the failures;
   (f) with --layouts: multi-rank layouts (ep2: data parallel + expert parallel; tp2; expert-slicing-4) against
-      1 rank at 16 and 32 concurrent requests, runs interleaved (target for ep2: at least 1.0x at 32), and ep2's
+      1 rank at 16 and 32 concurrent requests, runs interleaved (target for ep2: at least 1.1x at 32), and ep2's
       ceiling on these cores: in this process, without a server, `Engine.step` of 32 rows on --threads threads
       against 16 rows on half of them (one data-parallel rank's share with every expert, no exchange and no step
       message), alternated: the most 2 ranks splitting the cores could gain over 1.
@@ -304,7 +304,7 @@ def print_layouts(res: dict) -> None:
     for name, r in res.get("layouts", {}).items():
         for c in LAYOUT_CONCURRENCY:
             one, multi = r["one_rank"][str(c)], r["layout"][str(c)]
-            target = " (target >= 1.0)" if name == "ep2" and c == 32 else ""
+            target = " (target >= 1.1)" if name == "ep2" and c == 32 else ""
             print(f"(f) {name:17s} ({' '.join(r['args'])}) at {c:2d} concurrent: {multi['tok_s']:7.1f} tok/s vs 1 rank "
                   f"{one['tok_s']:7.1f} tok/s = {multi['tok_s'] / one['tok_s']:.2f}x{target} (interleaved), failures "
                   f"{multi['failures']} / {one['failures']}")
