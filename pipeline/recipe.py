@@ -54,9 +54,6 @@ class RecipeError(ValueError):
         return err
 
 
-TOKENIZER_FORMS = "'gpt2', 'bpe', or a directory with a Hugging Face tokenizer.json (a checkpoint's tokenizer files)"
-
-
 class Section(BaseModel):
     # strict: a string is not silently turned into a number; frozen: a recipe never changes after loading
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -77,9 +74,10 @@ class DataSpec(Section):
     @classmethod
     def _tokenizer_kind(cls, v: str, info: ValidationInfo) -> str:
         files = (info.context or {}).get("teacher_files")
-        if v in ("gpt2", "bpe") or files is None or v in files.tokenizer_dirs:
+        if v in ("gpt2", "bpe") or files is None or v == files.tokenizer_dir:
             return v
-        raise RecipeError("data.tokenizer", v, TOKENIZER_FORMS)
+        raise RecipeError("data.tokenizer", v, "'gpt2', 'bpe', or a directory with a Hugging Face tokenizer.json "
+                          "(a checkpoint's tokenizer files)")
 
 
 class ModelSpec(Section):
@@ -463,7 +461,7 @@ class TeacherFiles:
     """What validating a recipe needs from files, read once before it (`read_teacher_files`)."""
 
     config: dict | None  # the teacher's Hugging Face config.json: teacher.load's checkpoint, else teacher.architecture
-    tokenizer_dirs: frozenset[str]  # data.tokenizer, when it is a directory holding a tokenizer.json (or stored)
+    tokenizer_dir: str | None  # data.tokenizer, when it is a directory holding a tokenizer.json (or stored)
 
 
 def _str_at(raw: Any, *keys: str) -> str | None:
@@ -514,9 +512,8 @@ def read_teacher_files(raw: dict, stored: bool = False) -> tuple[dict, TeacherFi
             and (Path(load) / "tokenizer.json").is_file():  # a checkpoint's own tokenizer, unless one is named
         raw = {**raw, "data": {**data, "tokenizer": load}}
     tokenizer = _str_at(raw, "data", "tokenizer")
-    dirs = frozenset([tokenizer]) if tokenizer and (stored or (Path(tokenizer) / "tokenizer.json").is_file()) else \
-        frozenset()
-    return raw, TeacherFiles(config, dirs)
+    found_dir = tokenizer if tokenizer and (stored or (Path(tokenizer) / "tokenizer.json").is_file()) else None
+    return raw, TeacherFiles(config, found_dir)
 
 
 @functools.lru_cache(maxsize=16)
