@@ -452,15 +452,23 @@ def gather_json(obj, on: torch.device | None = None) -> list:
     return [json.loads(bytes(r[:n].numpy()).decode()) for r, n in zip(rows, sizes)]
 
 
-def shared_memory_reduce() -> bool:
+def shared_memory_reduce(dtype: torch.dtype | None = None) -> bool:
     """Whether `fast_all_reduce_` goes through DeepSpeed's shared-memory kernel (its CPU accelerator, every rank on
-    this machine, the kernel built) rather than the process group."""
+    this machine, the kernel built) rather than the process group; with `dtype`, for tensors of that type too
+    (DeepSpeed reduces bf16 and fp16 there only on a CPU with AVX-512BW, fp32 with AVX2: its `vector_kernel_level`)."""
     import torch.distributed as td
     from deepspeed.accelerator import get_accelerator
 
-    return (get_accelerator().device_name() == "cpu" and td.is_initialized()
+    if not (get_accelerator().device_name() == "cpu" and td.is_initialized()
             and os.environ.get("LOCAL_SIZE") == str(td.get_world_size())
-            and hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_"))
+            and hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
+        return False
+    if dtype is None:
+        return True
+    import deepspeed.comm as dc
+
+    level = getattr(dc.comm.cdb, "shm_vector_kernel_level", 0)
+    return dtype in FAST_DTYPES and level >= (1 if dtype == torch.float32 else 2)
 
 
 def all_to_all_(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],

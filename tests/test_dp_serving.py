@@ -25,12 +25,14 @@ def package(small_run, tmp_path_factory):
     return out
 
 
-def scenarios(pkg, out, placement: str = "-", ranks: int = 1, exchange: str = "auto") -> dict:
+def scenarios(pkg, out, placement: str = "-", ranks: int = 1, exchange: str = "auto", native: bool = False) -> dict:
+    """tests/workers/dp_engine.py's results; `native`: with the CPU kernels on every weight (these are below the size
+    the runtime serves them from), so that decode forwards run in one call of csrc/gemv.cpp's DecodeModel."""
     launcher = [sys.executable] if ranks == 1 else \
         [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
          "--no_local_rank"]
-    proc = subprocess.run([*launcher, WORKER, str(pkg), str(out), placement, exchange], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=child_env())
+    proc = subprocess.run([*launcher, WORKER, str(pkg), str(out), placement, exchange, "native" if native else "-"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -59,15 +61,20 @@ def test_one_rank_batched_and_chunked_prefill_keep_every_requests_tokens(one_ran
     assert one_rank["blocks_in_use"] == [0] and one_rank["stats"]["failed"] == 0
 
 
-@pytest.mark.parametrize("placement, exchange", [("-", "all-to-all"), ("-", "auto"), ("reactive", "auto"),
-                                                ("predictive", "all-to-all")])
-def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tmp_path, placement, exchange):
-    """Both exchanges (all-to-all; auto: DeepSpeed's shared-memory all-reduce on this CPU machine)."""
-    two = scenarios(package, tmp_path / "out.json", placement, ranks=2, exchange=exchange)
+@pytest.mark.parametrize("placement, exchange, native", [("-", "all-to-all", False), ("-", "auto", False),
+                                                        ("-", "auto", True), ("reactive", "auto", True),
+                                                        ("predictive", "all-to-all", False)])
+def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tmp_path, placement, exchange, native):
+    """Both exchanges (all-to-all; auto: DeepSpeed's shared-memory all-reduce on this CPU machine); `native`: decode
+    forwards in csrc/gemv.cpp's DecodeModel."""
+    two = scenarios(package, tmp_path / "out.json", placement, ranks=2, exchange=exchange, native=native)
     assert two["dp"] == 2 and two["exchange"] == ("all-reduce" if exchange == "auto" else exchange)
     # on one machine (the shared-memory all-reduce) decode batches' MoE layers run gathered: route, expert_pairs and
     # combine_pairs between two all-reduces (a replica table's hot experts split between their holders)
     assert (two["gathered_layers"] > 0) == (two["exchange"] == "all-reduce")
+    # natively, inside the one-call decode step (its all-reduces called from C++) while the table gives each expert
+    # one holder; a rank without rows, a prefill and a replica's split run the module's way, the same collectives
+    assert (two["native_experts"] == "gathered") == native
     for name in ("staggered", "chunked"):
         assert tokens(two[name]["requests"]) == tokens(one_rank[name]["requests"]), name
     # the sequences really were split between the ranks, and one rank sat with no rows while the other decoded

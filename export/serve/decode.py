@@ -11,7 +11,8 @@ Every layer runs in one call of csrc/gemv.cpp's `DecodeModel`: the norm (RMSNorm
 `qkv_heads` (heads, qk_norm, RoPE), the cache's `paged_attention`, the out projection, the residual; then a dense MLP
 or a layer's routed experts where every expert is on this rank, else the block's own MLP module, called back from
 the kernel (a residual or shared-expert MoE layer, or experts on other ranks, whose exchange joins the other ranks'
-collectives as it does in the model's forward). The layer-by-layer loop below it runs the same steps in Python
+collectives as it does in the model's forward). Expert parallelism between the ranks of one machine runs in the
+kernel too (`Exchange.run_gathered`'s two all-reduces, called from C++), while each expert has one holder. The layer-by-layer loop below it runs the same steps in Python
 (more rows than the grouped expert kernel takes). Positions come from a RoPE table made once by `rope_tables`
 itself (the same values as the per-forward tables).
 """
@@ -33,11 +34,14 @@ class Decoder:
         self.dtype = model.wte.weight.dtype
         self.head_dim = self.cfg.head_dim
         self._cos = self._sin = None  # the RoPE table: [positions, head_dim] in the model's dtype
-        # every layer in one kernel call (csrc/gemv.cpp `DecodeModel`) up to `native_rows` rows, where it runs them
+        # every layer in one kernel call (csrc/gemv.cpp `DecodeModel`) up to `native_rows` rows, where it runs them;
+        # `native_experts`: it runs the MoE layers' experts itself ("local": one rank; "gathered": the ranks of one
+        # machine, `Exchange.run_gathered`'s way, when every rank's tokens are known; "": it calls the module back)
         self.native, self.native_rows, self.native_experts = _decode_model(model, kernel, cache) \
-            if cache is not None else (None, 0, False)
+            if cache is not None else (None, 0, "")
         # the MoE layers' exchange: its meter and residency counts, for the MoE layers DecodeModel runs itself
         self._exchange = next((getattr(block.mlp, "exchange", None) for block in model.blocks if block.is_moe), None)
+        self._table = self._exchange.table if self.native_experts == "gathered" else None  # the table it holds
 
     @classmethod
     def of(cls, model: GPT, cache) -> "Decoder | None":
@@ -108,26 +112,47 @@ class Decoder:
 
     def _native(self, x, cos, sin, cache) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The layers in one `DecodeModel.forward`; the MoE layers' exchange keeps its books as for its own calls."""
-        x, counts, expert_s, ran, here = self.native.forward(x, cos, sin, cache._table, cache._start)
+        tokens = self._gathered_tokens(x)
+        x, counts, expert_s, exchange_s, ran, here, gathered = self.native.forward(x, cos, sin, cache._table,
+                                                                                   cache._start, tokens)
         if here:
             self._exchange.ran_locally(here, x.shape[0] * self.cfg.top_k, expert_s, ran)
+        if gathered:
+            self._exchange.ran_gathered(counts, expert_s, exchange_s, ran)
         return x, counts
 
+    def _gathered_tokens(self, x: torch.Tensor) -> list[int]:
+        """Every rank's tokens in this forward where DecodeModel runs the MoE layers as `Exchange.run_gathered` would
+        (the same answer on every rank: `Exchange.gathers`, for the layer of fewest experts, under the table it
+        holds); else [] (each MoE layer's module is called back, and decides for itself)."""
+        ex = self._exchange
+        if self.native_experts != "gathered" or ex.table != self._table:
+            return []
+        wg = self.model.blocks[self._fewest].mlp.moe.deepspeed_moe.gate.wg.weight
+        return list(ex.tokens) if ex.gathers(x, wg, self.cfg.top_k) else []
 
-def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, bool]:
+    @property
+    def _fewest(self) -> int:
+        """The block of the MoE layer with the fewest experts."""
+        moe = [i for i, block in enumerate(self.model.blocks) if block.is_moe]
+        return min(moe, key=lambda i: self.model.blocks[i].mlp.num_experts)
+
+
+def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
     """csrc/gemv.cpp's `DecodeModel` holding every layer's tensors, the rows it runs (the grouped expert kernel's
-    row limit where it runs the experts; any number otherwise), and whether it runs the MoE layers' experts itself;
-    (None, 0, False) where an attention half is not one it runs
-    (projections not served by export/serve/linears.py, a norm on other weights' dtype). The MLP half of a layer is a
-    dense MLP, or the experts of an MoE layer (with its residual MLP or shared expert) when it runs every MoE layer
-    that way (one rank, every expert resident); else the block's own module, called back (its exchange's collectives
-    and books as that module keeps them)."""
+    row limit where it runs the experts; any number otherwise), and how it runs the MoE layers' experts ("local",
+    "gathered" or "", see `Decoder`); (None, 0, "") where an attention half is not one it runs (projections not
+    served by export/serve/linears.py, a norm on other weights' dtype). The MLP half of a layer is a dense MLP, or
+    the experts of an MoE layer (with its residual MLP or shared expert) when it runs every MoE layer that way (one
+    rank, every expert resident: "local"; or the ranks of one machine in the shared-memory all-reduce, each expert
+    on one rank, this rank's resident: "gathered", with the module kept for the forwards it does not gather); else
+    the block's own module, called back (its exchange's collectives and books as that module keeps them)."""
     from export.serve.placement.exchange import PlacedMoE
 
     cfg = model.cfg
     if not hasattr(kernel, "DecodeModel") or not isinstance(getattr(model.blocks[0].attn, "qkv", None),
                                                                linears.FusedQKV):
-        return None, 0, False
+        return None, 0, ""
     dtype = model.wte.weight.dtype
 
     def norm(module: nn.Module) -> tuple | None:
@@ -167,16 +192,29 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, bool]:
             out[1] = (*fcs, gate)
         return out
 
-    def experts_here(moe) -> bool:
-        if not isinstance(moe, PlacedMoE) or extras(moe) is None or moe.exchange.ep != 1:
+    def experts_held(moe, ep: int) -> bool:  # an MoE layer on `ep` ranks whose experts here are all resident
+        if not isinstance(moe, PlacedMoE) or extras(moe) is None or moe.exchange.ep != ep:
             return False
-        residency = moe.exchange.residency
+        ex, residency = moe.exchange, moe.exchange.residency
+        mine = [e for e, holders in enumerate(ex.table[moe.index]) if ex.rank in holders]
         return (moe.moe.deepspeed_moe.gate.wg.weight.dtype == torch.float32 and residency.resident_fraction >= 1
-                and all((moe.index, e) in residency.resident for e in range(moe.num_experts)))
+                and all((moe.index, e) in residency.resident for e in mine))
+
+    def gathered(moe) -> bool:  # ranks of one machine, each expert on one rank: Exchange.run_gathered's layer
+        ex = getattr(moe, "exchange", None)
+        return (ex is not None and ex.ep > 1 and ex.transport == "all-reduce" and experts_held(moe, ex.ep)
+                and all(len(h) == 1 for h in ex.table[moe.index]) and dist.shared_memory_reduce(dtype))
+
+    from pipeline import dist
 
     moe_layers = [block.mlp for block in model.blocks if block.is_moe]
-    native_experts = bool(moe_layers) and all(experts_here(moe) for moe in moe_layers)
-    rows = linears.grouped_max_rows(model.wte.weight) * min(cfg.experts) // cfg.top_k if native_experts else 1 << 30
+    native_experts = ""
+    if moe_layers and all(experts_held(moe, 1) for moe in moe_layers):
+        native_experts = "local"
+    elif moe_layers and all(gathered(moe) for moe in moe_layers):
+        native_experts = "gathered"
+    rows = linears.grouped_max_rows(model.wte.weight) * min(cfg.experts) // cfg.top_k \
+        if native_experts == "local" else 1 << 30
     native = kernel.DecodeModel(cfg.head_dim, *model.blocks[0].attn.qkv.sizes[:2], cfg.top_k,
                                 bool(cfg.renormalize), cfg.activation == "swiglu")
     for i, block in enumerate(model.blocks):
@@ -185,15 +223,21 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, bool]:
         parts = (norm(block.ln_1), served(qkv.weight, qkv.bias) if isinstance(qkv, linears.FusedQKV) else None,
                  served(out.served, out.bias) if isinstance(out, linears.ServingLinear) else None, norm(block.ln_2))
         if any(p is None for p in parts):
-            return None, 0, False
+            return None, 0, ""
         qk = cfg.qk_norm != "none"
         native.add_attention(parts[0], parts[1], attn.q_norm.weight if qk else None,
                              attn.k_norm.weight if qk else None, attn.q_norm.eps if qk else 0.0, parts[2], parts[3],
                              cache.k[i], cache.v[i])
         if block.is_moe and native_experts:
-            residency, wg = mlp.exchange.residency, mlp.moe.deepspeed_moe.gate.wg.weight
-            native.add_experts(wg.contiguous(), *linears._expert_tensors(
-                [residency.resident[(mlp.index, e)] for e in range(mlp.num_experts)]))
+            ex, wg = mlp.exchange, mlp.moe.deepspeed_moe.gate.wg.weight
+            if native_experts == "local":
+                native.add_experts(wg.contiguous(), *linears._expert_tensors(
+                    [ex.residency.resident[(mlp.index, e)] for e in range(mlp.num_experts)]))
+            else:
+                owner = [holders[0] for holders in ex.table[mlp.index]]
+                mine = [e for e in range(mlp.num_experts) if owner[e] == ex.rank]
+                native.add_gathered(wg.contiguous(), owner, ex.rank, *linears._expert_tensors(
+                    [ex.residency.resident[(mlp.index, e)] for e in mine]), _module_half(block))
             residual, shared = extras(mlp)
             if residual is not None:
                 native.add_residual(*residual)

@@ -89,6 +89,7 @@ def scenarios(engine: Engine) -> dict:
     placement = engine.placement_stats()
     out["exchange"] = placement.exchange.transport if placement.exchange is not None else None
     out["gathered_layers"] = placement.exchange.gathered if placement.exchange is not None else 0
+    out["native_experts"] = engine.worker.decoder.native_experts if engine.worker.decoder is not None else None
     if placement.controller is not None:
         out["placement_balancedness"] = placement.exchange.balancedness
         out["table_changes"] = placement.controller.table_changes
@@ -99,6 +100,10 @@ def main() -> None:
     pkg, path = Path(sys.argv[1]), Path(sys.argv[2])
     placement = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
     exchange = sys.argv[4] if len(sys.argv) > 4 else "auto"
+    if len(sys.argv) > 5 and sys.argv[5] == "native":  # the CPU kernels on these small weights too: decode forwards
+        from export.serve import linears                # in csrc/gemv.cpp's DecodeModel (export/serve/decode.py)
+
+        linears.SERVE_FROM = 0
     ranks = dist.init()
     config = ServeConfig(package=pkg, ep_size=ranks.world if ranks.world > 1 else None, placement=placement,
                          replica_budget=0.5, max_batch=4, checksums=False, expert_exchange=exchange,

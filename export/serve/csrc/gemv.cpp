@@ -1475,13 +1475,16 @@ struct DecodeLayer {
   c10::optional<at::Tensor> q_norm, k_norm;
   double qk_eps = 0;
   at::Tensor K, V;
-  enum { NONE, DENSE, EXPERTS, MODULE } mlp = NONE;
+  enum { NONE, DENSE, EXPERTS, GATHERED, MODULE } mlp = NONE;
   at::Tensor wg;                           // EXPERTS: the router, every expert's tensors by index
-  std::vector<at::Tensor> w1, b1, w2, b2;  // (b1, b2 empty without biases)
+  std::vector<at::Tensor> w1, b1, w2, b2;  // (b1, b2 empty without biases); GATHERED: this rank's experts only
+  std::vector<int64_t> owner;              // GATHERED: each expert's one holder; this rank's experts' slot in w1..
+  std::vector<int64_t> slot;               // (-1: another rank's)
   bool residual = false, shared = false;      // EXPERTS: PR-MoE's residual MLP and its coefficient, Qwen2-MoE's
   DecodeLinear rfc1, rfc2, coefficient;       // shared expert and its gate
   DecodeLinear sfc1, sfc2, shared_gate;
-  py::object module;                          // MODULE: h [B, C] -> (out [B, C], tokens per expert or None)
+  py::object module;                          // MODULE (and GATHERED without the ranks' tokens): h [B, C] ->
+                                              // (out [B, C], tokens per expert or None)
 };
 
 static DecodeNorm decode_norm(const py::tuple& t) {  // (weight, bias or None, eps, layer_norm)
@@ -1526,6 +1529,33 @@ class DecodeModel {
     L.b2 = std::move(b2);
   }
 
+  // An expert-parallel MoE layer between the ranks of one machine, as export/serve/placement/exchange.py's
+  // `Exchange.run_gathered` runs it (there in Python, here without it): every rank's tokens gathered by one
+  // all-reduce of a table in which each rank writes its rows (exact: x + 0 = x), routed alike on every rank, this
+  // rank's pairs computed (the experts `owner` gives it: w1.. are theirs, in increasing expert order), the pairs'
+  // outputs summed over the ranks by a second all-reduce, and this rank's tokens' choices combined. The all-reduce
+  // is DeepSpeed's shared-memory one (torch.ops.deepspeed.inference_all_reduce_, as pipeline/dist.py's
+  // fast_all_reduce_ calls it), called through the dispatcher. `module`: the layer as PlacedMoE runs it, called
+  // back for a forward that is not given every rank's tokens.
+  void add_gathered(at::Tensor wg, std::vector<int64_t> owner, int64_t rank, std::vector<at::Tensor> w1,
+                    std::vector<at::Tensor> b1, std::vector<at::Tensor> w2, std::vector<at::Tensor> b2,
+                    py::object module) {
+    TORCH_CHECK(static_cast<int64_t>(owner.size()) == wg.size(0) && rank >= 0,
+                "DecodeModel.add_gathered: one owner per expert of the router, and this rank");
+    std::vector<int64_t> slot(owner.size(), -1);
+    int64_t mine = 0;
+    for (size_t e = 0; e < owner.size(); ++e)
+      if (owner[e] == rank) slot[e] = mine++;
+    TORCH_CHECK(static_cast<int64_t>(w1.size()) == mine && w2.size() == w1.size() &&
+                    (b1.empty() || b1.size() == w1.size()) && b2.size() == b1.size(),
+                "DecodeModel.add_gathered: one w1, w2 (b1, b2) per expert this rank owns, in expert order");
+    DecodeLayer& L = last("add_gathered");
+    L.mlp = DecodeLayer::GATHERED, L.wg = wg, L.owner = std::move(owner), L.slot = std::move(slot);
+    L.w1 = std::move(w1), L.b1 = std::move(b1), L.w2 = std::move(w2), L.b2 = std::move(b2);
+    L.module = std::move(module);
+    rank_ = rank;
+  }
+
   // After add_experts: PR-MoE's residual MLP, out = experts * c0 + mlp * c1 with (c0, c1) = softmax(coefficient(h))
   // (pipeline/model.py `mix_residual`).
   void add_residual(py::tuple fc1, py::tuple fc2, py::tuple coefficient) {
@@ -1551,15 +1581,17 @@ class DecodeModel {
   }
 
   // x [B, C] the rows' embeddings; cos, sin [B, D] (RoPE) or None; the pool's block tables and starts as
-  // paged_attention takes them. Returns (hidden [B, C] before the final norm, tokens per expert [E] of each MoE
-  // layer, the seconds spent in the MoE layers run here, the experts they ran, how many MoE layers ran here).
-  std::tuple<at::Tensor, std::vector<at::Tensor>, double, int64_t, int64_t> forward(
+  // paged_attention takes them; `tokens`: every rank's rows in this forward (the step says them), for the GATHERED
+  // layers, or empty (they call their module back). Returns (hidden [B, C] before the final norm, tokens per expert
+  // [E] of each MoE layer, seconds computing experts in the MoE layers run here, seconds in their all-reduces, the
+  // experts they ran on this rank, how many MoE layers ran here as EXPERTS, how many as GATHERED).
+  std::tuple<at::Tensor, std::vector<at::Tensor>, double, double, int64_t, int64_t, int64_t> forward(
       at::Tensor x, const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-      const at::Tensor& tables, const std::vector<int64_t>& starts) {
+      const at::Tensor& tables, const std::vector<int64_t>& starts, const std::vector<int64_t>& tokens) {
     const int64_t B = x.size(0);
     std::vector<at::Tensor> counts;
-    double expert_s = 0;
-    int64_t ran = 0, here = 0;
+    double expert_s = 0, exchange_s = 0;
+    int64_t ran = 0, here = 0, gathered = 0;
     for (const DecodeLayer& L : layers_) {
       TORCH_CHECK(L.mlp != DecodeLayer::NONE, "DecodeModel.forward: a layer without its MLP half");
       at::Tensor y = L.qkv(L.n1(x));
@@ -1572,43 +1604,112 @@ class DecodeModel {
         x = x.add(mlp(h, L.fc1, L.fc2));
         continue;
       }
-      if (L.mlp == DecodeLayer::MODULE) {
+      if (L.mlp == DecodeLayer::MODULE || (L.mlp == DecodeLayer::GATHERED && tokens.empty())) {
         py::tuple r = L.module(h);
         x = x.add(r[0].cast<at::Tensor>());
         if (!r[1].is_none()) counts.push_back(r[1].cast<at::Tensor>());
         continue;
       }
-      const auto t0 = std::chrono::steady_clock::now();
-      auto [mix, experts, n] = route(h, L.wg, k_, renormalize_);
-      std::vector<int64_t> active;
-      std::vector<at::Tensor> w1, b1, w2, b2;
-      const int64_t* np = n.data_ptr<int64_t>();
-      for (int64_t e = 0; e < n.numel(); ++e) {
-        if (!np[e]) continue;
-        active.push_back(e);
-        w1.push_back(L.w1[e]);
-        w2.push_back(L.w2[e]);
-        if (!L.b1.empty()) {
-          b1.push_back(L.b1[e]);
-          b2.push_back(L.b2[e]);
+      at::Tensor out, n;
+      if (L.mlp == DecodeLayer::GATHERED) {
+        std::tie(out, n) = gathered_experts(L, h, tokens, expert_s, exchange_s, ran);
+        ++gathered;
+      } else {
+        const auto t0 = std::chrono::steady_clock::now();
+        at::Tensor mix, experts;
+        std::tie(mix, experts, n) = route(h, L.wg, k_, renormalize_);
+        std::vector<int64_t> active;
+        std::vector<at::Tensor> w1, b1, w2, b2;
+        const int64_t* np = n.data_ptr<int64_t>();
+        for (int64_t e = 0; e < n.numel(); ++e) {
+          if (!np[e]) continue;
+          active.push_back(e);
+          w1.push_back(L.w1[e]);
+          w2.push_back(L.w2[e]);
+          if (!L.b1.empty()) {
+            b1.push_back(L.b1[e]);
+            b2.push_back(L.b2[e]);
+          }
         }
+        out = routed_experts(h, experts, mix, active, w1, b1, w2, b2, swiglu_);
+        expert_s += seconds_since(t0);
+        ran += static_cast<int64_t>(active.size());
+        ++here;
       }
-      at::Tensor out = routed_experts(h, experts, mix, active, w1, b1, w2, b2, swiglu_);
-      expert_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (L.residual) {
         at::Tensor c = L.coefficient(h).softmax(-1);
         out = out.mul(c.narrow(-1, 0, 1)).add(mlp(h, L.rfc1, L.rfc2).mul(c.narrow(-1, 1, 1)));
       }
       if (L.shared) out = out.add(at::sigmoid(L.shared_gate(h)).mul(mlp(h, L.sfc1, L.sfc2)));
       x = x.add(out);
-      ran += static_cast<int64_t>(active.size());
-      ++here;
       counts.push_back(n);
     }
-    return {x, counts, expert_s, ran, here};
+    return {x, counts, expert_s, exchange_s, ran, here, gathered};
   }
 
  private:
+  static double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  // DeepSpeed's shared-memory all-reduce of t, in place (every rank calls it, in the same order)
+  static void all_reduce(at::Tensor& t) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("deepspeed::inference_all_reduce_", "")
+                         .typed<at::Tensor&(at::Tensor&)>();
+    op.call(t);
+  }
+
+  // A GATHERED layer over this rank's rows h [S, C] (see add_gathered): (output [S, C], tokens per expert [E]).
+  std::pair<at::Tensor, at::Tensor> gathered_experts(const DecodeLayer& L, const at::Tensor& h,
+                                                     const std::vector<int64_t>& tokens, double& expert_s,
+                                                     double& exchange_s, int64_t& ran) const {
+    const int64_t S = h.size(0), C = h.size(1);
+    TORCH_CHECK(rank_ < static_cast<int64_t>(tokens.size()) && tokens[rank_] == S, "DecodeModel.forward: ", S,
+                " rows on rank ", rank_, ", the step's tokens say otherwise");
+    int64_t total = 0, off = 0;
+    for (size_t r = 0; r < tokens.size(); ++r) {
+      if (static_cast<int64_t>(r) < rank_) off += tokens[r];
+      total += tokens[r];
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    at::Tensor every = at::zeros({total, C}, h.options());
+    every.narrow(0, off, S).copy_(h);
+    all_reduce(every);
+    exchange_s += seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
+    auto [mix, experts, n] = route(every, L.wg, k_, renormalize_);
+    at::Tensor mine = experts.clone();  // this rank's pairs: their expert; the others' -1
+    int64_t* mp = mine.data_ptr<int64_t>();
+    for (int64_t i = 0; i < mine.numel(); ++i)
+      if (L.slot[mp[i]] < 0) mp[i] = -1;
+    std::vector<int64_t> active;
+    std::vector<at::Tensor> w1, b1, w2, b2;
+    const int64_t* np = n.data_ptr<int64_t>();
+    for (int64_t e = 0; e < n.numel(); ++e) {
+      const int64_t sl = L.slot[e];
+      if (!np[e] || sl < 0) continue;
+      active.push_back(e);
+      w1.push_back(L.w1[sl]);
+      w2.push_back(L.w2[sl]);
+      if (!L.b1.empty()) {
+        b1.push_back(L.b1[sl]);
+        b2.push_back(L.b2[sl]);
+      }
+    }
+    at::Tensor pairs = active.empty() ? at::zeros({total, k_, C}, h.options())
+                                      : expert_pairs(every, mine, mix, active, w1, b1, w2, b2, swiglu_);
+    expert_s += seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
+    all_reduce(pairs);
+    exchange_s += seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
+    at::Tensor out = combine_pairs(pairs.narrow(0, off, S).contiguous(), mix.narrow(0, off, S).contiguous());
+    expert_s += seconds_since(t0);
+    ran += static_cast<int64_t>(active.size());
+    return {out, n};
+  }
+
   // pipeline/model.py's MLP
   at::Tensor mlp(const at::Tensor& h, const DecodeLinear& fc1, const DecodeLinear& fc2) const {
     at::Tensor u = fc1(h);
@@ -1622,8 +1723,9 @@ class DecodeModel {
   }
 
   DecodeLayer& experts_layer(const char* what) {
-    TORCH_CHECK(!layers_.empty() && layers_.back().mlp == DecodeLayer::EXPERTS, "DecodeModel.", what,
-                ": after add_experts");
+    TORCH_CHECK(!layers_.empty() && (layers_.back().mlp == DecodeLayer::EXPERTS ||
+                                     layers_.back().mlp == DecodeLayer::GATHERED),
+                "DecodeModel.", what, ": after add_experts or add_gathered");
     return layers_.back();
   }
 
@@ -1634,6 +1736,7 @@ class DecodeModel {
   }
 
   int64_t D_, qs_, kvs_, k_;
+  int64_t rank_ = 0;  // this rank (GATHERED layers)
   bool renormalize_, swiglu_;
   std::vector<DecodeLayer> layers_;
 };
@@ -1659,6 +1762,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, bool, bool>())
       .def("add_attention", &DecodeModel::add_attention)
       .def("add_experts", &DecodeModel::add_experts)
+      .def("add_gathered", &DecodeModel::add_gathered)
       .def("add_mlp", &DecodeModel::add_mlp)
       .def("add_residual", &DecodeModel::add_residual)
       .def("add_shared", &DecodeModel::add_shared)

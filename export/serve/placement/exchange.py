@@ -297,6 +297,20 @@ class Exchange:
         self.seconds.add_seconds("expert", expert_s)
         self.residency.hits += experts_run
 
+    def ran_gathered(self, counts: list[torch.Tensor], expert_s: float, exchange_s: float, experts_run: int) -> None:
+        """The books of the MoE layers that ran as `run_gathered` runs them, outside it (export/serve/decode.py's
+        one-call decode step, under the table without replicas it was given): each layer's tokens per expert over all
+        ranks (`counts`, in layer order), seconds computing experts and in the all-reduces, this rank's experts used."""
+        for layer, n in enumerate(counts):
+            loads = [0] * self.ep
+            for holders, c in zip(self.table[layer], n.tolist()):
+                loads[holders[0]] += c
+            self.meter.observe(layer, loads)
+        self.gathered += len(counts)
+        self.seconds.add_seconds("expert", expert_s)
+        self.seconds.add_seconds("exchange", exchange_s)
+        self.residency.hits += experts_run
+
     @property
     def expert_s(self) -> float:
         return self.seconds.total("expert")
