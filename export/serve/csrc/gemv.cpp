@@ -1592,6 +1592,7 @@ class DecodeModel {
     std::vector<at::Tensor> counts;
     double expert_s = 0, exchange_s = 0;
     int64_t ran = 0, here = 0, gathered = 0;
+    py::gil_scoped_release nogil;  // the server's HTTP thread runs meanwhile; a module called back takes it again
     for (const DecodeLayer& L : layers_) {
       TORCH_CHECK(L.mlp != DecodeLayer::NONE, "DecodeModel.forward: a layer without its MLP half");
       at::Tensor y = L.qkv(L.n1(x));
@@ -1605,6 +1606,7 @@ class DecodeModel {
         continue;
       }
       if (L.mlp == DecodeLayer::MODULE || (L.mlp == DecodeLayer::GATHERED && tokens.empty())) {
+        py::gil_scoped_acquire gil;
         py::tuple r = L.module(h);
         x = x.add(r[0].cast<at::Tensor>());
         if (!r[1].is_none()) counts.push_back(r[1].cast<at::Tensor>());
