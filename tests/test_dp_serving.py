@@ -75,6 +75,8 @@ def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tm
     # natively, inside the one-call decode step (its all-reduces called from C++) while the table gives each expert
     # one holder; a rank without rows, a prefill and a replica's split run the module's way, the same collectives
     assert (two["native_experts"] == "gathered") == native
+    if native and placement != "-":  # the kernel took the replica tables too (their pairs split by the exchange)
+        assert two["table_changes"] >= 1 and two["native_tables"] >= 2
     for name in ("staggered", "chunked"):
         assert tokens(two[name]["requests"]) == tokens(one_rank[name]["requests"]), name
     # the sequences really were split between the ranks, and one rank sat with no rows while the other decoded

@@ -12,12 +12,15 @@ Every layer runs in one call of csrc/gemv.cpp's `DecodeModel`: the norm (RMSNorm
 or a layer's routed experts where every expert is on this rank, else the block's own MLP module, called back from
 the kernel (a residual or shared-expert MoE layer, or experts on other ranks, whose exchange joins the other ranks'
 collectives as it does in the model's forward). Expert parallelism between the ranks of one machine runs in the
-kernel too (`Exchange.run_gathered`'s two all-reduces, called from C++), while each expert has one holder. The layer-by-layer loop below it runs the same steps in Python
+kernel too (`Exchange.run_gathered`'s two all-reduces, called from C++; a replicated expert's pairs split between
+its holders by the exchange, called back). The layer-by-layer loop below it runs the same steps in Python
 (more rows than the grouped expert kernel takes). Positions come from a RoPE table made once by `rope_tables`
 itself (the same values as the per-forward tables).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -41,7 +44,8 @@ class Decoder:
             if cache is not None else (None, 0, "")
         # the MoE layers' exchange: its meter and residency counts, for the MoE layers DecodeModel runs itself
         self._exchange = next((getattr(block.mlp, "exchange", None) for block in model.blocks if block.is_moe), None)
-        self._table = self._exchange.table if self.native_experts == "gathered" else None  # the table it holds
+        self._table = None  # "gathered": the replica table whose experts DecodeModel holds (`_hold`)
+        self.tables_held = 0  # tables it was given since start
 
     @classmethod
     def of(cls, model: GPT, cache) -> "Decoder | None":
@@ -126,10 +130,28 @@ class Decoder:
         (the same answer on every rank: `Exchange.gathers`, for the layer of fewest experts, under the table it
         holds); else [] (each MoE layer's module is called back, and decides for itself)."""
         ex = self._exchange
-        if self.native_experts != "gathered" or ex.table != self._table:
+        if self.native_experts != "gathered" or (ex.table != self._table and not self._hold(ex.table)):
             return []
         wg = self.model.blocks[self._fewest].mlp.moe.deepspeed_moe.gate.wg.weight
         return list(ex.tokens) if ex.gathers(x, wg, self.cfg.top_k) else []
+
+    def _hold(self, table) -> bool:
+        """Give DecodeModel's gathered layers the experts `table` has this rank compute (natives and replicas, as
+        the exchange's residency holds them) and, for a layer with replicas, the split of their pairs between their
+        holders (`Exchange.split_pairs`); False (and nothing changed) while one of them is not resident."""
+        ex = self._exchange
+        layers = [(i, block.mlp) for i, block in enumerate(self.model.blocks) if block.is_moe]
+        held = {i: [e for e, holders in enumerate(table[moe.index]) if ex.rank in holders] for i, moe in layers}
+        if any((moe.index, e) not in ex.residency.resident for i, moe in layers for e in held[i]):
+            return False
+        for i, moe in layers:
+            single = all(len(holders) == 1 for holders in table[moe.index])
+            weights = [ex.residency.resident[(moe.index, e)] for e in held[i]]
+            self.native.hold(i, held[i], *(linears._expert_tensors(weights) if weights else ([], [], [], [])),
+                             None if single else functools.partial(ex.split_pairs, moe.index))
+        self._table = table
+        self.tables_held += 1
+        return True
 
     @property
     def _fewest(self) -> int:
@@ -144,8 +166,8 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
     "gathered" or "", see `Decoder`); (None, 0, "") where an attention half is not one it runs (projections not
     served by export/serve/linears.py, a norm on other weights' dtype). The MLP half of a layer is a dense MLP, or
     the experts of an MoE layer (with its residual MLP or shared expert) when it runs every MoE layer that way (one
-    rank, every expert resident: "local"; or the ranks of one machine in the shared-memory all-reduce, each expert
-    on one rank, this rank's resident: "gathered", with the module kept for the forwards it does not gather); else
+    rank, every expert resident: "local"; or the ranks of one machine in the shared-memory all-reduce, this rank's
+    experts resident: "gathered", with the module kept for the forwards it does not gather); else
     the block's own module, called back (its exchange's collectives and books as that module keeps them)."""
     from export.serve.placement.exchange import PlacedMoE
 
@@ -200,10 +222,10 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
         return (moe.moe.deepspeed_moe.gate.wg.weight.dtype == torch.float32 and residency.resident_fraction >= 1
                 and all((moe.index, e) in residency.resident for e in mine))
 
-    def gathered(moe) -> bool:  # ranks of one machine, each expert on one rank: Exchange.run_gathered's layer
+    def gathered(moe) -> bool:  # ranks of one machine in the shared-memory all-reduce: Exchange.run_gathered's layer
         ex = getattr(moe, "exchange", None)
         return (ex is not None and ex.ep > 1 and ex.transport == "all-reduce" and experts_held(moe, ex.ep)
-                and all(len(h) == 1 for h in ex.table[moe.index]) and dist.shared_memory_reduce(dtype))
+                and dist.shared_memory_reduce(dtype))
 
     from pipeline import dist
 
@@ -233,11 +255,8 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
             if native_experts == "local":
                 native.add_experts(wg.contiguous(), *linears._expert_tensors(
                     [ex.residency.resident[(mlp.index, e)] for e in range(mlp.num_experts)]))
-            else:
-                owner = [holders[0] for holders in ex.table[mlp.index]]
-                mine = [e for e in range(mlp.num_experts) if owner[e] == ex.rank]
-                native.add_gathered(wg.contiguous(), owner, ex.rank, *linears._expert_tensors(
-                    [ex.residency.resident[(mlp.index, e)] for e in mine]), _module_half(block))
+            else:  # its experts: Decoder._hold, under the table in force
+                native.add_gathered(wg.contiguous(), ex.rank, _module_half(block))
             residual, shared = extras(mlp)
             if residual is not None:
                 native.add_residual(*residual)

@@ -90,6 +90,7 @@ def scenarios(engine: Engine) -> dict:
     out["exchange"] = placement.exchange.transport if placement.exchange is not None else None
     out["gathered_layers"] = placement.exchange.gathered if placement.exchange is not None else 0
     out["native_experts"] = engine.worker.decoder.native_experts if engine.worker.decoder is not None else None
+    out["native_tables"] = engine.worker.decoder.tables_held if engine.worker.decoder is not None else 0
     if placement.controller is not None:
         out["placement_balancedness"] = placement.exchange.balancedness
         out["table_changes"] = placement.controller.table_changes

@@ -1478,8 +1478,8 @@ struct DecodeLayer {
   enum { NONE, DENSE, EXPERTS, GATHERED, MODULE } mlp = NONE;
   at::Tensor wg;                           // EXPERTS: the router, every expert's tensors by index
   std::vector<at::Tensor> w1, b1, w2, b2;  // (b1, b2 empty without biases); GATHERED: this rank's experts only
-  std::vector<int64_t> owner;              // GATHERED: each expert's one holder; this rank's experts' slot in w1..
-  std::vector<int64_t> slot;               // (-1: another rank's)
+  std::vector<int64_t> slot;               // GATHERED: each expert's place in w1.. (-1: not held here)
+  py::object split;                        // GATHERED: None (each expert has one holder), or the replicas' split
   bool residual = false, shared = false;      // EXPERTS: PR-MoE's residual MLP and its coefficient, Qwen2-MoE's
   DecodeLinear rfc1, rfc2, coefficient;       // shared expert and its gate
   DecodeLinear sfc1, sfc2, shared_gate;
@@ -1532,28 +1532,37 @@ class DecodeModel {
   // An expert-parallel MoE layer between the ranks of one machine, as export/serve/placement/exchange.py's
   // `Exchange.run_gathered` runs it (there in Python, here without it): every rank's tokens gathered by one
   // all-reduce of a table in which each rank writes its rows (exact: x + 0 = x), routed alike on every rank, this
-  // rank's pairs computed (the experts `owner` gives it: w1.. are theirs, in increasing expert order), the pairs'
-  // outputs summed over the ranks by a second all-reduce, and this rank's tokens' choices combined. The all-reduce
-  // is DeepSpeed's shared-memory one (torch.ops.deepspeed.inference_all_reduce_, as pipeline/dist.py's
-  // fast_all_reduce_ calls it), called through the dispatcher. `module`: the layer as PlacedMoE runs it, called
-  // back for a forward that is not given every rank's tokens.
-  void add_gathered(at::Tensor wg, std::vector<int64_t> owner, int64_t rank, std::vector<at::Tensor> w1,
-                    std::vector<at::Tensor> b1, std::vector<at::Tensor> w2, std::vector<at::Tensor> b2,
-                    py::object module) {
-    TORCH_CHECK(static_cast<int64_t>(owner.size()) == wg.size(0) && rank >= 0,
-                "DecodeModel.add_gathered: one owner per expert of the router, and this rank");
-    std::vector<int64_t> slot(owner.size(), -1);
-    int64_t mine = 0;
-    for (size_t e = 0; e < owner.size(); ++e)
-      if (owner[e] == rank) slot[e] = mine++;
-    TORCH_CHECK(static_cast<int64_t>(w1.size()) == mine && w2.size() == w1.size() &&
-                    (b1.empty() || b1.size() == w1.size()) && b2.size() == b1.size(),
-                "DecodeModel.add_gathered: one w1, w2 (b1, b2) per expert this rank owns, in expert order");
+  // rank's pairs computed, the pairs' outputs summed over the ranks by a second all-reduce, and this rank's tokens'
+  // choices combined. The all-reduce is DeepSpeed's shared-memory one (torch.ops.deepspeed.inference_all_reduce_, as
+  // pipeline/dist.py's fast_all_reduce_ calls it), called through the dispatcher. `module`: the layer as PlacedMoE
+  // runs it, called back for a forward that is not given every rank's tokens. The experts held here: `hold`.
+  void add_gathered(at::Tensor wg, int64_t rank, py::object module) {
+    TORCH_CHECK(rank >= 0, "DecodeModel.add_gathered: this rank");
     DecodeLayer& L = last("add_gathered");
-    L.mlp = DecodeLayer::GATHERED, L.wg = wg, L.owner = std::move(owner), L.slot = std::move(slot);
-    L.w1 = std::move(w1), L.b1 = std::move(b1), L.w2 = std::move(w2), L.b2 = std::move(b2);
-    L.module = std::move(module);
+    L.mlp = DecodeLayer::GATHERED, L.wg = wg, L.module = std::move(module), L.slot.assign(wg.size(0), -1);
+    L.split = py::none();
     rank_ = rank;
+  }
+
+  // The experts GATHERED layer `layer` (its index among all layers) computes here: `experts` (increasing) with their
+  // w1, w2 (b1, b2); `split`: None when every expert has one holder (a pair is this rank's when its expert is held
+  // here), else a callable (experts [S, k], tokens per expert [E]) -> experts [S, k] with -1 for the pairs another
+  // holder computes (a replicated expert's pairs split between its holders: Exchange._my_pairs).
+  void hold(int64_t layer, std::vector<int64_t> experts, std::vector<at::Tensor> w1, std::vector<at::Tensor> b1,
+            std::vector<at::Tensor> w2, std::vector<at::Tensor> b2, py::object split) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) &&
+                    layers_[layer].mlp == DecodeLayer::GATHERED, "DecodeModel.hold: layer ", layer, " is not gathered");
+    DecodeLayer& L = layers_[layer];
+    TORCH_CHECK(w1.size() == experts.size() && w2.size() == w1.size() && (b1.empty() || b1.size() == w1.size()) &&
+                    b2.size() == b1.size(), "DecodeModel.hold: one w1, w2 (b1, b2) per expert held");
+    std::vector<int64_t> slot(L.wg.size(0), -1);
+    for (size_t i = 0; i < experts.size(); ++i) {
+      TORCH_CHECK(experts[i] >= 0 && experts[i] < L.wg.size(0) && (i == 0 || experts[i] > experts[i - 1]),
+                  "DecodeModel.hold: experts of the router, increasing");
+      slot[experts[i]] = static_cast<int64_t>(i);
+    }
+    L.slot = std::move(slot), L.w1 = std::move(w1), L.b1 = std::move(b1), L.w2 = std::move(w2);
+    L.b2 = std::move(b2), L.split = std::move(split);
   }
 
   // After add_experts: PR-MoE's residual MLP, out = experts * c0 + mlp * c1 with (c0, c1) = softmax(coefficient(h))
@@ -1681,16 +1690,31 @@ class DecodeModel {
     exchange_s += seconds_since(t0);
     t0 = std::chrono::steady_clock::now();
     auto [mix, experts, n] = route(every, L.wg, k_, renormalize_);
-    at::Tensor mine = experts.clone();  // this rank's pairs: their expert; the others' -1
-    int64_t* mp = mine.data_ptr<int64_t>();
+    at::Tensor mine;  // this rank's pairs: their expert; the others' -1
+    if (L.split.is_none()) {
+      mine = experts.clone();
+      int64_t* mp = mine.data_ptr<int64_t>();
+      for (int64_t i = 0; i < mine.numel(); ++i)
+        if (L.slot[mp[i]] < 0) mp[i] = -1;
+    } else {
+      py::gil_scoped_acquire gil;
+      mine = L.split(experts, n).cast<at::Tensor>().contiguous();
+      TORCH_CHECK(mine.sizes() == experts.sizes() && mine.scalar_type() == at::kLong,
+                  "DecodeModel: a split gives experts [S, k] int64");
+    }
+    std::vector<bool> used(n.numel(), false);
+    const int64_t* mp = mine.data_ptr<int64_t>();
     for (int64_t i = 0; i < mine.numel(); ++i)
-      if (L.slot[mp[i]] < 0) mp[i] = -1;
+      if (mp[i] >= 0) {
+        TORCH_CHECK(mp[i] < n.numel() && L.slot[mp[i]] >= 0, "DecodeModel: a split gave expert ", mp[i],
+                    ", not held here");
+        used[mp[i]] = true;
+      }
     std::vector<int64_t> active;
     std::vector<at::Tensor> w1, b1, w2, b2;
-    const int64_t* np = n.data_ptr<int64_t>();
     for (int64_t e = 0; e < n.numel(); ++e) {
       const int64_t sl = L.slot[e];
-      if (!np[e] || sl < 0) continue;
+      if (!used[e]) continue;
       active.push_back(e);
       w1.push_back(L.w1[sl]);
       w2.push_back(L.w2[sl]);
@@ -1765,6 +1789,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_attention", &DecodeModel::add_attention)
       .def("add_experts", &DecodeModel::add_experts)
       .def("add_gathered", &DecodeModel::add_gathered)
+      .def("hold", &DecodeModel::hold)
       .def("add_mlp", &DecodeModel::add_mlp)
       .def("add_residual", &DecodeModel::add_residual)
       .def("add_shared", &DecodeModel::add_shared)

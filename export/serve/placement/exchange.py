@@ -277,6 +277,11 @@ class Exchange:
         keep = (nth >= lo[flat]) & (nth < hi[flat])
         return torch.where(keep, flat, -1).view_as(experts), loads
 
+    def split_pairs(self, layer: int, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`run_gathered`'s pairs of this rank under the table in force, for export/serve/decode.py's gathered layers:
+        `experts` [S, k] with -1 where another rank computes the pair (counts [E]: tokens per expert)."""
+        return self._my_pairs(layer, experts, counts.tolist())[0]
+
     def run_local(self, layer: int, xs: torch.Tensor, wg: torch.Tensor, top_k: int,
                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One rank (every expert here), a decode batch: the layer's routing, experts and weighted sum in two kernel
@@ -299,12 +304,16 @@ class Exchange:
 
     def ran_gathered(self, counts: list[torch.Tensor], expert_s: float, exchange_s: float, experts_run: int) -> None:
         """The books of the MoE layers that ran as `run_gathered` runs them, outside it (export/serve/decode.py's
-        one-call decode step, under the table without replicas it was given): each layer's tokens per expert over all
+        one-call decode step, under the table in force): each layer's tokens per expert over all
         ranks (`counts`, in layer order), seconds computing experts and in the all-reduces, this rank's experts used."""
         for layer, n in enumerate(counts):
-            loads = [0] * self.ep
-            for holders, c in zip(self.table[layer], n.tolist()):
-                loads[holders[0]] += c
+            holders = self.table[layer]
+            if all(len(h) == 1 for h in holders):
+                loads = [0] * self.ep
+                for h, c in zip(holders, n.tolist()):
+                    loads[h[0]] += c
+            else:
+                loads = [sum(row) for row in route_pairs([n.tolist()], holders, self.ep)[0]]
             self.meter.observe(layer, loads)
         self.gathered += len(counts)
         self.seconds.add_seconds("expert", expert_s)
