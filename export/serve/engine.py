@@ -433,8 +433,6 @@ class Engine:
             if isinstance(msg, rank_msgs.Ping):  # rank 0 checks that every rank is alive and asks how it is
                 self._status()
                 continue
-            if isinstance(msg, rank_msgs.Rest):  # the next message comes through gloo
-                continue
             mine = self.worker.execute(msg)
             if self.dp > 1:
                 rank_msgs.gather_results([r.to_json() for r in mine])
@@ -450,11 +448,6 @@ class Engine:
         return rank_msgs.gather_status(self.ranks.rank if self.ranks else 0, self.worker.forwards, self.worker.forward_s,
                                        self.exchange.stats() if self.exchange is not None else None,
                                        placed=self.controller is not None)
-
-    def rest(self) -> None:
-        """Rank 0, before waiting for work: the other ranks wait in gloo (they do not spin) until the next message."""
-        if self.world > 1:
-            rank_msgs.rest()
 
     def stop_followers(self) -> None:
         rank_msgs.send(rank_msgs.Stop())

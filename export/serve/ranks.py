@@ -8,11 +8,8 @@ back to rank 0 in one gather (`gather_results`). Once a second (busy or idle) ra
 sends a `Ping`: every rank answers with its `RankStatus` through one all-gather, which also finds a
 dead rank within the collective's timeout. `Stop` ends `follow`.
 
-Messages travel as JSON (no pickle), tagged with their kind: through gloo (`pipeline.dist.broadcast_json`: a rank
-waiting for it sleeps), or, between the ranks of one machine while rank 0 is stepping, through the shared-memory
-all-reduce (`fast_broadcast_json`: ~0.4 ms sooner a step, but a rank waiting there spins). After a `Step` the next
-message comes the fast way; before it waits for work, rank 0 sends `Rest` that way, and the next comes through
-gloo again. Both sides keep the same state (`_channel`), since every rank sees every message.
+Messages travel as JSON (no pickle), tagged with their kind: `pipeline.dist.broadcast_json` (a named pipe to each
+rank of this machine, gloo between machines: a rank waiting for the next message sleeps), `gather_json`.
 """
 
 from __future__ import annotations
@@ -20,8 +17,6 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
-
-import torch
 
 from export.serve.step import Step
 
@@ -39,35 +34,8 @@ class Stop:
     """Leave `follow`: the server is shutting down."""
 
 
-@dataclass(frozen=True)
-class Rest:
-    """Rank 0 is about to wait for work: the next message comes through gloo (a waiting rank sleeps there)."""
-
-
-Message = Step | Ping | Stop | Rest
-_KINDS = {cls.__name__.lower(): cls for cls in (Step, Ping, Stop, Rest)}
-
-
-class _Channel:
-    """How the next message travels, the same on every rank: `fast` after a Step (where the shared-memory
-    all-reduce is there), gloo after a Rest."""
-
-    def __init__(self):
-        self.fast = False
-        self._shared = None
-
-    def after(self, message: Message) -> None:
-        if isinstance(message, Step):
-            if self._shared is None:
-                from pipeline import dist
-
-                self._shared = dist.shared_memory_reduce(torch.float32)
-            self.fast = self._shared
-        elif isinstance(message, Rest):
-            self.fast = False
-
-
-_channel = _Channel()
+Message = Step | Ping | Stop
+_KINDS = {cls.__name__.lower(): cls for cls in (Step, Ping, Stop)}
 
 
 def encode(message: Message) -> dict:
@@ -90,23 +58,14 @@ def send(message: Message) -> None:
     from pipeline import dist
 
     if dist.world_size() > 1:
-        (dist.fast_broadcast_json if _channel.fast else dist.broadcast_json)(encode(message))
-        _channel.after(message)
+        dist.broadcast_json(encode(message))
 
 
 def receive() -> Message:
     """Ranks > 0: the next message rank 0 sends."""
     from pipeline import dist
 
-    message = decode((dist.fast_broadcast_json if _channel.fast else dist.broadcast_json)(None))
-    _channel.after(message)
-    return message
-
-
-def rest() -> None:
-    """Rank 0, before it waits for work: the other ranks go back to waiting in gloo (a Rest, if they were not)."""
-    if _channel.fast:
-        send(Rest())
+    return decode(dist.broadcast_json(None))
 
 
 def gather_results(mine: list) -> list[list]:

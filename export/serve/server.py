@@ -59,7 +59,6 @@ class EngineLoop:
                 if self.engine.pending():
                     self.engine.step()
                     continue
-                self.engine.rest()  # the other ranks wait for the next step asleep
                 if not keep_going():
                     return
                 self.wake.wait(0.05)

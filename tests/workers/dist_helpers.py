@@ -2,8 +2,8 @@
 
     deepspeed --num_gpus 2 tests/workers/dist_helpers.py OUT.json
 
-Each rank checks what it received and rank 0 writes every check's outcome: broadcast_json (a message
-in one broadcast, and one past BROADCAST_BYTES) and fast_broadcast_json (the same two), gather_json of different sizes, gather_rows, the
+Each rank checks what it received and rank 0 writes every check's outcome: broadcast_json (a small
+message and one past BROADCAST_BYTES, through the named pipes and through gloo), gather_json of different sizes, gather_rows, the
 low-latency all-reduce (fp32, bf16; float64 refused), all_to_all_ with uneven and empty splits.
 """
 
@@ -21,8 +21,9 @@ small = {"step": [1, 2, 3], "text": "é"}
 checks["broadcast_small"] = dist.broadcast_json(small if r == 0 else None) == small
 big = {"rows": list(range(6000))}  # ~30 KB of JSON: two broadcasts
 checks["broadcast_big"] = dist.broadcast_json(big if r == 0 else None) == big
-checks["fast_broadcast_small"] = dist.fast_broadcast_json(small if r == 0 else None) == small
-checks["fast_broadcast_big"] = dist.fast_broadcast_json(big if r == 0 else None) == big
+cpu = torch.device("cpu")  # through the process group (gloo), as between machines
+checks["broadcast_small_gloo"] = dist.broadcast_json(small if r == 0 else None, on=cpu) == small
+checks["broadcast_big_gloo"] = dist.broadcast_json(big if r == 0 else None, on=cpu) == big
 mine = {"rank": r, "tokens": list(range(r * 500))}
 checks["gather_json"] = dist.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
 checks["gather_rows"] = dist.gather_rows([r, 7, 2 ** 20 + r]) == [[i, 7, 2 ** 20 + i] for i in range(w)]
@@ -48,6 +49,7 @@ checks["all_to_all_empty"] = True
 checks["shared_memory"] = dist.shared_memory_reduce()
 checks["shared_memory_fp32"] = dist.shared_memory_reduce(torch.float32)
 checks["shared_memory_float64_never"] = not dist.shared_memory_reduce(torch.float64)
+checks["pipes_unlinked"] = not any(dist._Pipes.path(i).exists() for i in range(w))
 everyone = dist.gather_json(checks)
 if r == 0:
     with open(sys.argv[1], "w") as fh:
