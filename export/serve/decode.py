@@ -153,7 +153,7 @@ class Decoder:
         self.tables_held += 1
         return True
 
-    @property
+    @functools.cached_property
     def _fewest(self) -> int:
         """The block of the MoE layer with the fewest experts."""
         moe = [i for i, block in enumerate(self.model.blocks) if block.is_moe]
