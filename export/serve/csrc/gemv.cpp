@@ -1639,22 +1639,11 @@ class DecodeModel {
         const auto t0 = std::chrono::steady_clock::now();
         at::Tensor mix, experts;
         std::tie(mix, experts, n) = route(h, L.wg, k_, renormalize_);
-        std::vector<int64_t> active;
-        std::vector<at::Tensor> w1, b1, w2, b2;
         const int64_t* np = n.data_ptr<int64_t>();
-        for (int64_t e = 0; e < n.numel(); ++e) {
-          if (!np[e]) continue;
-          active.push_back(e);
-          w1.push_back(L.w1[e]);
-          w2.push_back(L.w2[e]);
-          if (!L.b1.empty()) {
-            b1.push_back(L.b1[e]);
-            b2.push_back(L.b2[e]);
-          }
-        }
-        out = routed_experts(h, experts, mix, active, w1, b1, w2, b2, swiglu_);
+        const Picked p = pick(L, n.numel(), [&](int64_t e) { return np[e] ? e : int64_t{-1}; });
+        out = routed_experts(h, experts, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_);
         expert_s += seconds_since(t0);
-        ran += static_cast<int64_t>(active.size());
+        ran += static_cast<int64_t>(p.active.size());
         ++here;
       }
       if (L.residual) {
@@ -1669,6 +1658,30 @@ class DecodeModel {
   }
 
  private:
+  // Some of a layer's experts, in increasing order, with their tensors (as routed_experts and expert_pairs take them)
+  struct Picked {
+    std::vector<int64_t> active;
+    std::vector<at::Tensor> w1, b1, w2, b2;
+  };
+
+  // The experts e of E for which `at(e)` gives their place in L's w1.. (-1: not this call's)
+  template <typename At>
+  static Picked pick(const DecodeLayer& L, int64_t E, At at) {
+    Picked p;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t i = at(e);
+      if (i < 0) continue;
+      p.active.push_back(e);
+      p.w1.push_back(L.w1[i]);
+      p.w2.push_back(L.w2[i]);
+      if (!L.b1.empty()) {
+        p.b1.push_back(L.b1[i]);
+        p.b2.push_back(L.b2[i]);
+      }
+    }
+    return p;
+  }
+
   static double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -1720,21 +1733,9 @@ class DecodeModel {
                     ", not held here");
         used[mp[i]] = true;
       }
-    std::vector<int64_t> active;
-    std::vector<at::Tensor> w1, b1, w2, b2;
-    for (int64_t e = 0; e < n.numel(); ++e) {
-      const int64_t sl = L.slot[e];
-      if (!used[e]) continue;
-      active.push_back(e);
-      w1.push_back(L.w1[sl]);
-      w2.push_back(L.w2[sl]);
-      if (!L.b1.empty()) {
-        b1.push_back(L.b1[sl]);
-        b2.push_back(L.b2[sl]);
-      }
-    }
-    at::Tensor pairs = active.empty() ? at::zeros({total, k_, C}, h.options())
-                                      : expert_pairs(every, mine, mix, active, w1, b1, w2, b2, swiglu_);
+    const Picked p = pick(L, n.numel(), [&](int64_t e) { return used[e] ? L.slot[e] : int64_t{-1}; });
+    at::Tensor pairs = p.active.empty() ? at::zeros({total, k_, C}, h.options())
+                                        : expert_pairs(every, mine, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_);
     expert_s += seconds_since(t0);
     t0 = std::chrono::steady_clock::now();
     all_reduce(pairs);
@@ -1742,7 +1743,7 @@ class DecodeModel {
     t0 = std::chrono::steady_clock::now();
     at::Tensor out = combine_pairs(pairs.narrow(0, off, S).contiguous(), mix.narrow(0, off, S).contiguous());
     expert_s += seconds_since(t0);
-    ran += static_cast<int64_t>(active.size());
+    ran += static_cast<int64_t>(p.active.size());
     return {out, n};
   }
 
