@@ -362,7 +362,7 @@ BROADCAST_BYTES = 16384  # one broadcast carries a message of up to this many by
 
 def broadcast_json(obj=None, on: torch.device | None = None):
     """Rank 0's JSON-serialisable `obj` on every rank (the others pass None). Every rank on this machine: through a
-    named pipe from rank 0 to each other rank (`_Pipes`: ~20 us, where gloo's broadcast takes ~0.4 ms here). Else
+    named pipe from rank 0 to each other rank (`_Pipes`: ~30 us, where gloo's broadcast takes ~0.4 ms here). Else
     one broadcast of BROADCAST_BYTES (an 8-byte length, then UTF-8 bytes), a second for the rest of a longer message,
     through a gloo group of every rank (`init`), whatever the accelerator. Either way a rank waiting for the message
     sleeps (no spinning). `on`: through the process group on that device instead. For control messages between our
