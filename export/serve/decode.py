@@ -130,7 +130,8 @@ class Decoder:
         (the same answer on every rank: `Exchange.gathers`, for the layer of fewest experts, under the table it
         holds); else [] (each MoE layer's module is called back, and decides for itself)."""
         ex = self._exchange
-        if self.native_experts != "gathered" or (ex.table != self._table and not self._hold(ex.table)):
+        # Exchange.apply replaces the table only when it changes: identity is enough
+        if self.native_experts != "gathered" or (ex.table is not self._table and not self._hold(ex.table)):
             return []
         wg = self.model.blocks[self._fewest].mlp.moe.deepspeed_moe.gate.wg.weight
         return list(ex.tokens) if ex.gathers(x, wg, self.cfg.top_k) else []

@@ -204,12 +204,12 @@ typedef c10::BFloat16 B16;
 // the variants alternated in one process, medians of 15); U = 1 about as fast, U = 8 between. Intel's (T0) build
 // keeps 4, as it was measured there.
 #if defined(MOE_PREFETCH_T0)
-#define ROW1_DP_U 4
+constexpr int DP_SUMS = 4;
 #else
-#define ROW1_DP_U 2
+constexpr int DP_SUMS = 2;
 #endif
 static void row1_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t o0, int64_t o1) {
-  constexpr int U = ROW1_DP_U;
+  constexpr int U = DP_SUMS;
   for (int64_t o = o0; o < o1; ++o) {
     const B16* wr = w + o * I;
     __m512 acc[U];
@@ -236,7 +236,7 @@ static void row1_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t
 template <int M>
 static void rows_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t O, int64_t o0,
                         int64_t o1) {
-  constexpr int U = M <= 2 ? (ROW1_DP_U == 4 ? 4 : 2) : M <= 4 ? 2 : 1;
+  constexpr int U = M <= 2 ? DP_SUMS : M <= 4 ? 2 : 1;
   for (int64_t o = o0; o < o1; ++o) {
     const B16* wr = w + o * I;
     __m512 acc[M][U];

@@ -261,10 +261,7 @@ class Exchange:
             if layer not in self._owner:
                 self._owner[layer] = torch.tensor([h[0] for h in holders], dtype=torch.long)
             owner = self._owner[layer]
-            loads = [0] * world
-            for e, n in enumerate(counts):
-                loads[holders[e][0]] += n
-            return torch.where(owner[experts] == self.rank, experts, -1), loads
+            return torch.where(owner[experts] == self.rank, experts, -1), self._loads(layer, counts)
         send = route_pairs([counts], holders, world)[0]  # [holder][expert] pairs
         loads = [sum(row) for row in send]
         lo = torch.tensor([sum(send[h][e] for h in range(self.rank)) for e in range(len(counts))], dtype=torch.long)
@@ -276,6 +273,16 @@ class Exchange:
         nth[order] = torch.arange(len(flat)) - first[flat[order]]  # each pair's place among its expert's pairs
         keep = (nth >= lo[flat]) & (nth < hi[flat])
         return torch.where(keep, flat, -1).view_as(experts), loads
+
+    def _loads(self, layer: int, counts: list[int]) -> list[int]:
+        """The pairs each rank computes in `layer` under the table in force, of `counts` tokens per expert."""
+        holders = self.table[layer]
+        if all(len(h) == 1 for h in holders):
+            loads = [0] * self.ep
+            for h, n in zip(holders, counts):
+                loads[h[0]] += n
+            return loads
+        return [sum(row) for row in route_pairs([counts], holders, self.ep)[0]]
 
     def split_pairs(self, layer: int, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`run_gathered`'s pairs of this rank under the table in force, for export/serve/decode.py's gathered layers:
@@ -307,14 +314,7 @@ class Exchange:
         one-call decode step, under the table in force): each layer's tokens per expert over all
         ranks (`counts`, in layer order), seconds computing experts and in the all-reduces, this rank's experts used."""
         for layer, n in enumerate(counts):
-            holders = self.table[layer]
-            if all(len(h) == 1 for h in holders):
-                loads = [0] * self.ep
-                for h, c in zip(holders, n.tolist()):
-                    loads[h[0]] += c
-            else:
-                loads = [sum(row) for row in route_pairs([n.tolist()], holders, self.ep)[0]]
-            self.meter.observe(layer, loads)
+            self.meter.observe(layer, self._loads(layer, n.tolist()))
         self.gathered += len(counts)
         self.seconds.add_seconds("expert", expert_s)
         self.seconds.add_seconds("exchange", exchange_s)
