@@ -21,6 +21,53 @@ def test_the_gemv_kernel_builds_here_and_equals_f_linear():
     check_all(gemv)
 
 
+def test_the_kernel_s_threads_share_out_a_weight_and_give_one_thread_s_result():
+    """A weight split between 2 threads in pieces (csrc/gemv.cpp `shared_work`), with a busy Python thread on the
+    same cores preempting one of them so that the other takes pieces from the end of its share: every output the
+    one-thread result to the bit (a row's sums do not depend on which thread reads it), for the few-row linear and
+    the routed experts (`run_tasks`)."""
+    import threading
+
+    from export.serve.linears import kernel
+
+    gemv = kernel()
+    torch.manual_seed(0)
+    w = torch.randn(8192, 512).bfloat16()
+    x = torch.randn(3, 512).bfloat16()
+    counts = [1, 2, 0, 3, 1, 1, 2, 1]  # 8 SwiGLU experts, 2 MB of fc1 weight each
+    w1 = [torch.randn(2048, 512).bfloat16() for _ in counts]
+    w2 = [(torch.randn(512, 1024) * 0.1).bfloat16() for _ in counts]
+    xe = torch.randn(sum(counts), 512).bfloat16()
+
+    def run():
+        return [gemv.linear(x[:m].contiguous(), w, None) for m in (1, 3)] + [
+            gemv.expert_mlps(xe, counts, w1, [], w2, [], True)]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = run()
+    finally:
+        torch.set_num_threads(threads)
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            sum(range(1000))
+
+    hog = threading.Thread(target=busy, daemon=True)
+    hog.start()
+    try:
+        torch.set_num_threads(2)
+        for _ in range(20):
+            for got, want in zip(run(), alone):
+                assert torch.equal(got, want)
+    finally:
+        stop.set()
+        hog.join()
+        torch.set_num_threads(threads)
+
+
 def test_the_gemv_kernel_avx2_build_equals_f_linear():
     """The AVX2 + FMA variant (CPUs without AVX-512: most laptops), built here too where the CPU can run it, with the
     prefetch hint this CPU's own build does not take (so that both hints' code is compiled and checked here)."""
