@@ -469,6 +469,37 @@ def _pipes() -> _Pipes:
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the types DeepSpeed's shared-memory kernel reduces
 
+_LOCAL_REDUCE = None  # `use_local_reduce`'s sum, or None (DeepSpeed's kernel)
+
+
+def use_local_reduce(fn) -> None:
+    """`fast_all_reduce_` between the ranks of this machine through `fn(t)` (t summed in place) instead of DeepSpeed's
+    shared-memory kernel, or through DeepSpeed's again with None. Every rank alike, between collectives. The serving
+    runtime's sum waits without holding a core (export/serve/linears.py `attach_local_reduce`)."""
+    global _LOCAL_REDUCE
+    _LOCAL_REDUCE = fn
+
+
+def shared_region(nbytes: int) -> torch.Tensor:
+    """A region of `nbytes` bytes of zeros every rank of this machine maps (uint8, MAP_SHARED): rank 0 makes a file in
+    /dev/shm (named by the group's rendezvous address and port), the others map it once its name reaches them, and it
+    is unlinked once every rank holds it. Collective; every rank on this machine."""
+    import torch.distributed as td
+
+    path = Path("/dev/shm") / (f"moe_pipeline_region_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                               f"{os.environ.get('MASTER_PORT', '')}_{os.getpid()}")
+    if td.get_rank() == 0:
+        tmp = path.with_name(path.name + ".partial")
+        with open(tmp, "wb") as f:
+            f.truncate(nbytes)  # zeros
+        tmp.rename(path)
+    name = broadcast_json(str(path) if td.get_rank() == 0 else None)
+    region = torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8)
+    gather_numbers([1.0])  # every rank holds it
+    if td.get_rank() == 0:
+        Path(name).unlink(missing_ok=True)
+    return region
+
 
 def fast_all_reduce_(t: torch.Tensor) -> torch.Tensor:
     """Sum `t` over all ranks in place with DeepSpeed's low-latency inference all-reduce: through shared memory
@@ -485,6 +516,9 @@ def fast_all_reduce_(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"fast_all_reduce_: {t.dtype}; use float32, bfloat16 or float16 (or all_reduce_)")
     if os.environ.get("LOCAL_SIZE") != str(td.get_world_size()):  # what DeepSpeed's kernel checks
         td.all_reduce(t)  # ranks on several machines: no shared memory between them
+        return t
+    if _LOCAL_REDUCE is not None:
+        _LOCAL_REDUCE(t)
         return t
     import deepspeed.comm as dc
 

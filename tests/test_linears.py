@@ -68,6 +68,40 @@ def test_the_kernel_s_threads_share_out_a_weight_and_give_one_thread_s_result():
         torch.set_num_threads(threads)
 
 
+def test_served_weights_move_into_a_file_mapping_and_keep_their_values(monkeypatch, tmp_path):
+    """map_weights: every large CPU weight reachable from a model (its ServingWeights' detached copies too, which
+    share a storage) reads the same values from an unlinked file's mapping (in /proc/self/maps), the kernel gives
+    the same outputs, small tensors stay where they are; MOE_PIPELINE_MAP_WEIGHTS=0 leaves everything alone."""
+    from export.serve.linears import MAP_ENV, ServingLinear, kernel, map_weights
+
+    gemv = kernel()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 8)).bfloat16()
+    big = ServingLinear(model[0])
+    served = big.served.weight  # the ServingWeight's own tensor (a detached view of the parameter's storage)
+    before, small = served.clone(), model[1].weight.data_ptr()
+    x = torch.randn(1, 1024).bfloat16()
+    want = gemv.linear(x, served, None)
+
+    def mapped(t):
+        ptr = t.data_ptr()
+        for line in open("/proc/self/maps"):
+            span, *rest = line.split()
+            lo, hi = (int(a, 16) for a in span.split("-"))
+            if lo <= ptr < hi:
+                return "moe-pipeline-weights-" in line and line.rstrip().endswith("(deleted)")
+        return False
+
+    monkeypatch.setenv(MAP_ENV, "0")
+    assert map_weights(model, big, directory=str(tmp_path)) == 0 and not mapped(served)
+    monkeypatch.delenv(MAP_ENV)
+    assert map_weights(model, big, directory=str(tmp_path)) >= served.numel() * 2
+    assert mapped(served) and mapped(model[0].weight) and model[1].weight.data_ptr() == small
+    assert torch.equal(served, before) and torch.equal(model[0].weight, before)
+    assert torch.equal(gemv.linear(x, served, None), want)
+    assert list(tmp_path.iterdir()) == []  # unlinked once mapped
+
+
 def test_the_gemv_kernel_avx2_build_equals_f_linear():
     """The AVX2 + FMA variant (CPUs without AVX-512: most laptops), built here too where the CPU can run it, with the
     prefetch hint this CPU's own build does not take (so that both hints' code is compiled and checked here)."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from export.serve import linears
 from export.serve import ranks as rank_msgs
 from export.serve.config import ServeConfig
 from export.serve.kv_cache import block_bytes, free_memory, pool_blocks, served_kv
@@ -184,6 +185,8 @@ class Engine:
         heads, dtype, device = served_kv(model)
         kv = plan_kv(self.cfg, heads, dtype, device, max_batch, kv_cache_memory, max_model_len, block_size,
                      local_ranks=ranks.local_world if ranks is not None else 1)
+        # the data-parallel ranks' sums (expert exchange, step results) wait without spinning where they share a machine
+        self.local_reduce = linears.attach_local_reduce() if self.dp > 1 else False
         if world > 1:  # every rank's pool alike: the scheduler hands out the same block ids on each
             from pipeline import dist
 
@@ -191,6 +194,9 @@ class Engine:
             kv = _fit(dataclasses.replace(kv, blocks=fewest, bytes_per_rank=fewest * kv.bytes_per_rank // kv.blocks))
         self.kv = kv
         self.max_model_len = kv.max_model_len
+        # the weights into a file mapping (2 MB pages where anonymous memory gets 4 KB ones), before any kernel holds
+        # them; on the CPU
+        self.mapped_bytes = linears.map_weights(model, exchange) if device.type == "cpu" else 0
         self.worker = Worker(model, kv.blocks, kv.block_size, rank if self.dp > 1 else 0, single=world == 1,
                              exchange=exchange)
         self.device = self.worker.device

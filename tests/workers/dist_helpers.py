@@ -4,7 +4,8 @@
 
 Each rank checks what it received and rank 0 writes every check's outcome: broadcast_json (a small
 message and one past BROADCAST_BYTES, through the named pipes and through gloo), gather_json of different sizes, gather_rows, the
-low-latency all-reduce (fp32, bf16; float64 refused), all_to_all_ with uneven and empty splits.
+low-latency all-reduce (fp32, bf16; float64 refused), all_to_all_ with uneven and empty splits, and the serving
+runtime's own shared-memory sum (export/serve/linears.py `attach_local_reduce`) against DeepSpeed's.
 """
 
 import json
@@ -50,6 +51,27 @@ checks["shared_memory"] = dist.shared_memory_reduce()
 checks["shared_memory_fp32"] = dist.shared_memory_reduce(torch.float32)
 checks["shared_memory_float64_never"] = not dist.shared_memory_reduce(torch.float64)
 checks["pipes_unlinked"] = not any(dist._Pipes.path(i).exists() for i in range(w))
+# the serving runtime's sum that waits without spinning (csrc/gemv.cpp `local_reduce_`), against DeepSpeed's kernel:
+# the same bits (2 ranks: one addition, either order); a tensor of several slots; a late rank; the gather through it
+import time  # noqa: E402
+
+from export.serve import linears  # noqa: E402
+
+torch.manual_seed(r)
+samples = [torch.randn(33, 7), torch.randn(4, 1000).bfloat16(), torch.randn(3 * linears.REDUCE_SLOT_BYTES // 4 // 2 + 5)]
+by_deepspeed = [dist.fast_all_reduce_(t.clone()) for t in samples]
+checks["local_reduce_attached"] = linears.attach_local_reduce()
+checks["local_reduce_region_unlinked"] = not any("moe_pipeline_region" in p.name for p in __import__("pathlib").Path("/dev/shm").iterdir())
+for i, (t, want) in enumerate(zip(samples, by_deepspeed)):
+    checks[f"local_reduce_as_deepspeed_{i}"] = bool(torch.equal(dist.fast_all_reduce_(t.clone()), want))
+if r == 1:
+    time.sleep(0.3)  # rank 0 waits past its spin, yielding
+t0 = time.perf_counter()
+late = dist.fast_all_reduce_(torch.full((5,), float(r + 1)))
+checks["local_reduce_waits_for_a_late_rank"] = bool((late == w * (w + 1) / 2).all()) and (
+    r == 1 or time.perf_counter() - t0 > 0.2)
+checks["gather_json_local"] = dist.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
+dist.use_local_reduce(None)
 everyone = dist.gather_json(checks)
 if r == 0:
     with open(sys.argv[1], "w") as fh:

@@ -42,6 +42,8 @@ class ExpertStore:
     compared with what verification saw (`files`: export/package.py's `VerifiedPackage.files`; without it,
     what the store saw when it opened them): a changed file fails that load with a FileChangedError."""
 
+    file_backed = True  # its tensors are the package's files, mapped: export/serve/linears.py `map_weights` leaves them
+
     def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype, files: dict | None = None,
                  device: torch.device | str = "cpu"):
         import mmap
