@@ -164,14 +164,19 @@ def qwen_like(dtype, seq_len: int = 64):
     return model.eval().to(dtype)
 
 
+@pytest.mark.parametrize("kernel_rows", [1, 3, 64])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_a_packed_forward_of_decode_tokens_and_prompt_chunks_equals_each_row_alone(dtype, tol):
+def test_a_packed_forward_of_decode_tokens_and_prompt_chunks_equals_each_row_alone(dtype, tol, kernel_rows,
+                                                                                    monkeypatch):
     """Rows of different lengths packed one after another ([1, N], no padding: how decode tokens and prompt chunks
     share a forward) give each row the hidden states, and write the keys, that it gets in a forward of its own: a
     decode token after 5 cached, a prompt from position 0, a chunk after a 4-token prefix, a second decode token;
-    rotary positions, grouped-query attention with per-head q/k norms, as Qwen3-MoE."""
+    rotary positions, grouped-query attention with per-head q/k norms, as Qwen3-MoE. The rows longer than
+    `KERNEL_ROWS` attend in scaled_dot_product_attention, the others in the kernel, a token a row: all of them in
+    SDPA (1), the 3-token chunk in the kernel and the 7-token prompt in SDPA (3), every row in the kernel (64)."""
     from export.serve.kv_cache import PagedCache
 
+    monkeypatch.setattr(PagedCache, "KERNEL_ROWS", kernel_rows)
     model = qwen_like(dtype)
     cfg = model.cfg
 
