@@ -1954,21 +1954,26 @@ class DecodeModel {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adopt_storage", &adopt_storage, "a tensor's storage takes bytes of a mapping's storage as its memory");
   m.def("local_reduce_attach", &local_reduce_attach, "this rank's view of the ranks' shared region for local_reduce_");
-  m.def("local_reduce_", &local_reduce_, "a tensor summed over the ranks of one machine in place (yielding waits)");
-  m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-8 rows of x, fp32 or bf16");
+  // the kernels run without the GIL, as torch's operators do: while a rank computes, or waits for the others (the
+  // step results' gather, a prefill forward's exchange), its process's other threads (the server's HTTP thread) run
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("local_reduce_", &local_reduce_, "a tensor summed over the ranks of one machine in place (yielding waits)",
+        nogil);
+  m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-8 rows of x, fp32 or bf16", nogil);
   m.def("paged_attention", &paged_attention,
         "one new token per row: store its key and value in its row's block of a paged KV pool, attend over the "
-        "row's keys through its block table");
+        "row's keys through its block table", nogil);
   m.def("expert_mlps", &expert_mlps,
-        "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes");
-  m.def("route", &route, "an MoE layer's top-k routing: (weights, experts, tokens per expert)");
-  m.def("routed_experts", &routed_experts, "every token's routed experts and their weighted sum");
-  m.def("expert_pairs", &expert_pairs, "the (token, choice) outputs of some of the experts, zeros for the others");
-  m.def("combine_pairs", &combine_pairs, "each token's choices' outputs weighted and summed, as routed_experts");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's");
-  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)");
+        "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes", nogil);
+  m.def("route", &route, "an MoE layer's top-k routing: (weights, experts, tokens per expert)", nogil);
+  m.def("routed_experts", &routed_experts, "every token's routed experts and their weighted sum", nogil);
+  m.def("expert_pairs", &expert_pairs, "the (token, choice) outputs of some of the experts, zeros for the others", nogil);
+  m.def("combine_pairs", &combine_pairs, "each token's choices' outputs weighted and summed, as routed_experts", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's", nogil);
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)", nogil);
   m.def("qkv_heads", &qkv_heads,
-        "a decode token's q, k, v split into heads, q and k normalised (qk_norm) and rotated (RoPE), as pipeline/model.py");
+        "a decode token's q, k, v split into heads, q and k normalised (qk_norm) and rotated (RoPE), as pipeline/model.py",
+        nogil);
   m.attr("MAX_ROWS") = MAX_ROWS;
   py::class_<DecodeModel>(m, "DecodeModel", py::module_local(),  // one per ISA build in a process
                           "a whole decode forward of a model's layers in one call")
@@ -1985,7 +1990,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   m.def("amx_ready", &amx_ready, "whether this process may use AMX (Linux gave it the tile state)");
   m.def("amx_pack", &amx_pack, "a bf16 [out, in] weight packed into AMX tiles, for amx_linear");
-  m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) for 1 to AMX_MAX_ROWS bf16 rows, w as amx_pack packed it");
+  m.def("amx_linear", &amx_linear, "y = x @ w.T (+ bias) for 1 to AMX_MAX_ROWS bf16 rows, w as amx_pack packed it",
+        nogil);
   m.attr("AMX_MAX_ROWS") = AMX_MAX_ROWS;
 #endif
 }
