@@ -13,7 +13,8 @@ One run, side by side (each throughput the median of --repeats runs; same packag
       measured copy bandwidth (the fastest a token could come if weights were read once per token);
   (e) latency percentiles (p50, p99) of 32 concurrent clients x 10 requests each (--latency-requests), and the failures;
   (f) with --layouts: multi-rank layouts (ep2: data parallel + expert parallel; tp2; expert-slicing-4) against
-      1 rank at 16 and 32 concurrent requests, runs interleaved (target for ep2: at least 1.1x at 32), and ep2's
+      1 rank at 16 and 32 concurrent requests (--layout-requests x concurrency requests a run, that many in
+      flight throughout), runs interleaved (target for ep2: at least 1.1x at 32), and ep2's
       ceiling on these cores: in this process, without a server, `Engine.step` of 32 rows on --threads threads
       against 16 rows on half of them (one data-parallel rank's share with every expert, no exchange and no step
       message), alternated: the most 2 ranks splitting the cores could gain over 1.
@@ -139,7 +140,8 @@ def layout_runs(args, server_env, n: int, device: str) -> dict:
                     server_run(u, PROMPTS[:2], 4, 2)  # warm-up
                 row = {"args": LAYOUTS[name], "one_rank": {}, "layout": {}}
                 for c in LAYOUT_CONCURRENCY:
-                    prompts = (PROMPTS * (c // len(PROMPTS) + 1))[:c]
+                    k = c * args.layout_requests  # c in flight the whole run, as `vllm bench serve` keeps them
+                    prompts = (PROMPTS * (k // len(PROMPTS) + 1))[:k]
                     runs = {"one_rank": [], "layout": []}
                     for _ in range(args.repeats):
                         runs["one_rank"].append(server_run(one_url, prompts, n, c))
@@ -148,6 +150,8 @@ def layout_runs(args, server_env, n: int, device: str) -> dict:
                         m = median_run(rs)
                         row[key][str(c)] = {"tok_s": m[1] / m[0], "failures": sum(r[3] for r in rs),
                                             "runs_tok_s": [r[1] / r[0] for r in rs]}
+                    row["paired"] = {**row.get("paired", {}), str(c): [
+                        (b[1] / b[0]) / (a[1] / a[0]) for a, b in zip(runs["one_rank"], runs["layout"])]}
                 out[name] = row
             finally:
                 stop_server(proc)
@@ -208,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="(f) also serve 16 and 32 concurrent requests with these multi-rank layouts, interleaved with "
                         "1 rank (the ranks share --threads cores)")
     p.add_argument("--layouts-only", action="store_true", help="run (f) alone (with --layouts)")
+    p.add_argument("--layout-requests", type=int, default=4,
+                   help="(f): requests a run sends, as a multiple of its concurrency (4: 128 requests at 32 concurrent)")
     p.add_argument("--repeats", type=int, default=5, help="runs of (a), (b), (c) each; the median is reported")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--latency-requests", type=int, default=320, help="(e): requests the 32 clients send in all")
@@ -307,7 +313,8 @@ def print_layouts(res: dict) -> None:
             target = " (target >= 1.1)" if name == "ep2" and c == 32 else ""
             print(f"(f) {name:17s} ({' '.join(r['args'])}) at {c:2d} concurrent: {multi['tok_s']:7.1f} tok/s vs 1 rank "
                   f"{one['tok_s']:7.1f} tok/s = {multi['tok_s'] / one['tok_s']:.2f}x{target} (interleaved), failures "
-                  f"{multi['failures']} / {one['failures']}")
+                  f"{multi['failures']} / {one['failures']}; runs paired "
+                  f"{' '.join(f'{x:.2f}' for x in r.get('paired', {}).get(str(c), []))}")
         if "ceiling" in r:
             c = r["ceiling"]
             a, b = c["32 rows"], c["16 rows"]
