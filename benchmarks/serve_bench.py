@@ -138,7 +138,7 @@ def layout_runs(args, server_env, n: int, device: str) -> dict:
             try:
                 for u in (one_url, url):
                     server_run(u, PROMPTS[:2], 4, 2)  # warm-up
-                row = {"args": LAYOUTS[name], "one_rank": {}, "layout": {}}
+                row = {"args": LAYOUTS[name], "one_rank": {}, "layout": {}, "paired": {}}
                 for c in LAYOUT_CONCURRENCY:
                     k = c * args.layout_requests  # c in flight the whole run, as `vllm bench serve` keeps them
                     prompts = (PROMPTS * (k // len(PROMPTS) + 1))[:k]
@@ -150,8 +150,8 @@ def layout_runs(args, server_env, n: int, device: str) -> dict:
                         m = median_run(rs)
                         row[key][str(c)] = {"tok_s": m[1] / m[0], "failures": sum(r[3] for r in rs),
                                             "runs_tok_s": [r[1] / r[0] for r in rs]}
-                    row["paired"] = {**row.get("paired", {}), str(c): [
-                        (b[1] / b[0]) / (a[1] / a[0]) for a, b in zip(runs["one_rank"], runs["layout"])]}
+                    row["paired"][str(c)] = [(b[1] / b[0]) / (a[1] / a[0])
+                                             for a, b in zip(runs["one_rank"], runs["layout"])]
                 out[name] = row
             finally:
                 stop_server(proc)
@@ -314,7 +314,7 @@ def print_layouts(res: dict) -> None:
             print(f"(f) {name:17s} ({' '.join(r['args'])}) at {c:2d} concurrent: {multi['tok_s']:7.1f} tok/s vs 1 rank "
                   f"{one['tok_s']:7.1f} tok/s = {multi['tok_s'] / one['tok_s']:.2f}x{target} (interleaved), failures "
                   f"{multi['failures']} / {one['failures']}; runs paired "
-                  f"{' '.join(f'{x:.2f}' for x in r.get('paired', {}).get(str(c), []))}")
+                  f"{' '.join(f'{x:.2f}' for x in r['paired'][str(c)])}")
         if "ceiling" in r:
             c = r["ceiling"]
             a, b = c["32 rows"], c["16 rows"]

@@ -186,7 +186,8 @@ class Engine:
         kv = plan_kv(self.cfg, heads, dtype, device, max_batch, kv_cache_memory, max_model_len, block_size,
                      local_ranks=ranks.local_world if ranks is not None else 1)
         # the data-parallel ranks' sums (expert exchange, step results) wait without spinning where they share a machine
-        self.local_reduce = linears.attach_local_reduce() if self.dp > 1 else False
+        if self.dp > 1:
+            linears.attach_local_reduce()
         if world > 1:  # every rank's pool alike: the scheduler hands out the same block ids on each
             from pipeline import dist
 

@@ -153,25 +153,23 @@ class PagedCache(Cache):
         return self
 
     def _plan_packed(self) -> None:
-        """A packed forward's plan: each token's position and slot, the one-token rows (for the kernel) and the
-        longer rows (token offset, cached tokens, new tokens, table row)."""
+        """A packed forward's plan: each token's position and slot, the tokens of the short rows (for the kernel) and
+        the longer rows (token offset, cached tokens, new tokens, table row)."""
         offsets = [0]
         for n in self.counts:
             offsets.append(offsets[-1] + n)
         pos = torch.cat([torch.arange(s, s + n) for s, n in zip(self._start, self.counts)]) if self.counts else \
             torch.zeros(0, dtype=torch.long)
-        rows = torch.repeat_interleave(torch.arange(len(self.counts)), torch.tensor(self.counts, dtype=torch.long))
+        counts = torch.tensor(self.counts, dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(self.counts)), counts)  # each token's row
         blocks = self._table[rows, pos // self.block_size]
         self._packed_pos = pos[None].to(self.device) if self.device is not None else pos[None]
         self._packed_slots = blocks, pos % self.block_size
         # rows of up to KERNEL_ROWS new tokens attend in the kernel, each token as a row of its own: its position its
         # start, its row's block table (the kernel writes every token's key and value before it reads any)
-        short = [b for b, n in enumerate(self.counts) if n <= self.KERNEL_ROWS]
-        self._kernel_tokens = torch.tensor([offsets[b] + i for b in short for i in range(self.counts[b])],
-                                           dtype=torch.long)  # their tokens' indices in the packed forward
-        self._kernel_table = self._table[torch.tensor([b for b in short for _ in range(self.counts[b])],
-                                                      dtype=torch.long)] if short else self._table[:0]
-        self._kernel_starts = [self._start[b] + i for b in short for i in range(self.counts[b])]
+        self._kernel_tokens = (counts[rows] <= self.KERNEL_ROWS).nonzero().squeeze(1)  # indices in the packed forward
+        self._kernel_table = self._table[rows[self._kernel_tokens]]
+        self._kernel_starts = pos[self._kernel_tokens].tolist()
         self._long = [(offsets[b], s, n, b) for b, (s, n) in enumerate(zip(self._start, self.counts))
                       if n > self.KERNEL_ROWS]
 
