@@ -483,7 +483,7 @@ def use_local_reduce(fn) -> None:
 def shared_region(nbytes: int) -> torch.Tensor:
     """A region of `nbytes` bytes of zeros every rank of this machine maps (uint8, MAP_SHARED): rank 0 makes a file in
     /dev/shm (named by the group's rendezvous address and port), the others map it once its name reaches them, and it
-    is unlinked once every rank holds it. Collective; every rank on this machine."""
+    is unlinked once every rank holds it, before any rank returns. Collective; every rank on this machine."""
     import torch.distributed as td
 
     path = Path("/dev/shm") / (f"moe_pipeline_region_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
@@ -498,6 +498,7 @@ def shared_region(nbytes: int) -> torch.Tensor:
     gather_numbers([1.0])  # every rank holds it
     if td.get_rank() == 0:
         Path(name).unlink(missing_ok=True)
+    gather_numbers([1.0])  # and no rank returns before it is gone (nothing is left behind if a rank dies later)
     return region
 
 
