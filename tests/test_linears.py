@@ -144,6 +144,7 @@ def check_all(gemv):
     check_experts(gemv)
     check_norm(gemv)
     check_argmax(gemv)
+    check_screen(gemv)
     check_routed(gemv)
     if hasattr(gemv, "amx_linear"):
         check_amx(gemv)
@@ -262,6 +263,80 @@ def check_argmax(kernel):
             if shape[0] > 1:  # a NaN before the row's largest value: its index, as torch's
                 x[1, :2], x[1, 2] = -10.0, float("nan")
             assert kernel.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+def check_screen(kernel):
+    """HeadScreen (export/serve/linears.py) over this build's `screen_argmax`: each row's token is argmax_rows of the
+    few-row kernel's logits, to the index, for 1-8 rows, fp32 and bf16 weights, sizes off the vector widths, with
+    exact ties between output rows (duplicated weight rows: the first index wins) and near ties (one weight a bf16
+    step apart) at the top; logits all equal (every output a candidate) and a non-finite input are declined (None: the
+    caller runs the whole head)."""
+    from export.serve.linears import HeadScreen, ServingWeight
+
+    torch.manual_seed(0)
+    O, I = 3000, 200  # a tail past the int8 and bf16 vectors' widths, and past the candidate scan's
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (torch.randn(O, I) * 0.05).to(dtype)
+        w[1500] = w[10]  # an exact tie with an earlier row
+        w[2000] = w[10]
+        w[2000, 3] = torch.nextafter(w[10, 3].float(), torch.tensor(1.0)).to(dtype) if dtype == torch.float32 else \
+            (w[10, 3].float() * (1 + 2 ** -7)).to(dtype)  # a near tie
+        w[2999] = w[7]  # a tie at the last row (the scan's scalar tail)
+        served = ServingWeight(w)
+        served.gemv = kernel  # this build, whichever the process loaded
+        screen = HeadScreen(served)
+        for M in range(1, 9):
+            x = torch.randn(M, I)
+            x[0] = w[10].float() * 40 + torch.randn(I) * 0.01  # row 10 and its ties on top
+            if M > 1:
+                x[1] = w[7].float() * 40  # row 7 and row 2999
+            x = x.to(dtype)
+            want = kernel.argmax_rows(kernel.linear(x, w, None)).tolist()
+            assert screen.argmax(x) == want
+            if M > 1:
+                assert want[1] == 7
+        assert screen.calls == 8 and screen.fallbacks == 0
+        # a cluster the int8 copy cannot order: 60 rows of large weights nearly orthogonal to x, logits near 0 and
+        # within the quantisation's error of each other; the rest far below. Only the bound (err) keeps them all.
+        x = torch.randn(I)
+        w2 = -x[None] * 0.05 + torch.randn(O, I) * 0.01
+        for j in range(100, 160):
+            z = torch.randn(I) * 3
+            w2[j] = z - (z @ x) / (x @ x) * x + x * (j - 130) * 1e-5
+        w2 = w2.to(dtype)
+        served = ServingWeight(w2)
+        served.gemv = kernel
+        cluster = HeadScreen(served)
+        for M in (1, 3):
+            xs = x.to(dtype)[None].repeat(M, 1)
+            assert cluster.argmax(xs) == kernel.argmax_rows(kernel.linear(xs, w2, None)).tolist()
+        assert cluster.fallbacks == 0
+        assert screen.argmax(torch.zeros(2, I, dtype=dtype)) is None  # every logit 0: all candidates
+        x = torch.randn(1, I).to(dtype)
+        x[0, 5] = float("inf")
+        assert screen.argmax(x) is None
+        assert screen.argmax(torch.randn(9, I).to(dtype)) is None  # past the few-row kernel's rows
+
+
+def test_only_an_output_layer_that_fits_gets_a_screen(monkeypatch):
+    """`serving_linears` gives the model's lm_head a HeadScreen (and no other layer); none with a bias, a weight that
+    is not finite, or MOE_PIPELINE_HEAD_SCREEN=0."""
+    from export.serve.linears import SCREEN_ENV, HeadScreen, ServingLinear, ServingWeight, kernel, serving_linears
+
+    if kernel() is None:
+        pytest.skip("no kernel on this machine")
+    from pipeline.model import GPT
+
+    model = GPT(model_config(vocab_size=4096, hidden=64)).eval().requires_grad_(False)
+    serving_linears(model)
+    assert isinstance(model.lm_head.screen, HeadScreen)
+    assert all(m.screen is None for m in model.modules() if isinstance(m, ServingLinear) and m is not model.lm_head)
+    w = torch.randn(4096, 64)
+    assert HeadScreen.of(ServingWeight(w), torch.zeros(4096)) is None
+    w[3, 3] = float("nan")
+    assert HeadScreen.of(ServingWeight(w), None) is None
+    monkeypatch.setenv(SCREEN_ENV, "0")
+    assert HeadScreen.of(ServingWeight(torch.randn(4096, 64)), None) is None
 
 
 def check_routed(kernel):

@@ -91,6 +91,7 @@ def kernel():
 
 MAP_ENV = "MOE_PIPELINE_MAP_WEIGHTS"  # 1 (default) | 0: served weights stay in anonymous memory
 MAP_FROM = 1 << 20  # storages of at least this many bytes are moved into the mapping
+SCREEN_ENV = "MOE_PIPELINE_HEAD_SCREEN"  # 1 (default) | 0: greedy rows read the whole output layer (`HeadScreen`)
 
 
 def map_weights(*roots, directory: str | None = None) -> int:
@@ -332,13 +333,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | ServingWeight, bias: torch.Te
 
 
 class ServingLinear(nn.Module):
-    """An nn.Linear for inference whose weight is a `ServingWeight` (the bias stays a parameter)."""
+    """An nn.Linear for inference whose weight is a `ServingWeight` (the bias stays a parameter). `screen`: for the
+    output layer, its `HeadScreen` where one applies (else None)."""
 
-    def __init__(self, layer: nn.Linear):
+    def __init__(self, layer: nn.Linear, screen: bool = False):
         super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.served = ServingWeight(layer.weight, pack=True)
         self.bias = layer.bias
+        self.screen = HeadScreen.of(self.served, self.bias) if screen else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.served.linear(x, self.bias)
@@ -348,6 +351,69 @@ class ServingLinear(nn.Module):
         if self.served.amx is not None:
             how = f"GEMV kernel for 1 row, AMX for 2-{self.served.gemv.AMX_MAX_ROWS}, oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
+
+
+class HeadScreen:
+    """The greedy rows' argmax of an output layer, read from an int8 copy of its weight (half of bf16's bytes, a
+    quarter of fp32's) and exact on a few rows (csrc/gemv.cpp `screen_argmax`): the same token as the whole layer's
+    logits and `argmax_rows`, to the bit, for ~half the layer's reading. A batch-1 decode step of the peer benchmark's
+    Qwen3-MoE reads 162 MB, 103 MB of it the bf16 output layer (50,304 x 1024).
+
+    Each output row o is stored as q[o] = round(w[o] / scale[o]) (int8, scale = max |w[o]| / 127) and err[o], a
+    bound, per unit of |x|'s L1 norm, on |exact sum - scale[o] * (q[o] . x)|: the row's largest quantisation error
+    max |w[o] - scale[o] q[o]| (measured in float64, where it is exact), plus both sums' fp32 roundings (I
+    additions of terms at most (max |w[o]| + scale[o]) |x_i| each: 2 I 2^-24 per unit, doubled). The kernel then
+    recomputes, through the few-row kernel, every row whose interval can reach the best one's (a handful on a trained
+    model: its logits are peaked). Not for: a bias, a weight that is not finite, more rows than the few-row kernel's
+    or rows the head would send to AMX (`amx_linear`'s other sums), rows that sample or ask for log-probabilities.
+    MOE_PIPELINE_HEAD_SCREEN=0: none."""
+
+    CHUNK = 4096  # output rows quantised at a time (a float64 copy of this many rows at most)
+    MOST = 1 / 16  # candidates (all rows of a call) past this share of the outputs: the whole layer instead
+
+    def __init__(self, served: ServingWeight):
+        w = served.weight
+        O, I = w.shape
+        self.served, self.gemv = served, served.gemv
+        self.q = torch.empty(O, I, dtype=torch.int8)
+        self.scale = torch.empty(O, dtype=torch.float32)
+        self.err = torch.empty(O, dtype=torch.float32)
+        rounding = 4 * I * 2.0 ** -24
+        for lo in range(0, O, self.CHUNK):
+            part = w[lo:lo + self.CHUNK].double()
+            top = part.abs().amax(1)
+            scale = (top / 127).float().clamp_min(torch.finfo(torch.float32).tiny)
+            q = torch.round(part / scale.double()[:, None]).clamp(-127, 127)
+            recon = (part - scale.double()[:, None] * q).abs().amax(1)
+            bound = (recon + rounding * (top + scale.double())) * (1 + 1e-6)
+            self.q[lo:lo + self.CHUNK] = q.to(torch.int8)
+            self.scale[lo:lo + self.CHUNK] = scale
+            self.err[lo:lo + self.CHUNK] = torch.nextafter(bound.float(), torch.tensor(float("inf")))
+        self.most = max(1, int(O * self.MOST))
+        self.calls = self.fallbacks = 0  # screened calls, and those that read the whole layer after all
+
+    @classmethod
+    def of(cls, served: ServingWeight, bias: torch.Tensor | None) -> "HeadScreen | None":
+        w = served.weight
+        if (os.environ.get(SCREEN_ENV, "1") == "0" or bias is not None or served.gemv is None
+                or not hasattr(served.gemv, "screen_argmax") or w.device.type != "cpu"
+                or w.dtype not in (torch.float32, torch.bfloat16) or not bool(torch.isfinite(w).all())):
+            return None
+        return cls(served)
+
+    def argmax(self, x: torch.Tensor) -> list[int] | None:
+        """Each row's token of hidden states x [n, C] (the head's dtype), as argmax_rows(head(x)); None where the
+        screen does not apply (then the caller runs the whole head)."""
+        n = x.shape[0]
+        if not 0 < n <= self.gemv.MAX_ROWS or x.dtype != self.served.weight.dtype or (
+                self.served.amx is not None and n > 1):
+            return None
+        self.calls += 1
+        out = self.gemv.screen_argmax(x.contiguous(), self.served.weight, self.q, self.scale, self.err, self.most)
+        if out.numel() == 0:
+            self.fallbacks += 1
+            return None
+        return out.tolist()
 
 
 class FusedQKV:
@@ -515,6 +581,6 @@ def serving_linears(model: nn.Module) -> int:
             count += 3
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and name != "wg" and serves(child.weight):
-                setattr(module, name, ServingLinear(child))
+                setattr(module, name, ServingLinear(child, screen=name == "lm_head" and module is model))
                 count += 1
     return count

@@ -118,11 +118,18 @@ class Worker:
                 last = flat.index_select(0, torch.tensor([offsets[b + 1] - 1 for b in sampled], device=flat.device))
             else:
                 last = out.hidden[sampled, [counts[b] - 1 for b in sampled]]  # [n, C]: each row's last real position
-            raw = self._project(last, fp32=False)  # [n, V] in the model's dtype
             # plain greedy rows (no log-probabilities, no banned token): one argmax for all of them, on the logits as
-            # the head wrote them (widening to fp32 is exact: the same argmax)
+            # the head wrote them (widening to fp32 is exact: the same argmax); where every row is one, the head's
+            # screen gives those argmaxes reading half its bytes (export/serve/linears.py `HeadScreen`)
             plain = [j for j, b in enumerate(sampled) if rows[b].banned is None and b not in results
                      and self.samplers[rows[b].seq].plain_greedy]
+            screen = getattr(self.model.lm_head, "screen", None)
+            tokens = screen.argmax(last) if screen is not None and len(plain) == len(sampled) else None
+            if tokens is not None:
+                for j, b in enumerate(sampled):
+                    results[b] = RowResult(rows[b].seq, token=tokens[j])
+                return [results[b] for b in sorted(results)]
+            raw = self._project(last, fp32=False)  # [n, V] in the model's dtype
             argmax = {}
             if plain:
                 picked = raw if len(plain) == len(sampled) else \
