@@ -19,6 +19,9 @@ read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches),
   (c) active bytes per token: the parameters one decode step reads, in their stored dtype (gates fp32): attention,
       dense MLPs, each MoE layer's gate + residual MLP + coefficient + top_k experts, the norms, the lm_head (the
       tied embedding: all of it), the embedding rows. The KV cache a step reads is shown beside (not in the bound).
+      The bound counts the head in its stored dtype. Greedy steps read it through its int8 screen
+      (export/serve/linears.py `HeadScreen`: 1 byte a weight plus a few exact rows); the table also shows the bytes
+      read that way and the ratio on them.
 
 bound = bandwidth / active bytes; ratio = decode tok/s (best run) / bound (also shown against the mv bandwidth);
 paired ratio = each run's tok/s over the bound of the two samples taken just before and after it (the median run
@@ -164,6 +167,10 @@ def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
         undo.append(lambda: delattr(exchange, "run_local"))
         experts_timed = True
     watch(model.lm_head, "lm_head")
+    screen = getattr(model.lm_head, "screen", None)
+    if screen is not None:  # greedy rows' tokens through the head's int8 screen: the lm_head's time, not the module's
+        screen.argmax = timed("lm_head", screen.argmax)
+        undo.append(lambda: delattr(screen, "argmax"))
     decoder, engine.worker.decoder = engine.worker.decoder, None
     undo.append(lambda: setattr(engine.worker, "decoder", decoder))
     steps = []
@@ -246,6 +253,11 @@ def measure(pkg: Path, threads: int, new_tokens: int, repeats: int, buffer_gib: 
             act = active_bytes(engine.model.cfg, dtype)
             kv = kv_bytes_per_token(engine.model.cfg, dtype, len(prompt) + new_tokens / 2)
             v = timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}, {name}", sample)
+            # the greedy head read through its int8 screen (export/serve/linears.py `HeadScreen`): 1 byte a weight
+            screened = getattr(engine.model.lm_head, "screen", None) is not None
+            head_read = act["lm_head"] / dtype.itemsize if screened else act["lm_head"]
+            v["head_screen"], v["head_read_bytes"] = screened, head_read
+            v["read_bytes_per_token"] = act["total"] - act["lm_head"] + head_read
             v["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
             if variants:
                 v["same_tokens"] = sum(a == b for a, b in zip(v["tokens"], next(iter(variants.values()))["tokens"]))
@@ -267,8 +279,10 @@ def measure(pkg: Path, threads: int, new_tokens: int, repeats: int, buffer_gib: 
         v["ratio_paired_median"] = statistics.median(v["paired_ratios"])
         first += len(v["runs"])
         v["ratio_to_gemv_bound"] = v["tok_s_best"] / (bw["ops_bytes_per_s"]["mv_fp32"] / act["total"])
+        v["ratio_read"] = v["tok_s_best"] / (bw["bytes_per_s"] / v["read_bytes_per_token"])
         spt = v["breakdown"]["seconds_per_token"]
-        v["breakdown"]["achieved_bytes_per_s"] = {c: act[c] / spt[c] for c in CATEGORIES if act[c] and spt[c] > 0}
+        read = {**act, "lm_head": v["head_read_bytes"]}
+        v["breakdown"]["achieved_bytes_per_s"] = {c: read[c] / spt[c] for c in CATEGORIES if read[c] and spt[c] > 0}
     return {"package": str(pkg), "dtype": str(dtype).replace("torch.", ""), "threads": threads,
             "new_tokens": new_tokens, "prompt_tokens": len(prompt), "bandwidth": bw, "active_bytes_per_token": act,
             "kv_bytes_per_token_mean": kv, "bound_tok_s": bound, "target": TARGET, "variants": variants}
@@ -294,6 +308,9 @@ def table(results: list[dict]) -> str:
             ("ratio (target >= 60%)", lambda r, v: f"{v['ratio']:.1%}"),
             ("  paired ratio, median run", lambda r, v: f"{v['ratio_paired_median']:.1%}"),
             ("  ratio to the mv bound", lambda r, v: f"{v['ratio_to_gemv_bound']:.1%}"),
+            ("MB read / token (head screen)", lambda r, v: f"{v['read_bytes_per_token'] / 1e6:.1f}" + (
+                " (yes)" if v["head_screen"] else " (no)")),
+            ("  ratio on the bytes read", lambda r, v: f"{v['ratio_read']:.1%}"),
             ("greedy tokens as the engine's",
              lambda r, v: f"{v.get('same_tokens', len(v['tokens']))}/{len(v['tokens'])}")]
     w = 24

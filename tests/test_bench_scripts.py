@@ -47,6 +47,11 @@ def test_decode_bandwidth_measures_the_engine_against_the_bound(decode_result):
         assert 0 <= r["variants"][name]["same_tokens"] <= len(engine["tokens"])
         assert r["variants"][name]["ratio_paired_median"] > 0
     assert "ratio (target >= 60%)" in decode_bandwidth.table(res["results"])
+    # greedy steps read the head through its int8 screen (1 byte a weight: a quarter of fp32's), timed as lm_head
+    act = r["active_bytes_per_token"]
+    assert engine["head_screen"] and engine["read_bytes_per_token"] == act["total"] - act["lm_head"] * 3 / 4
+    assert engine["breakdown"]["seconds_per_token"]["lm_head"] > 0
+    assert not r["variants"]["onednn"]["head_screen"] and not r["variants"]["F.linear"]["head_screen"]
 
 
 def test_active_bytes_count_top_k_experts_the_whole_tied_head_and_fp32_gates():

@@ -26,6 +26,9 @@ go where more rows go. fp32 and bf16 on a CPU with oneDNN only. Where oneDNN has
 AVX-512), bf16 rows past the kernel's go through the kernel eight at a time (F.linear's bf16 fallback there took
 twice as long: 1.41 s against 0.69 s for 64 rows of a 50,304 x 512 lm_head, one AVX2 thread).
 MOE_PIPELINE_CPU_LINEARS=onednn leaves the kernel out, =0 leaves every layer as it is (F.linear).
+
+The model's output layer also gets a `HeadScreen`: greedy rows' tokens from an int8 copy of it plus the exact rows
+its error bound cannot rule out (the same tokens, about half the bytes; MOE_PIPELINE_HEAD_SCREEN=0: none).
 """
 
 from __future__ import annotations

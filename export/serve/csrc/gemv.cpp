@@ -1554,27 +1554,39 @@ static void rows_i8(const int8_t* q, const float* x, const float* scale, float* 
 // bf16 rows with AVX512_BF16: each 32 int8 widened once to bf16 (exact: |q| <= 127 has 7 significant bits), then
 // one VDPBF16PS per input row (x as the caller's bf16), where the fp32 path above spends two FMAs a row. That path
 // is compute-bound past one row on an AMD EPYC (2 cores, the Qwen3-MoE head: 8 rows 7.2 ms against the bf16
-// layer's 6.3); this one took 1.8 / 2.1 / 2.6 / 4.3 ms at 1 / 2 / 4 / 8 rows where the whole bf16 layer took
-// 3.0 / 3.3 / 3.5 / 5.6, the same run (one row: as fast as the fp32 path, 1.73 against 1.70 ms, best of 8).
+// layer's 6.3). This one, with 4 sums for one row and 2 for two (1 sum: 1.8 / 2.1 ms), took 1.6 / 1.8 / 2.7 /
+// 3.9 ms at 1 / 2 / 4 / 8 rows where the whole bf16 layer and its argmax took 3.1 / 3.2 / 3.8 / 5.5, same run.
 template <int M>
 static void rows_i8_dp(const int8_t* q, const B16* x, const float* scale, float* y, int64_t I, int64_t O, int64_t o0,
                        int64_t o1) {
+  constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;  // independent sums: VDPBF16PS's latency hidden (M x U >= 3)
+  auto widened = [](const int8_t* p) {  // 32 int8 as bf16, elements in order
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi
+  };
   for (int64_t o = o0; o < o1; ++o) {
     const int8_t* qr = q + o * I;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    __m512 acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
     int64_t i = 0;
+    for (; i + 32 * U <= I; i += 32 * U)
+      for (int u = 0; u < U; ++u) {
+        if ((i + 32 * u) % 64 == 0) ahead(qr + i + 32 * u);
+        const __m512bh wv = widened(qr + i + 32 * u);
+        for (int m = 0; m < M; ++m)
+          acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(x + m * I + i + 32 * u));
+      }
     for (; i + 32 <= I; i += 32) {
-      if (i % 64 == 0) ahead(qr + i);
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + i));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-      const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);  // elements 0-15 from lo, 16-31 from hi
+      const __m512bh wv = widened(qr + i);
       for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * I + i));
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_loadu_si512(x + m * I + i));
     }
     for (int m = 0; m < M; ++m) {
-      float s = _mm512_reduce_add_ps(acc[m]);
+      for (int u = 1; u < U; ++u) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][u]);
+      float s = _mm512_reduce_add_ps(acc[m][0]);
       for (int64_t j = i; j < I; ++j) s += static_cast<float>(qr[j]) * static_cast<float>(x[m * I + j]);
       y[m * O + o] = s * scale[o];
     }
