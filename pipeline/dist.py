@@ -480,14 +480,19 @@ def use_local_reduce(fn) -> None:
     _LOCAL_REDUCE = fn
 
 
+def region_prefix() -> str:
+    """How the /dev/shm files of `shared_region` start for this user and this launch (its rendezvous address and
+    port); rank 0's pid ends each name."""
+    return f"moe_pipeline_region_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_"
+
+
 def shared_region(nbytes: int) -> torch.Tensor:
     """A region of `nbytes` bytes of zeros every rank of this machine maps (uint8, MAP_SHARED): rank 0 makes a file in
     /dev/shm (named by the group's rendezvous address and port), the others map it once its name reaches them, and it
     is unlinked once every rank holds it, before any rank returns. Collective; every rank on this machine."""
     import torch.distributed as td
 
-    path = Path("/dev/shm") / (f"moe_pipeline_region_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-                               f"{os.environ.get('MASTER_PORT', '')}_{os.getpid()}")
+    path = Path("/dev/shm") / f"{region_prefix()}{os.getpid()}"
     if td.get_rank() == 0:
         tmp = path.with_name(path.name + ".partial")
         with open(tmp, "wb") as f:

@@ -382,9 +382,11 @@ class HeadScreen:
         self.scale = torch.empty(O, dtype=torch.float32)
         self.err = torch.empty(O, dtype=torch.float32)
         rounding = 4 * I * 2.0 ** -24
+        self.finite = True  # every weight finite (a NaN or inf one makes its row's largest |w| so): else unusable
         for lo in range(0, O, self.CHUNK):
             part = w[lo:lo + self.CHUNK].double()
             top = part.abs().amax(1)
+            self.finite = self.finite and bool(torch.isfinite(top).all())
             scale = (top / 127).float().clamp_min(torch.finfo(torch.float32).tiny)
             q = torch.round(part / scale.double()[:, None]).clamp(-127, 127)
             recon = (part - scale.double()[:, None] * q).abs().amax(1)
@@ -400,9 +402,10 @@ class HeadScreen:
         w = served.weight
         if (os.environ.get(SCREEN_ENV, "1") == "0" or bias is not None or served.gemv is None
                 or not hasattr(served.gemv, "screen_argmax") or w.device.type != "cpu"
-                or w.dtype not in (torch.float32, torch.bfloat16) or not bool(torch.isfinite(w).all())):
+                or w.dtype not in (torch.float32, torch.bfloat16)):
             return None
-        return cls(served)
+        screen = cls(served)
+        return screen if screen.finite else None
 
     def argmax(self, x: torch.Tensor) -> list[int] | None:
         """Each row's token of hidden states x [n, C] (the head's dtype), as argmax_rows(head(x)); None where the

@@ -9,7 +9,6 @@ runtime's own shared-memory sum (export/serve/linears.py `attach_local_reduce`) 
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -63,8 +62,8 @@ torch.manual_seed(r)
 samples = [torch.randn(33, 7), torch.randn(4, 1000).bfloat16(), torch.randn(3 * linears.REDUCE_SLOT_BYTES // 4 // 2 + 5)]
 by_deepspeed = [dist.fast_all_reduce_(t.clone()) for t in samples]
 checks["local_reduce_attached"] = linears.attach_local_reduce()
-ours = f"moe_pipeline_region_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_"
-checks["local_reduce_region_unlinked"] = not any(p.name.startswith(ours) for p in Path("/dev/shm").iterdir())
+checks["local_reduce_region_unlinked"] = not any(p.name.startswith(dist.region_prefix())  # this launch's only
+                                                 for p in Path("/dev/shm").iterdir())
 for i, (t, want) in enumerate(zip(samples, by_deepspeed)):
     checks[f"local_reduce_as_deepspeed_{i}"] = bool(torch.equal(dist.fast_all_reduce_(t.clone()), want))
 if r == 1:

@@ -59,6 +59,9 @@ static inline vf vload(const c10::BFloat16* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+static inline vf vload(const int8_t* p) {  // the int8 head screen's weights (export/serve/linears.py HeadScreen)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline vf vset(float a) { return _mm512_set1_ps(a); }
@@ -84,6 +87,9 @@ static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vf vload(const c10::BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vf vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline float vsum(vf v) {
@@ -209,12 +215,37 @@ static void shared_range(int64_t n, int64_t grain, F&& piece) {
 #endif
 static inline void ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + 2048, AHEAD_HINT); }
 
+// Where a row's sum goes: y[m, o] in W with the bias added in fp32, one rounding (`linear`); or, in fp32, times the
+// row's scale (the int8 head screen's approximate sums, `screen_argmax`).
+template <typename W>
+struct ToBiased {
+  const W* bias;
+  W* y;
+  int64_t O;
+  void operator()(int64_t m, int64_t o, float s) const {
+    y[m * O + o] = static_cast<W>(bias ? s + static_cast<float>(bias[o]) : s);
+  }
+};
+struct ToScaled {
+  const float* scale;
+  float* y;
+  int64_t O;
+  void operator()(int64_t m, int64_t o, float s) const { y[m * O + o] = s * scale[o]; }
+};
+
+// Whether the weight vector at i + u * VW starts a prefetch: a line per 64 bytes (fp32 every vector; bf16 every
+// other; int8 every line's first)
+template <typename W>
+static inline bool prefetches(int64_t i, int u) {
+  return sizeof(W) == 4 || (sizeof(W) == 2 ? u % 2 == 0 : (i + u * VW) % 64 == 0);
+}
+
 // One input row (batch-1 decode): output rows one after another, each read start to end with U independent sums,
 // so a thread's share of the weight is one sequential stream. The hardware prefetcher follows one stream far
 // better than GROUP interleaved rows of a few KB each: in bf16 ~20% more GB/s when the memory is fast (70 GB/s
 // where the grouped loop read 57).
-template <typename W>
-static void row1(const W* w, const float* x, const W* bias, W* y, int64_t I, int64_t o0, int64_t o1) {
+template <typename W, typename Out>
+static void row1(const W* w, const float* x, int64_t I, int64_t o0, int64_t o1, const Out& out) {
   constexpr int U = 4;
   for (int64_t o = o0; o < o1; ++o) {
     const W* wr = w + o * I;
@@ -223,13 +254,13 @@ static void row1(const W* w, const float* x, const W* bias, W* y, int64_t I, int
     int64_t i = 0;
     for (; i + U * VW <= I; i += U * VW)
       for (int u = 0; u < U; ++u) {
-        if (sizeof(W) == 4 || u % 2 == 0) ahead(wr + i + u * VW);  // a line per 64 bytes
+        if (prefetches<W>(i, u)) ahead(wr + i + u * VW);
         acc[u] = vfma(vload(wr + i + u * VW), vload(x + i + u * VW), acc[u]);
       }
     for (; i + VW <= I; i += VW) acc[0] = vfma(vload(wr + i), vload(x + i), acc[0]);
     float s = vsum(acc[0] + acc[1] + acc[2] + acc[3]);
     for (; i < I; ++i) s += static_cast<float>(wr[i]) * x[i];
-    y[o] = static_cast<W>(bias ? s + static_cast<float>(bias[o]) : s);
+    out(0, o, s);
   }
 }
 
@@ -237,8 +268,8 @@ static void row1(const W* w, const float* x, const W* bias, W* y, int64_t I, int
 // input row's x (M rows, in L1) multiplied with each loaded vector, U independent sums per input row. Reading
 // GROUP rows side by side instead (a weight vector of each, then all of x) ran at half this speed on an AMD EPYC
 // under KVM (bf16: 8-10 against 14-17 GB/s, 2 threads): the hardware prefetcher does not follow GROUP streams.
-template <typename W, int M>
-static void rows(const W* w, const float* x, const W* bias, W* y, int64_t I, int64_t O, int64_t o0, int64_t o1) {
+template <typename W, int M, typename Out>
+static void rows(const W* w, const float* x, int64_t I, int64_t o0, int64_t o1, const Out& out) {
   constexpr int U = M <= 2 ? 4 : M <= 4 ? 2 : 1;  // M x U sums in registers
   for (int64_t o = o0; o < o1; ++o) {
     const W* wr = w + o * I;
@@ -248,7 +279,7 @@ static void rows(const W* w, const float* x, const W* bias, W* y, int64_t I, int
     int64_t i = 0;
     for (; i + U * VW <= I; i += U * VW)
       for (int u = 0; u < U; ++u) {
-        if (sizeof(W) == 4 || u % 2 == 0) ahead(wr + i + u * VW);  // a line per 64 bytes
+        if (prefetches<W>(i, u)) ahead(wr + i + u * VW);
         const vf wv = vload(wr + i + u * VW);
         for (int m = 0; m < M; ++m) acc[m][u] = vfma(wv, vload(x + m * I + i + u * VW), acc[m][u]);
       }
@@ -261,24 +292,23 @@ static void rows(const W* w, const float* x, const W* bias, W* y, int64_t I, int
       for (int u = 1; u < U; ++u) v = v + acc[m][u];
       float s = vsum(v);
       for (int64_t j = i; j < I; ++j) s += static_cast<float>(wr[j]) * x[m * I + j];
-      y[m * O + o] = static_cast<W>(bias ? s + static_cast<float>(bias[o]) : s);
+      out(m, o, s);
     }
   }
 }
 
 // M (1 to MAX_ROWS) input rows: the kernel instantiated for that many.
-template <typename W>
-static void rows_any(int64_t M, const W* w, const float* x, const W* bias, W* y, int64_t I, int64_t O, int64_t o0,
-                     int64_t o1) {
+template <typename W, typename Out>
+static void rows_any(int64_t M, const W* w, const float* x, int64_t I, int64_t o0, int64_t o1, const Out& out) {
   switch (M) {
-    case 1: return row1<W>(w, x, bias, y, I, o0, o1);
-    case 2: return rows<W, 2>(w, x, bias, y, I, O, o0, o1);
-    case 3: return rows<W, 3>(w, x, bias, y, I, O, o0, o1);
-    case 4: return rows<W, 4>(w, x, bias, y, I, O, o0, o1);
-    case 5: return rows<W, 5>(w, x, bias, y, I, O, o0, o1);
-    case 6: return rows<W, 6>(w, x, bias, y, I, O, o0, o1);
-    case 7: return rows<W, 7>(w, x, bias, y, I, O, o0, o1);
-    default: return rows<W, 8>(w, x, bias, y, I, O, o0, o1);
+    case 1: return row1<W>(w, x, I, o0, o1, out);
+    case 2: return rows<W, 2>(w, x, I, o0, o1, out);
+    case 3: return rows<W, 3>(w, x, I, o0, o1, out);
+    case 4: return rows<W, 4>(w, x, I, o0, o1, out);
+    case 5: return rows<W, 5>(w, x, I, o0, o1, out);
+    case 6: return rows<W, 6>(w, x, I, o0, o1, out);
+    case 7: return rows<W, 7>(w, x, I, o0, o1, out);
+    default: return rows<W, 8>(w, x, I, o0, o1, out);
   }
 }
 
@@ -375,7 +405,7 @@ static void run(int64_t M, const W* w, const float* x, const W* bias, W* y, int6
   const int64_t groups = (O + GROUP - 1) / GROUP;
   shared_range(groups, grain(I, sizeof(W)), [&](int64_t b, int64_t e) {
     const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
-    rows_any<W>(M, w, x, bias, y, I, O, o0, o1);
+    rows_any(M, w, x, I, o0, o1, ToBiased<W>{bias, y, O});
   });
 }
 
@@ -809,7 +839,7 @@ static void block_rows(const W* w, const W* x, const W* bias, W* y, int64_t M, i
     for (int64_t k = 0; k < M * I; ++k) scratch[k] = static_cast<float>(x[k]);
     xf = scratch;
   }
-  rows_any<W>(M, w, xf, bias, y, I, O, 0, n);
+  rows_any(M, w, xf, I, 0, n, ToBiased<W>{bias, y, O});
 }
 
 struct Task {
@@ -1508,57 +1538,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 // returns is `linear` + argmax's answer, exactly, reading ~half the bytes. Empty where it does not apply (x not
 // finite, or candidates past `most` in all: the caller then runs the whole head).
 
-#if defined(__AVX512F__)
-static inline vf vload_i8(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-#else
-static inline vf vload_i8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-#endif
-
-// y[m, o] = scale[o] * sum_i q[o, i] x[m, i] for output rows [o0, o1): each row's int8 read start to end (one
-// sequential stream a thread, as `rows`), every input row's x in L1.
-template <int M>
-static void rows_i8(const int8_t* q, const float* x, const float* scale, float* y, int64_t I, int64_t O, int64_t o0,
-                    int64_t o1) {
-  constexpr int U = M <= 2 ? 4 : M <= 4 ? 2 : 1;
-  for (int64_t o = o0; o < o1; ++o) {
-    const int8_t* qr = q + o * I;
-    vf acc[M][U];
-    for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) acc[m][u] = vzero();
-    int64_t i = 0;
-    for (; i + U * VW <= I; i += U * VW)
-      for (int u = 0; u < U; ++u) {
-        if ((i + u * VW) % 64 == 0) ahead(qr + i + u * VW);  // a line per 64 bytes
-        const vf wv = vload_i8(qr + i + u * VW);
-        for (int m = 0; m < M; ++m) acc[m][u] = vfma(wv, vload(x + m * I + i + u * VW), acc[m][u]);
-      }
-    for (; i + VW <= I; i += VW) {
-      const vf wv = vload_i8(qr + i);
-      for (int m = 0; m < M; ++m) acc[m][0] = vfma(wv, vload(x + m * I + i), acc[m][0]);
-    }
-    for (int m = 0; m < M; ++m) {
-      vf v = acc[m][0];
-      for (int u = 1; u < U; ++u) v = v + acc[m][u];
-      float s = vsum(v);
-      for (int64_t j = i; j < I; ++j) s += static_cast<float>(qr[j]) * x[m * I + j];
-      y[m * O + o] = s * scale[o];
-    }
-  }
-}
-
 #if defined(__AVX512BF16__)
 // bf16 rows with AVX512_BF16: each 32 int8 widened once to bf16 (exact: |q| <= 127 has 7 significant bits), then
-// one VDPBF16PS per input row (x as the caller's bf16), where the fp32 path above spends two FMAs a row. That path
+// one VDPBF16PS per input row (x as the caller's bf16), where `rows` on int8 spends two FMAs a row. That path
 // is compute-bound past one row on an AMD EPYC (2 cores, the Qwen3-MoE head: 8 rows 7.2 ms against the bf16
 // layer's 6.3). This one, with 4 sums for one row and 2 for two (1 sum: 1.8 / 2.1 ms), took 1.6 / 1.8 / 2.7 /
 // 3.9 ms at 1 / 2 / 4 / 8 rows where the whole bf16 layer and its argmax took 3.1 / 3.2 / 3.8 / 5.5, same run.
 template <int M>
-static void rows_i8_dp(const int8_t* q, const B16* x, const float* scale, float* y, int64_t I, int64_t O, int64_t o0,
-                       int64_t o1) {
+static void rows_i8_dp(const int8_t* q, const B16* x, int64_t I, int64_t o0, int64_t o1, const ToScaled& out) {
   constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;  // independent sums: VDPBF16PS's latency hidden (M x U >= 3)
   auto widened = [](const int8_t* p) {  // 32 int8 as bf16, elements in order
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -1588,25 +1575,11 @@ static void rows_i8_dp(const int8_t* q, const B16* x, const float* scale, float*
       for (int u = 1; u < U; ++u) acc[m][0] = _mm512_add_ps(acc[m][0], acc[m][u]);
       float s = _mm512_reduce_add_ps(acc[m][0]);
       for (int64_t j = i; j < I; ++j) s += static_cast<float>(qr[j]) * static_cast<float>(x[m * I + j]);
-      y[m * O + o] = s * scale[o];
+      out(m, o, s);
     }
   }
 }
 #endif
-
-static void rows_i8_any(int64_t M, const int8_t* q, const float* x, const float* scale, float* y, int64_t I,
-                        int64_t O, int64_t o0, int64_t o1) {
-  switch (M) {
-    case 1: return rows_i8<1>(q, x, scale, y, I, O, o0, o1);
-    case 2: return rows_i8<2>(q, x, scale, y, I, O, o0, o1);
-    case 3: return rows_i8<3>(q, x, scale, y, I, O, o0, o1);
-    case 4: return rows_i8<4>(q, x, scale, y, I, O, o0, o1);
-    case 5: return rows_i8<5>(q, x, scale, y, I, O, o0, o1);
-    case 6: return rows_i8<6>(q, x, scale, y, I, O, o0, o1);
-    case 7: return rows_i8<7>(q, x, scale, y, I, O, o0, o1);
-    default: return rows_i8<8>(q, x, scale, y, I, O, o0, o1);
-  }
-}
 
 // x [M, I] (1 <= M <= MAX_ROWS) and w [O, I] as `linear` takes them (no bias); q int8 [O, I]; scale, err fp32 [O];
 // `most`: the candidates (all rows together) past which it gives up -> [M] int64, or an empty tensor.
@@ -1643,22 +1616,23 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int64_t groups = (O + GROUP - 1) / GROUP;
   shared_range(groups, grain(I, 1), [&](int64_t b, int64_t e) {
     const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
+    const ToScaled out{sp, y.data(), O};
 #if defined(__AVX512BF16__)
     if (x.scalar_type() == at::kBFloat16) {
       const B16* xb = x.data_ptr<B16>();
       switch (M) {
-        case 1: return rows_i8_dp<1>(qp, xb, sp, y.data(), I, O, o0, o1);
-        case 2: return rows_i8_dp<2>(qp, xb, sp, y.data(), I, O, o0, o1);
-        case 3: return rows_i8_dp<3>(qp, xb, sp, y.data(), I, O, o0, o1);
-        case 4: return rows_i8_dp<4>(qp, xb, sp, y.data(), I, O, o0, o1);
-        case 5: return rows_i8_dp<5>(qp, xb, sp, y.data(), I, O, o0, o1);
-        case 6: return rows_i8_dp<6>(qp, xb, sp, y.data(), I, O, o0, o1);
-        case 7: return rows_i8_dp<7>(qp, xb, sp, y.data(), I, O, o0, o1);
-        default: return rows_i8_dp<8>(qp, xb, sp, y.data(), I, O, o0, o1);
+        case 1: return rows_i8_dp<1>(qp, xb, I, o0, o1, out);
+        case 2: return rows_i8_dp<2>(qp, xb, I, o0, o1, out);
+        case 3: return rows_i8_dp<3>(qp, xb, I, o0, o1, out);
+        case 4: return rows_i8_dp<4>(qp, xb, I, o0, o1, out);
+        case 5: return rows_i8_dp<5>(qp, xb, I, o0, o1, out);
+        case 6: return rows_i8_dp<6>(qp, xb, I, o0, o1, out);
+        case 7: return rows_i8_dp<7>(qp, xb, I, o0, o1, out);
+        default: return rows_i8_dp<8>(qp, xb, I, o0, o1, out);
       }
     }
 #endif
-    rows_i8_any(M, qp, xf.data(), sp, y.data(), I, O, o0, o1);
+    rows_any(M, qp, xf.data(), I, o0, o1, out);
   });
   // each row's candidates, in fp32 with margins far above its roundings (2^-24 relative): e = err n + |y| 2^-21
   // (y carries one rounding of the scale's product); `best` the largest y - e; a candidate's y + e, rounded to w's
