@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,10 +53,14 @@ def server_run(url: str, prompts: list[str], new_tokens: int, concurrency: int) 
     """(seconds, tokens generated, per-request latencies, failures) for `prompts` sent `concurrency` at a time."""
     import requests
 
+    local = threading.local()
+
     def one(p):
         t0 = time.perf_counter()
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
         try:
-            r = requests.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": new_tokens, "temperature": 0},
+            r = local.session.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": new_tokens, "temperature": 0},
                               timeout=600)
             ok = r.status_code == 200
             n = r.json()["usage"]["completion_tokens"] if ok else 0
