@@ -1,5 +1,6 @@
-"""benchmarks/decode_bandwidth.py and benchmarks/ep_scale_model.py on tiny configurations: their real code paths
-(a random package served by the engine, the model's modules timed), seconds each."""
+"""benchmarks/decode_bandwidth.py, benchmarks/ep_scale_model.py and benchmarks/int8_kernels.py on tiny
+configurations: their real code paths (a random package served by the engine, the model's modules timed, the
+kernels), seconds each."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import decode_bandwidth  # noqa: E402
 import ep_scale_model  # noqa: E402
+import int8_kernels  # noqa: E402
 
 TINY = ["model.hidden=64", "model.heads=4", "model.experts=[2, 4]", "data.seq_len=128"]
 
@@ -52,6 +54,19 @@ def test_decode_bandwidth_measures_the_engine_against_the_bound(decode_result):
     assert engine["head_screen"] and engine["read_bytes_per_token"] == act["total"] - act["lm_head"] * 3 / 4
     assert engine["breakdown"]["seconds_per_token"]["lm_head"] > 0
     assert not r["variants"]["onednn"]["head_screen"] and not r["variants"]["F.linear"]["head_screen"]
+
+
+def test_int8_kernels_times_both_layers_side_by_side(tmp_path):
+    """benchmarks/int8_kernels.py on two small weights: both kernels timed at a row count of each path (one pass, and
+    two), the speedup their ratio, the table and the plot written."""
+    results = int8_kernels.run({"a": (64, 96), "b": (33, 40)}, [1, 9], repeats=1, cold_bytes=1e5)
+    assert [(r["weight"], r["rows"]) for r in results] == [("a", 1), ("a", 9), ("b", 1), ("b", 9)]
+    for r in results:
+        assert r["bf16_ms"] > 0 and r["int8_ms"] > 0 and r["speedup"] == pytest.approx(r["bf16_ms"] / r["int8_ms"])
+        assert r["int8_gb_s"] == pytest.approx(r["shape"][0] * r["shape"][1] / r["int8_ms"] / 1e6)
+    assert "int8 / bf16" in int8_kernels.table(results)
+    int8_kernels.plot(results, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
 
 
 def test_active_bytes_count_top_k_experts_the_whole_tied_head_and_fp32_gates():

@@ -145,6 +145,7 @@ def check_all(gemv):
     check_norm(gemv)
     check_argmax(gemv)
     check_screen(gemv)
+    check_int8(gemv)
     check_routed(gemv)
     if hasattr(gemv, "amx_linear"):
         check_amx(gemv)
@@ -177,6 +178,42 @@ def check_amx(gemv):
         gemv.amx_linear(torch.randn(2, 64).bfloat16(), gemv.amx_pack(torch.randn(8, 64).bfloat16()), 40, None)
     with pytest.raises(RuntimeError, match="1 to 256 rows"):
         gemv.amx_linear(torch.randn(257, 64).bfloat16(), gemv.amx_pack(torch.randn(8, 64).bfloat16()), 8, None)
+
+
+def check_int8(gemv):
+    """int8_linear against F.linear on the dequantised weight (scale * q) in fp32: 1 to 19 rows (several passes of 8, a
+    partial one), sizes off the vector widths, fp32 and bf16 inputs, with and without a bias; a pass's rows the same as
+    those rows alone; quantize_int8's rows within half a step of the weight; bad input named."""
+    from export.serve.linears import quantize_int8
+
+    torch.manual_seed(0)
+    for out_f, in_f in [(512, 256), (7, 100), (513, 257), (3, 33), (1024, 1024)]:
+        w = torch.randn(out_f, in_f)
+        w[1] = 0  # a row of zeros: zeros out
+        q, scale = quantize_int8(w, chunk=100)
+        assert q.dtype == torch.int8 and scale.dtype == torch.float32 and int(q.abs().max()) == 127
+        assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
+        deq = q.float() * scale[:, None]
+        for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:
+            x = torch.randn(19, in_f).to(dtype)
+            b = torch.randn(out_f).to(dtype)
+            for bias in (None, b):
+                alone = {n: gemv.int8_linear(x[8:8 + n].contiguous(), q, scale, bias) for n in (1, 8)}
+                for rows in (1, 2, 3, 5, 8, 9, 16, 19):
+                    ref = F.linear(x[:rows].float(), deq, None if bias is None else bias.float())
+                    got = gemv.int8_linear(x[:rows].contiguous(), q, scale, bias)
+                    assert got.dtype == dtype and got.shape == (rows, out_f)
+                    torch.testing.assert_close(got.float(), ref, atol=tol * in_f ** 0.5, rtol=tol)
+                    assert not got[:, 1].any() or bias is not None
+                    if rows in (9, 16):  # the second pass: as those rows alone
+                        assert torch.equal(got[8:], alone[rows - 8])
+    with pytest.raises(RuntimeError, match="q int8"):
+        gemv.int8_linear(torch.randn(2, 16), torch.randn(8, 16), torch.ones(8), None)
+    with pytest.raises(RuntimeError, match="x fp32 or bf16"):
+        gemv.int8_linear(torch.randn(2, 16).double(), torch.zeros(8, 16, dtype=torch.int8), torch.ones(8), None)
+    with pytest.raises(RuntimeError, match="bias of x's dtype"):
+        gemv.int8_linear(torch.randn(2, 16), torch.zeros(8, 16, dtype=torch.int8), torch.ones(8),
+                         torch.ones(8).bfloat16())
 
 
 def check_kernel(gemv):

@@ -356,6 +356,26 @@ class ServingLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
 
 
+def _int8_rows(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of a weight in float64 -> (each row's largest |w| (float64), q = round(w / scale) clamped to +-127 (float64,
+    integral), scale = largest |w| / 127 (fp32, at least the smallest normal fp32))."""
+    top = part.abs().amax(1)
+    scale = (top / 127).float().clamp_min(torch.finfo(torch.float32).tiny)
+    return top, torch.round(part / scale.double()[:, None]).clamp(-127, 127), scale
+
+
+def quantize_int8(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [out, in] weight as int8 with one scale per output row (symmetric, round to nearest: w ~ scale[:, None] * q),
+    as `int8_linear` (csrc/gemv.cpp) reads it: (q int8 [out, in], scale fp32 [out]). Computed in float64, `chunk` rows
+    at a time. A row of zeros gets zeros and the smallest normal scale."""
+    O, I = w.shape
+    q, scale = torch.empty(O, I, dtype=torch.int8), torch.empty(O, dtype=torch.float32)
+    for lo in range(0, O, chunk):
+        _, q_part, scale[lo:lo + chunk] = _int8_rows(w[lo:lo + chunk].detach().double())
+        q[lo:lo + chunk] = q_part.to(torch.int8)
+    return q, scale
+
+
 class HeadScreen:
     """The greedy rows' argmax of an output layer, read from an int8 copy of its weight (half of bf16's bytes, a
     quarter of fp32's) and exact on a few rows (csrc/gemv.cpp `screen_argmax`): the same token as the whole layer's
@@ -385,10 +405,8 @@ class HeadScreen:
         self.finite = True  # every weight finite (a NaN or inf one makes its row's largest |w| so): else unusable
         for lo in range(0, O, self.CHUNK):
             part = w[lo:lo + self.CHUNK].double()
-            top = part.abs().amax(1)
+            top, q, scale = _int8_rows(part)
             self.finite = self.finite and bool(torch.isfinite(top).all())
-            scale = (top / 127).float().clamp_min(torch.finfo(torch.float32).tiny)
-            q = torch.round(part / scale.double()[:, None]).clamp(-127, 127)
             recon = (part - scale.double()[:, None] * q).abs().amax(1)
             bound = (recon + rounding * (top + scale.double())) * (1 + 1e-6)
             self.q[lo:lo + self.CHUNK] = q.to(torch.int8)

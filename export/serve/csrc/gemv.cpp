@@ -233,6 +233,20 @@ struct ToScaled {
   void operator()(int64_t m, int64_t o, float s) const { y[m * O + o] = s * scale[o]; }
 };
 
+// int8 weights' sums (export/serve/linears.py `quantize_int8`): times the output row's scale, plus the bias, rounded
+// once to W
+template <typename W>
+struct ToDequantized {
+  const float* scale;
+  const W* bias;
+  W* y;
+  int64_t O;
+  void operator()(int64_t m, int64_t o, float s) const {
+    const float v = s * scale[o];
+    y[m * O + o] = static_cast<W>(bias ? v + static_cast<float>(bias[o]) : v);
+  }
+};
+
 // Whether the weight vector at i + u * VW starts a prefetch: a line per 64 bytes (fp32 every vector; bf16 every
 // other; int8 every line's first)
 template <typename W>
@@ -1544,8 +1558,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 // is compute-bound past one row on an AMD EPYC (2 cores, the Qwen3-MoE head: 8 rows 7.2 ms against the bf16
 // layer's 6.3). This one, with 4 sums for one row and 2 for two (1 sum: 1.8 / 2.1 ms), took 1.6 / 1.8 / 2.7 /
 // 3.9 ms at 1 / 2 / 4 / 8 rows where the whole bf16 layer and its argmax took 3.1 / 3.2 / 3.8 / 5.5, same run.
-template <int M>
-static void rows_i8_dp(const int8_t* q, const B16* x, int64_t I, int64_t o0, int64_t o1, const ToScaled& out) {
+template <int M, typename Out>
+static void rows_i8_dp(const int8_t* q, const B16* x, int64_t I, int64_t o0, int64_t o1, const Out& out) {
   constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;  // independent sums: VDPBF16PS's latency hidden (M x U >= 3)
   auto widened = [](const int8_t* p) {  // 32 int8 as bf16, elements in order
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -1699,6 +1713,72 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
     op[m] = pick;
   }
   return out;
+}
+
+// -- int8 weights (weight-only quantisation) -------------------------------------------------------------------------
+//
+// y = x @ (scale * q).T (+ bias) for int8 weights, one scale per output row (export/serve/linears.py `quantize_int8`):
+// the weight read at 1 byte, half of bf16's. x [M, I] fp32 or bf16 (any M: MAX_ROWS rows a pass over the weight), q
+// int8 [O, I], scale fp32 [O], bias [O] of x's dtype or None -> [M, O] in x's dtype, each output rounded once. bf16 x
+// on AVX512_BF16: the screen's VDPBF16PS pass (`rows_i8_dp`: int8 widened to bf16 exactly); otherwise the few-row
+// kernel's FMAs on int8 widened to fp32, x in fp32.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  RECORD_FUNCTION("moe_pipeline::int8_linear", std::vector<c10::IValue>({x, q}));
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1) && x.size(0) >= 1,
+              "int8_linear: x [M, in] and q [out, in]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int8_linear: x fp32 or bf16");
+  TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == q.size(0),
+              "int8_linear: q int8 [out, in] and scale fp32 [out]");
+  TORCH_CHECK(x.is_contiguous() && q.is_contiguous() && scale.is_contiguous() && x.device().is_cpu() &&
+                  q.device().is_cpu() && scale.device().is_cpu(),
+              "int8_linear: contiguous CPU tensors");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == q.size(0),
+                "int8_linear: a contiguous bias of x's dtype, one per output");
+  const int64_t N = x.size(0), I = q.size(1), O = q.size(0);
+  at::Tensor y = at::empty({N, O}, x.options());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int64_t groups = (O + GROUP - 1) / GROUP;
+  for (int64_t r0 = 0; r0 < N; r0 += MAX_ROWS) {
+    const int64_t M = std::min(MAX_ROWS, N - r0);
+    if (x.scalar_type() == at::kFloat) {
+      const float* xf = x.data_ptr<float>() + r0 * I;
+      const ToDequantized<float> out{sp, has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>() + r0 * O,
+                                     O};
+      shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
+        rows_any(M, qp, xf, I, b * GROUP, std::min(O, e * GROUP), out);
+      });
+      continue;
+    }
+    using B = c10::BFloat16;
+    const B* xb = x.data_ptr<B>() + r0 * I;
+    const ToDequantized<B> out{sp, has_bias ? bias->data_ptr<B>() : nullptr, y.data_ptr<B>() + r0 * O, O};
+#if defined(__AVX512BF16__)
+    shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
+      const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
+      switch (M) {
+        case 1: return rows_i8_dp<1>(qp, xb, I, o0, o1, out);
+        case 2: return rows_i8_dp<2>(qp, xb, I, o0, o1, out);
+        case 3: return rows_i8_dp<3>(qp, xb, I, o0, o1, out);
+        case 4: return rows_i8_dp<4>(qp, xb, I, o0, o1, out);
+        case 5: return rows_i8_dp<5>(qp, xb, I, o0, o1, out);
+        case 6: return rows_i8_dp<6>(qp, xb, I, o0, o1, out);
+        case 7: return rows_i8_dp<7>(qp, xb, I, o0, o1, out);
+        default: return rows_i8_dp<8>(qp, xb, I, o0, o1, out);
+      }
+    });
+#else
+    std::vector<float> xf(M * I);  // the bf16 rows widened once (a few KB)
+    for (int64_t k = 0; k < M * I; ++k) xf[k] = static_cast<float>(xb[k]);
+    shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
+      rows_any(M, qp, xf.data(), I, b * GROUP, std::min(O, e * GROUP), out);
+    });
+#endif
+  }
+  return y;
 }
 
 // -- weights moved into a file mapping ---------------------------------------------------------------------------
@@ -2181,6 +2261,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_pairs", &combine_pairs, "each token's choices' outputs weighted and summed, as routed_experts", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's", nogil);
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)", nogil);
+  m.def("int8_linear", &int8_linear, "y = x @ (scale * q).T (+ bias) for int8 weights q, one scale a row", nogil);
   m.def("screen_argmax", &screen_argmax,
         "each row's argmax of x @ w.T as linear writes it, from an int8 copy of w and the candidates' exact rows", nogil);
   m.def("qkv_heads", &qkv_heads,

@@ -1,0 +1,131 @@
+"""int8 weight-only linears against bf16 ones, kernel by kernel, on the weight shapes of the peer benchmark's Qwen3-MoE.
+
+    .venv/bin/python benchmarks/int8_kernels.py                      # 2 threads, 1-16 rows
+    .venv/bin/python benchmarks/int8_kernels.py --threads 1 --rows 1 8 --out runs/bench/int8
+
+One run, side by side: for each weight shape (the output layer 50,304 x 1024, the fused q/k/v 1536 x 1024, the
+attention output 1024 x 1024, an expert's fused gate/up 1536 x 1024 and down 1024 x 768) and row count, csrc/gemv.cpp
+`linear` on a bf16 weight against `int8_linear` on the same weight quantised by export/serve/linears.py
+`quantize_int8` (one scale per output row), bf16 inputs. Each call reads a weight not in the caches (copies of it
+past 256 MB taken in turn), as a decode step reads its layers. More than 8 rows: `linear` 8 rows at a time, as
+`ServingWeight` runs a bf16 weight without oneDNN, and `int8_linear` as it is (8 rows a pass). Medians of --repeats
+timings of 20 calls. Prints ms and GB/s of each and the speedup (the target for a decode step: int8 >= 1.6x bf16,
+issue 29), with the CPU; writes int8_kernels.json and int8_kernels.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, cpu_info, cpu_line  # noqa: E402
+
+SHAPES = {"lm_head": (50304, 1024), "qkv": (1536, 1024), "o_proj": (1024, 1024), "expert gate_up": (1536, 1024),
+          "expert down": (1024, 768)}
+
+
+def timed(fn, repeats: int, inner: int = 20) -> float:
+    """Median ms of one call over `repeats` timings of `inner` calls (after 3 unmeasured)."""
+    for _ in range(3):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        runs.append((time.perf_counter() - t0) / inner * 1e3)
+    return statistics.median(runs)
+
+
+def run(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int, cold_bytes: float) -> list[dict]:
+    import torch
+
+    from export.serve.linears import kernel, quantize_int8
+
+    gemv = kernel()
+    if gemv is None or not hasattr(gemv, "int8_linear"):
+        raise SystemExit("the GEMV kernel did not build on this machine")
+    torch.manual_seed(0)
+    out = []
+    for name, (O, I) in shapes.items():
+        n = max(1, int(cold_bytes // (O * I * 2)))  # copies: each call reads one the last n - 1 calls did not
+        bf16 = [(torch.randn(O, I) * 0.02).bfloat16() for _ in range(n)]
+        int8 = [quantize_int8(w) for w in bf16]
+        turn = iter(range(1 << 62))
+        for M in rows:
+            x = torch.randn(M, I).bfloat16()
+
+            def plain():
+                w = bf16[next(turn) % n]
+                return [gemv.linear(x[i:i + 8].contiguous(), w, None) for i in range(0, M, 8)]
+
+            def quantised():
+                q, scale = int8[next(turn) % n]
+                return gemv.int8_linear(x, q, scale, None)
+
+            a, b = timed(plain, repeats), timed(quantised, repeats)
+            out.append({"weight": name, "shape": [O, I], "rows": M, "bf16_ms": a, "int8_ms": b,
+                        "bf16_gb_s": O * I * 2 / a / 1e6, "int8_gb_s": O * I / b / 1e6, "speedup": a / b})
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = [f"{'weight':16s} {'rows':>4s} {'bf16 ms':>8s} {'GB/s':>6s} {'int8 ms':>8s} {'GB/s':>6s} {'int8 / bf16':>11s}"]
+    for r in results:
+        lines.append(f"{r['weight']:16s} {r['rows']:4d} {r['bf16_ms']:8.3f} {r['bf16_gb_s']:6.1f} {r['int8_ms']:8.3f} "
+                     f"{r['int8_gb_s']:6.1f} {r['speedup']:10.2f}x")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["weight"] for r in results):
+        rs = [r for r in results if r["weight"] == name]
+        ax.plot([r["rows"] for r in rs], [r["speedup"] for r in rs], marker="o", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows (tokens in the call)")
+    ax.set_ylabel("int8 speedup over bf16 (time)")
+    ax.set_title("int8_linear vs bf16 linear, cold weights")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--cold-mb", type=float, default=256.0, help="weight copies taken in turn, in MB of bf16")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "int8_kernels")
+    args = p.parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cpu = cpu_info()
+    print(f"[int8] {cpu_line(cpu)}; {torch.get_num_threads()} threads", flush=True)
+    results = run(SHAPES, args.rows, args.repeats, args.cold_mb * 1e6)
+    print(table(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "int8_kernels.json").write_text(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(),
+                                                            "results": results}, indent=1))
+    plot(results, args.out / "int8_kernels.png")
+    print(f"[int8] wrote {args.out / 'int8_kernels.json'} and int8_kernels.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
