@@ -9,8 +9,10 @@ attention output 1024 x 1024, an expert's fused gate/up 1536 x 1024 and down 102
 `quantize_int8` (one scale per output row), bf16 inputs. Each call reads a weight not in the caches (copies of it
 past 256 MB taken in turn), as a decode step reads its layers. More than 8 rows: `linear` 8 rows at a time, as
 `ServingWeight` runs a bf16 weight without oneDNN, and `int8_linear` as it is (8 rows a pass). Medians of --repeats
-timings of 20 calls. Prints ms and GB/s of each and the speedup (the target for a decode step: int8 >= 1.6x bf16,
-issue 29), with the CPU; writes int8_kernels.json and int8_kernels.png under --out.
+timings of 20 calls. Then one MoE layer's experts (16 of 1024 -> 768 -> 1024, SwiGLU, top-2) through `expert_mlps`
+at --tokens tokens, bf16 experts against int8 ones (`Int8Weight`). Prints ms and GB/s of each and the speedup (the
+target for a decode step: int8 >= 1.6x bf16, issue 29), with the CPU; writes int8_kernels.json and int8_kernels.png
+under --out.
 """
 
 from __future__ import annotations
@@ -74,11 +76,59 @@ def run(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int, cold_
     return out
 
 
+def run_experts(experts: int, top_k: int, hidden: int, width: int, tokens: list[int], repeats: int,
+                cold_bytes: float) -> list[dict]:
+    """One MoE layer's experts (SwiGLU, `experts` of hidden -> width -> hidden) through `expert_mlps`, bf16 against
+    int8, for each token count routed top-k (the tokens spread evenly; the experts with none are left out, as the
+    routed layers do); cold weights as `run`."""
+    import torch
+
+    from export.serve.linears import Int8Weight, expert_mlps
+
+    torch.manual_seed(0)
+    one = 3 * hidden * width * 2  # an expert's bf16 bytes
+    n = max(1, int(cold_bytes // (experts * one)))
+    layers = []
+    for _ in range(n):
+        plain = [((torch.randn(2 * width, hidden) * 0.02).bfloat16(), None, (torch.randn(hidden, width) * 0.02).bfloat16(),
+                  None) for _ in range(experts)]
+        layers.append((plain, [(Int8Weight.of(w1.float()), None, Int8Weight.of(w2.float()), None)
+                               for w1, _, w2, _ in plain]))
+    turn = iter(range(1 << 62))
+    out = []
+    for S in tokens:
+        pairs = S * top_k
+        counts = [pairs // experts + (e < pairs % experts) for e in range(experts)]
+        counts = [c for c in counts if c]
+        x = torch.randn(sum(counts), hidden).bfloat16()
+        def some(kind: int):  # the next copy's next len(counts) experts: a few experts a call stay cold too
+            i = next(turn)
+            held = layers[i % n][kind]
+            return [held[(i * len(counts) + j) % experts] for j in range(len(counts))]
+
+        a = timed(lambda: expert_mlps(x, counts, some(0), True), repeats)
+        b = timed(lambda: expert_mlps(x, counts, some(1), True), repeats)
+        read = len(counts) * one
+        out.append({"weight": f"{experts} experts, top-{top_k}", "tokens": S, "experts_run": len(counts),
+                    "bf16_ms": a, "int8_ms": b, "bf16_gb_s": read / a / 1e6, "int8_gb_s": read / 2 / b / 1e6,
+                    "speedup": a / b})
+    return out
+
+
 def table(results: list[dict]) -> str:
     lines = [f"{'weight':16s} {'rows':>4s} {'bf16 ms':>8s} {'GB/s':>6s} {'int8 ms':>8s} {'GB/s':>6s} {'int8 / bf16':>11s}"]
     for r in results:
         lines.append(f"{r['weight']:16s} {r['rows']:4d} {r['bf16_ms']:8.3f} {r['bf16_gb_s']:6.1f} {r['int8_ms']:8.3f} "
                      f"{r['int8_gb_s']:6.1f} {r['speedup']:10.2f}x")
+    return "\n".join(lines)
+
+
+def experts_table(results: list[dict]) -> str:
+    lines = [f"{'MoE layer':22s} {'tokens':>6s} {'experts':>7s} {'bf16 ms':>8s} {'GB/s':>6s} {'int8 ms':>8s} {'GB/s':>6s} "
+             f"{'int8 / bf16':>11s}"]
+    for r in results:
+        lines.append(f"{r['weight']:22s} {r['tokens']:6d} {r['experts_run']:7d} {r['bf16_ms']:8.3f} {r['bf16_gb_s']:6.1f} "
+                     f"{r['int8_ms']:8.3f} {r['int8_gb_s']:6.1f} {r['speedup']:10.2f}x")
     return "\n".join(lines)
 
 
@@ -107,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 32], help="tokens of the MoE layer timed")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--cold-mb", type=float, default=256.0, help="weight copies taken in turn, in MB of bf16")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "int8_kernels")
@@ -119,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[int8] {cpu_line(cpu)}; {torch.get_num_threads()} threads", flush=True)
     results = run(SHAPES, args.rows, args.repeats, args.cold_mb * 1e6)
     print(table(results))
+    experts = run_experts(16, 2, 1024, 768, args.tokens, args.repeats, args.cold_mb * 1e6)
+    print(experts_table(experts))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "int8_kernels.json").write_text(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(),
-                                                            "results": results}, indent=1))
+                                                            "results": results, "experts": experts}, indent=1))
     plot(results, args.out / "int8_kernels.png")
     print(f"[int8] wrote {args.out / 'int8_kernels.json'} and int8_kernels.png")
     return 0

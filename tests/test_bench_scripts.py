@@ -58,13 +58,17 @@ def test_decode_bandwidth_measures_the_engine_against_the_bound(decode_result):
 
 def test_int8_kernels_times_both_layers_side_by_side(tmp_path):
     """benchmarks/int8_kernels.py on two small weights: both kernels timed at a row count of each path (one pass, and
-    two), the speedup their ratio, the table and the plot written."""
+    two), the speedup their ratio, the table and the plot written; a small MoE layer's experts both ways."""
     results = int8_kernels.run({"a": (64, 96), "b": (33, 40)}, [1, 9], repeats=1, cold_bytes=1e5)
     assert [(r["weight"], r["rows"]) for r in results] == [("a", 1), ("a", 9), ("b", 1), ("b", 9)]
     for r in results:
         assert r["bf16_ms"] > 0 and r["int8_ms"] > 0 and r["speedup"] == pytest.approx(r["bf16_ms"] / r["int8_ms"])
         assert r["int8_gb_s"] == pytest.approx(r["shape"][0] * r["shape"][1] / r["int8_ms"] / 1e6)
     assert "int8 / bf16" in int8_kernels.table(results)
+    layer = int8_kernels.run_experts(4, 2, 64, 32, [1, 3], repeats=1, cold_bytes=1e5)
+    assert [(r["tokens"], r["experts_run"]) for r in layer] == [(1, 2), (3, 4)]  # pairs spread, empty experts left out
+    assert all(r["speedup"] == pytest.approx(r["bf16_ms"] / r["int8_ms"]) for r in layer)
+    assert "MoE layer" in int8_kernels.experts_table(layer)
     int8_kernels.plot(results, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
 

@@ -3,6 +3,8 @@ give the model's own outputs."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -239,37 +241,52 @@ def check_kernel(gemv):
 def check_experts(kernel, C=200, width=70, counts=(1, 3, 5, 2, 9, 4)):
     """expert_mlps of this build against the experts one at a time (F.linear, F.silu or F.gelu, F.linear): SwiGLU
     and GeLU, with and without biases, experts of 1 to 9 rows (past the kernel's 4 a pass), a width off the
-    kernel's blocks, both dtypes; bf16 equal to the bit where F.linear's sums round alike."""
+    kernel's blocks, both dtypes; bf16 equal to the bit where F.linear's sums round alike. int8 experts (`quantize_int8`,
+    the scales as s1, s2) against the same on their dequantised weights."""
+    from export.serve.linears import quantize_int8
+
     torch.manual_seed(0)
     counts = list(counts)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        for swiglu in (True, False):
-            for bias in (False, True):
-                weights = []
-                for _ in counts:
-                    w1 = torch.randn((2 if swiglu else 1) * width, C).to(dtype)
-                    w2 = (torch.randn(C, width) * 0.1).to(dtype)
-                    weights.append((w1, torch.randn(w1.shape[0]).to(dtype) if bias else None, w2,
-                                    torch.randn(C).to(dtype) if bias else None))
-                x = torch.randn(sum(counts), C).to(dtype)
-                b1 = [w[1] for w in weights] if bias else []
-                b2 = [w[3] for w in weights] if bias else []
-                got = kernel.expert_mlps(x, counts, [w[0] for w in weights], b1, [w[2] for w in weights], b2, swiglu)
-                ref, r = [], 0
-                for n, (w1, b1_, w2, b2_) in zip(counts, weights):
-                    h = F.linear(x[r:r + n].float(), w1.float(), None if b1_ is None else b1_.float()).to(dtype)
-                    r += n
-                    if swiglu:
-                        gate, up = h.chunk(2, dim=-1)
-                        h = F.silu(gate) * up
-                    else:
-                        h = F.gelu(h)
-                    ref.append(F.linear(h.float(), w2.float(), None if b2_ is None else b2_.float()))
-                ref = torch.cat(ref)
-                assert got.dtype == dtype and got.shape == ref.shape
-                torch.testing.assert_close(got.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    for (dtype, tol), swiglu, bias, int8 in itertools.product(((torch.float32, 1e-5), (torch.bfloat16, 2e-2)),
+                                                              (True, False), (False, True), (False, True)):
+        weights, quantised = [], []  # per expert: (w1, b1, w2, b2) as the kernel takes them; with int8, (q1, s1, q2, s2)
+        for _ in counts:
+            w1 = torch.randn((2 if swiglu else 1) * width, C).to(dtype)
+            w2 = (torch.randn(C, width) * 0.1).to(dtype)
+            if int8:
+                (q1, s1), (q2, s2) = quantize_int8(w1.float()), quantize_int8(w2.float())
+                quantised.append((q1, s1, q2, s2))
+                w1, w2 = q1.float() * s1[:, None], q2.float() * s2[:, None]  # the reference's weights, exact in fp32
+            weights.append((w1, torch.randn(w1.shape[0]).to(dtype) if bias else None, w2,
+                            torch.randn(C).to(dtype) if bias else None))
+        x = torch.randn(sum(counts), C).to(dtype)
+        b1 = [w[1] for w in weights] if bias else []
+        b2 = [w[3] for w in weights] if bias else []
+        if int8:
+            got = kernel.expert_mlps(x, counts, [q[0] for q in quantised], b1, [q[2] for q in quantised], b2, swiglu,
+                                     [q[1] for q in quantised], [q[3] for q in quantised])
+        else:
+            got = kernel.expert_mlps(x, counts, [w[0] for w in weights], b1, [w[2] for w in weights], b2, swiglu)
+        ref, r = [], 0
+        for n, (w1, b1_, w2, b2_) in zip(counts, weights):
+            h = F.linear(x[r:r + n].float(), w1.float(), None if b1_ is None else b1_.float()).to(dtype)
+            r += n
+            if swiglu:
+                gate, up = h.chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            else:
+                h = F.gelu(h)
+            ref.append(F.linear(h.float(), w2.float(), None if b2_ is None else b2_.float()))
+        ref = torch.cat(ref)
+        assert got.dtype == dtype and got.shape == ref.shape
+        torch.testing.assert_close(got.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
     with pytest.raises(RuntimeError, match="add up to"):
         kernel.expert_mlps(torch.randn(3, 16), [2], [torch.randn(8, 16)], [], [torch.randn(16, 4)], [], True)
+    i8 = torch.zeros(8, 16, dtype=torch.int8), torch.zeros(16, 4, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="int8 ones with s1, s2"):
+        kernel.expert_mlps(torch.randn(2, 16), [2], [i8[0]], [], [i8[1]], [], True)
+    with pytest.raises(RuntimeError, match="one scale per row of w1 and w2"):
+        kernel.expert_mlps(torch.randn(2, 16), [2], [i8[0]], [], [i8[1]], [], True, [torch.ones(8)], [torch.ones(4)])
 
 
 def check_norm(kernel):
@@ -379,7 +396,9 @@ def test_only_an_output_layer_that_fits_gets_a_screen(monkeypatch):
 def check_routed(kernel):
     """route + routed_experts of this build against pipeline/model.py's `route` (no capacity) and the experts one at a
     time, each token's choices weighted and added as PlacedMoE does: top-1 and top-2, renormalised or not, fp32
-    and bf16, an expert with no token."""
+    and bf16, an expert with no token; int8 experts (routed_experts and expert_pairs) against their dequantised
+    weights."""
+    from export.serve.linears import quantize_int8
     from pipeline.model import route
 
     torch.manual_seed(0)
@@ -399,6 +418,20 @@ def check_routed(kernel):
             active = [e for e in range(E) if counts[e]]
             got = kernel.routed_experts(x, experts, mix, active, [weights[e][0] for e in active], [],
                                         [weights[e][2] for e in active], [], True)
+            # int8 experts: as routed_experts on their dequantised weights, within the bf16 roundings
+            q = {e: (quantize_int8(weights[e][0].float()), quantize_int8(weights[e][2].float())) for e in active}
+            deq = [[a.float() * b[:, None] for a, b in q[e]] for e in active]
+            got8 = kernel.routed_experts(x, experts, mix, active, [q[e][0][0] for e in active], [],
+                                         [q[e][1][0] for e in active], [], True, [q[e][0][1] for e in active],
+                                         [q[e][1][1] for e in active])
+            want8 = kernel.routed_experts(x.float(), experts, mix, active, [d[0] for d in deq], [],
+                                          [d[1] for d in deq], [], True)
+            torch.testing.assert_close(got8.float(), want8, atol=2 * tol * want8.abs().max().item(), rtol=2 * tol)
+            here = active[:2]
+            keep = torch.where(torch.isin(experts, torch.tensor(here)), experts, -1)
+            pairs8 = kernel.expert_pairs(x, keep, mix, here, [q[e][0][0] for e in here], [], [q[e][1][0] for e in here],
+                                         [], True, [q[e][0][1] for e in here], [q[e][1][1] for e in here])
+            assert pairs8[keep < 0].abs().sum() == 0 and pairs8[keep >= 0].abs().sum() > 0
             want = torch.zeros(S, C, dtype=dtype)
             for s in range(S):
                 for j in range(k):
@@ -558,3 +591,41 @@ def test_a_large_serving_linear_takes_many_rows_on_any_cpu(dtype, tol):
     x = torch.randn(40, 1024).to(dtype)
     with torch.no_grad():
         torch.testing.assert_close(served(x).float(), layer(x).float(), atol=tol, rtol=tol)
+
+
+def test_int8_weights_through_the_serving_linears():
+    """linears.Int8Weight: its linear on [batch, tokens, in] inputs against F.linear on the weight it stands for
+    (fp32 and bf16, with a bias); int8 experts through expert_mlps and routed_layer against the same experts
+    dequantised; a layer mixing int8 and plain experts, and a wrong weight, refused by name."""
+    from export.serve import linears
+    from export.serve.linears import Int8Weight
+
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 80), torch.randn(96)
+    int8 = Int8Weight.of(w)
+    assert int8.shape == (96, 80) and int8.q.dtype == torch.int8
+    assert (int8.dequantized() - w).abs().max() <= int8.scale.max() / 2 * (1 + 1e-6)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(2, 5, 80).to(dtype)
+        got = int8.linear(x, b.to(dtype))
+        assert got.shape == (2, 5, 96) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), F.linear(x.float(), int8.dequantized(), b.to(dtype).float()),
+                                   atol=tol * 80 ** 0.5, rtol=tol)
+    C, width, E = 64, 48, 4
+    experts = {e: (Int8Weight.of(torch.randn(2 * width, C)), None, Int8Weight.of(torch.randn(C, width) * 0.1), None)
+               for e in range(E)}
+    plain = {e: (x[0].dequantized(), None, x[2].dequantized(), None) for e, x in experts.items()}
+    x = torch.randn(6, C)
+    got = linears.expert_mlps(x, [2, 0, 3, 1], [experts[e] for e in range(E)], True)
+    want = linears.expert_mlps(x, [2, 0, 3, 1], [plain[e] for e in range(E)], True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    wg = torch.randn(E, C)
+    (got, counts), (want, counts_) = (linears.routed_layer(x, wg, 2, True, lambda e: table[e], True)
+                                      for table in (experts, plain))
+    assert torch.equal(counts, counts_)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    mixed = [experts[0], plain[1]]
+    with pytest.raises(ValueError, match="int8 \\(Int8Weight\\) all or none"):
+        linears.expert_mlps(x[:2], [1, 1], mixed, True)
+    with pytest.raises(ValueError, match="q int8 \\[out, in\\] and scale fp32 \\[out\\]"):
+        Int8Weight(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))

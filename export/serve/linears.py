@@ -376,6 +376,38 @@ def quantize_int8(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, tor
     return q, scale
 
 
+class Int8Weight:
+    """A [out, in] weight held as int8 with one fp32 scale per output row (`quantize_int8`: w ~ scale[:, None] * q),
+    read at 1 byte a weight by csrc/gemv.cpp (`int8_linear`; as an expert, `expert_mlps` and the routed layers).
+    `linear(x, bias)` for x of any rows in fp32 or bf16, as ServingWeight's; `dequantized(dtype)` the weight it
+    stands for."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        if q.dtype != torch.int8 or q.dim() != 2 or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
+            raise ValueError(f"Int8Weight: q int8 [out, in] and scale fp32 [out], not {q.dtype} {tuple(q.shape)} and "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+        self.q, self.scale = q.contiguous(), scale.contiguous()
+        self.gemv = kernel()
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "Int8Weight":
+        return cls(*quantize_int8(w))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.q.float() * self.scale[:, None]).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if self.gemv is None or not hasattr(self.gemv, "int8_linear") or x.device.type != "cpu" or rows == 0:
+            return F.linear(x, self.dequantized(x.dtype).to(x.device), bias)  # no kernel here: the weight it stands for
+        y = self.gemv.int8_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.q, self.scale, bias)
+        return y.view(*x.shape[:-1], self.q.shape[0])
+
+
 class HeadScreen:
     """The greedy rows' argmax of an output layer, read from an int8 copy of its weight (half of bf16's bytes, a
     quarter of fp32's) and exact on a few rows (csrc/gemv.cpp `screen_argmax`): the same token as the whole layer's
@@ -487,7 +519,8 @@ def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu
     """Every listed expert over its rows in one kernel call: x [rows, C] holds counts[i] rows of expert i in turn;
     weights[i] is its (fc1 weight, fc1 bias, fc2 weight, fc2 bias) (ServingWeight or tensor; biases for all or
     none). Returns [rows, C] in x's order: as fc2(act(fc1(x))) expert by expert, the same roundings."""
-    return kernel().expert_mlps(x.contiguous(), counts, *_expert_tensors(weights), swiglu)
+    w1, b1, w2, b2, s1, s2 = _expert_tensors(weights)
+    return kernel().expert_mlps(x.contiguous(), counts, w1, b1, w2, b2, swiglu, s1, s2)
 
 
 def local_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
@@ -506,8 +539,8 @@ def routed_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int, renormalize: boo
     x = x.contiguous()
     mix, experts, counts = route(x, wg, top_k, renormalize)
     active = [e for e, n in enumerate(counts.tolist()) if n]
-    weights = [weights_of(e) for e in active]
-    return kernel().routed_experts(x, experts, mix, active, *_expert_tensors(weights), swiglu), counts
+    w1, b1, w2, b2, s1, s2 = _expert_tensors([weights_of(e) for e in active])
+    return kernel().routed_experts(x, experts, mix, active, w1, b1, w2, b2, swiglu, s1, s2), counts
 
 
 def gathered_layer(total: int, x: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
@@ -530,8 +563,9 @@ def expert_pairs(x: torch.Tensor, experts: torch.Tensor, mix: torch.Tensor, weig
     active = sorted(set(experts[experts >= 0].tolist()))
     if not active:
         return x.new_zeros(x.shape[0], experts.shape[1], x.shape[1])
-    return kernel().expert_pairs(x.contiguous(), experts.contiguous(), mix.contiguous(), active,
-                                 *_expert_tensors([weights_of(e) for e in active]), swiglu)
+    w1, b1, w2, b2, s1, s2 = _expert_tensors([weights_of(e) for e in active])
+    return kernel().expert_pairs(x.contiguous(), experts.contiguous(), mix.contiguous(), active, w1, b1, w2, b2, swiglu,
+                                 s1, s2)
 
 
 def combine_pairs(y: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
@@ -539,16 +573,23 @@ def combine_pairs(y: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     return kernel().combine_pairs(y.contiguous(), mix.contiguous())
 
 
-def _expert_tensors(weights: list[tuple]) -> tuple[list, list, list, list]:
-    """(w1s, b1s, w2s, b2s) as the kernel takes them: plain contiguous tensors, empty bias lists for none."""
+def _expert_tensors(weights: list[tuple]) -> tuple[list, list, list, list, list, list]:
+    """(w1s, b1s, w2s, b2s, s1s, s2s) as the kernel takes them: plain contiguous tensors, empty bias lists for none;
+    int8 experts (`Int8Weight`, every one or none) give their int8 tensors and their scales as s1s, s2s (else empty)."""
+    int8 = [isinstance(w[0], Int8Weight) and isinstance(w[2], Int8Weight) for w in weights]
+    if any(int8) and not all(int8):
+        raise ValueError("an MoE layer's experts are int8 (Int8Weight) all or none: quantise every expert alike")
+
     def raw(w):
-        return w.weight if isinstance(w, ServingWeight) else w.contiguous()
+        return w.q if isinstance(w, Int8Weight) else w.weight if isinstance(w, ServingWeight) else w.contiguous()
 
     w1 = [raw(w[0]) for w in weights]
     w2 = [raw(w[2]) for w in weights]
     b1 = [w[1].contiguous() for w in weights] if weights[0][1] is not None else []
     b2 = [w[3].contiguous() for w in weights] if weights[0][3] is not None else []
-    return w1, b1, w2, b2
+    s1 = [w[0].scale for w in weights] if all(int8) else []
+    s2 = [w[2].scale for w in weights] if all(int8) else []
+    return w1, b1, w2, b2, s1, s2
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:

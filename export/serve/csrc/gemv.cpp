@@ -856,6 +856,40 @@ static void block_rows(const W* w, const W* x, const W* bias, W* y, int64_t M, i
   rows_any(M, w, xf, I, 0, n, ToBiased<W>{bias, y, O});
 }
 
+#if defined(__AVX512BF16__)
+template <int M, typename Out>
+static void rows_i8_dp(const int8_t* q, const B16* x, int64_t I, int64_t o0, int64_t o1, const Out& out);
+#endif
+
+// block_rows on int8 weights q (w ~ scale[o] * q[o], export/serve/linears.py `quantize_int8`): int8_linear's kernels
+template <typename W>
+static void block_rows_i8(const int8_t* q, const float* scale, const W* x, const W* bias, W* y, int64_t M, int64_t I,
+                          int64_t O, int64_t n, float* scratch) {
+  const ToDequantized<W> out{scale, bias, y, O};
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<W, c10::BFloat16>::value) {
+    switch (M) {
+      case 1: return rows_i8_dp<1>(q, x, I, 0, n, out);
+      case 2: return rows_i8_dp<2>(q, x, I, 0, n, out);
+      case 3: return rows_i8_dp<3>(q, x, I, 0, n, out);
+      case 4: return rows_i8_dp<4>(q, x, I, 0, n, out);
+      case 5: return rows_i8_dp<5>(q, x, I, 0, n, out);
+      case 6: return rows_i8_dp<6>(q, x, I, 0, n, out);
+      case 7: return rows_i8_dp<7>(q, x, I, 0, n, out);
+      default: return rows_i8_dp<8>(q, x, I, 0, n, out);
+    }
+  }
+#endif
+  const float* xf;
+  if constexpr (std::is_same<W, float>::value) {
+    xf = x;
+  } else {
+    for (int64_t k = 0; k < M * I; ++k) scratch[k] = static_cast<float>(x[k]);
+    xf = scratch;
+  }
+  rows_any(M, q, xf, I, 0, n, out);
+}
+
 struct Task {
   int64_t expert, o0, o1, cost;
 };
@@ -924,9 +958,10 @@ template <typename T>
 static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& counts,
                               const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
                               const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2,
-                              bool swiglu, at::Tensor& y) {
+                              bool swiglu, const std::vector<at::Tensor>& s1, const std::vector<at::Tensor>& s2,
+                              at::Tensor& y) {
   const int64_t E = counts.size(), C = x.size(1), F = w2[0].size(1);  // experts, hidden, expert width
-  const bool bias = !b1.empty();
+  const bool bias = !b1.empty(), int8 = !s1.empty();  // int8: w1, w2 int8 with one scale a row in s1, s2
   std::vector<int64_t> start(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
   const T* xp = x.data_ptr<T>();
@@ -940,7 +975,7 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   int64_t chunks = 0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same<T, B16>::value) {
-    if (C % 32 == 0 && F % 32 == 0 && amx_ready())
+    if (C % 32 == 0 && F % 32 == 0 && !int8 && amx_ready())
       for (int64_t e = 0; e < E; ++e)
         if (counts[e] > MAX_ROWS) chunk[e] = chunks, chunks += (counts[e] + 15) / 16;
   }
@@ -969,6 +1004,14 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
     _tile_release();
 #endif
   };
+  // rows [o0, o0 + n) of expert e's weight W (I inputs; its scales S with int8) against M rows xr -> out (O apart)
+  auto fc = [&](const std::vector<at::Tensor>& W, const std::vector<at::Tensor>& S, int64_t e, int64_t o0,
+                const T* xr, const T* b, T* out, int64_t M, int64_t I, int64_t O, int64_t n, float* scratch) {
+    if (int8)
+      return block_rows_i8<T>(W[e].data_ptr<int8_t>() + o0 * I, S[e].data_ptr<float>() + o0, xr, b, out, M, I, O, n,
+                              scratch);
+    block_rows<T>(W[e].data_ptr<T>() + o0 * I, xr, b, out, M, I, O, n, scratch);
+  };
   std::vector<Task> tasks;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t o = 0; o < F && counts[e]; o += BLOCK)
@@ -976,7 +1019,7 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   pack(xp, C);
   // fc1 and the activation: gate rows [o0, o1) and up rows F + [o0, o1) (swiglu), into act[:, o0:o1]
   run_tasks(tasks, (swiglu ? 2 : 1) * C * int64_t(sizeof(T)), [&](const Task& t) {
-    const T* w = w1[t.expert].data_ptr<T>();
+    const T* w = int8 ? nullptr : w1[t.expert].data_ptr<T>();
     const T* b = bias ? b1[t.expert].data_ptr<T>() : nullptr;
     const int64_t n = t.o1 - t.o0;
     if (chunk[t.expert] >= 0) {
@@ -1016,9 +1059,9 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
     std::vector<float> scratch(MAX_ROWS * C);
     for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
       const int64_t M = std::min(MAX_ROWS, start[t.expert + 1] - r);
-      block_rows<T>(w + t.o0 * C, xp + r * C, b ? b + t.o0 : nullptr, g, M, C, BLOCK, n, scratch.data());
+      fc(w1, s1, t.expert, t.o0, xp + r * C, b ? b + t.o0 : nullptr, g, M, C, BLOCK, n, scratch.data());
       if (swiglu)
-        block_rows<T>(w + (F + t.o0) * C, xp + r * C, b ? b + F + t.o0 : nullptr, u, M, C, BLOCK, n, scratch.data());
+        fc(w1, s1, t.expert, F + t.o0, xp + r * C, b ? b + F + t.o0 : nullptr, u, M, C, BLOCK, n, scratch.data());
       for (int64_t m = 0; m < M; ++m)
         for (int64_t o = 0; o < n; ++o) {
           T* out = ap + (r + m) * F + t.o0 + o;
@@ -1037,7 +1080,7 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   pack(ap, F);
   // fc2: output columns [o0, o1) of each of the expert's rows
   run_tasks(tasks, F * int64_t(sizeof(T)), [&](const Task& t) {
-    const T* w = w2[t.expert].data_ptr<T>();
+    const T* w = int8 ? nullptr : w2[t.expert].data_ptr<T>();
     const T* b = bias ? b2[t.expert].data_ptr<T>() : nullptr;
     if (chunk[t.expert] >= 0) {
       alignas(64) float c[32][32];
@@ -1057,8 +1100,8 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
     std::vector<float> scratch(MAX_ROWS * F);
     for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
       const int64_t M = std::min(MAX_ROWS, start[t.expert + 1] - r);
-      block_rows<T>(w + t.o0 * F, ap + r * F, b ? b + t.o0 : nullptr, yp + r * C + t.o0, M, F, C, t.o1 - t.o0,
-                    scratch.data());
+      fc(w2, s2, t.expert, t.o0, ap + r * F, b ? b + t.o0 : nullptr, yp + r * C + t.o0, M, F, C, t.o1 - t.o0,
+         scratch.data());
     }
   });
 }
@@ -1067,15 +1110,20 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
 // of the second, ...; expert i is w1[i] ([2F, C] swiglu as [gate; up], or [F, C]), b1[i] ([2F] or [F]), then the
 // activation (silu(gate) * up, or exact GeLU), then w2[i] ([C, F]), b2[i] ([C]); biases for every expert or none
 // (empty lists). y [P, C] in x's order. fp32 or bf16, all alike; rounded to it where F.linear, F.silu and the
-// product round.
+// product round. int8 experts (s1, s2 given): w1[i], w2[i] int8 with one fp32 scale per row in s1[i], s2[i]
+// (export/serve/linears.py `quantize_int8`), each fc as int8_linear computes it; biases in x's dtype.
 at::Tensor expert_mlps(const at::Tensor& x, const std::vector<int64_t>& counts, const std::vector<at::Tensor>& w1,
                           const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
-                          const std::vector<at::Tensor>& b2, bool swiglu) {
+                          const std::vector<at::Tensor>& b2, bool swiglu, const std::vector<at::Tensor>& s1,
+                          const std::vector<at::Tensor>& s2) {
   RECORD_FUNCTION("moe_pipeline::expert_mlps", std::vector<c10::IValue>({x}));
   const int64_t E = counts.size();
   TORCH_CHECK(E > 0 && int64_t(w1.size()) == E && int64_t(w2.size()) == E &&
                   (b1.empty() || int64_t(b1.size()) == E) && b1.size() == b2.size(),
               "expert_mlps: a count, w1 and w2 per expert (and b1, b2 for all or none)");
+  const bool int8 = !s1.empty();
+  TORCH_CHECK(s1.size() == s2.size() && (!int8 || int64_t(s1.size()) == E),
+              "expert_mlps: int8 weights take s1 and s2, a scale vector per expert each (or neither)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "expert_mlps: x [rows, hidden], contiguous CPU");
   const int64_t C = x.size(1), F = w2[0].size(1);
   int64_t rows = 0;
@@ -1088,8 +1136,13 @@ at::Tensor expert_mlps(const at::Tensor& x, const std::vector<int64_t>& counts, 
                     w2[e].size(0) == C && w2[e].size(1) == F,
                 "expert_mlps: expert ", e, ": w1 ", w1[e].sizes(), ", w2 ", w2[e].sizes(), " for hidden ", C);
     for (const at::Tensor* t : {&w1[e], &w2[e]})
-      TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == dt,
-                  "expert_mlps: contiguous CPU weights of x's dtype");
+      TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == (int8 ? at::kChar : dt),
+                  int8 ? "expert_mlps: contiguous CPU int8 weights with s1, s2"
+                       : "expert_mlps: contiguous CPU weights of x's dtype (int8 ones with s1, s2)");
+    if (int8)
+      TORCH_CHECK(s1[e].scalar_type() == at::kFloat && s2[e].scalar_type() == at::kFloat && s1[e].is_contiguous() &&
+                      s2[e].is_contiguous() && s1[e].numel() == w1[e].size(0) && s2[e].numel() == C,
+                  "expert_mlps: expert ", e, ": s1 and s2 fp32, one scale per row of w1 and w2");
     if (!b1.empty())
       TORCH_CHECK(b1[e].numel() == w1[e].size(0) && b2[e].numel() == C && b1[e].is_contiguous() &&
                       b2[e].is_contiguous() && b1[e].scalar_type() == dt && b2[e].scalar_type() == dt,
@@ -1099,9 +1152,9 @@ at::Tensor expert_mlps(const at::Tensor& x, const std::vector<int64_t>& counts, 
   at::Tensor y = at::empty({rows, C}, x.options());
   if (rows == 0) return y;
   if (dt == at::kFloat)
-    expert_mlps_typed<float>(x, counts, w1, b1, w2, b2, swiglu, y);
+    expert_mlps_typed<float>(x, counts, w1, b1, w2, b2, swiglu, s1, s2, y);
   else
-    expert_mlps_typed<c10::BFloat16>(x, counts, w1, b1, w2, b2, swiglu, y);
+    expert_mlps_typed<c10::BFloat16>(x, counts, w1, b1, w2, b2, swiglu, s1, s2, y);
   return y;
 }
 
@@ -1202,7 +1255,8 @@ static void combine(const T* y, const float* weights, const std::vector<int64_t>
 static std::pair<at::Tensor, std::vector<int64_t>> run_pairs(
     const char* op, const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
     const std::vector<int64_t>& active, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
-    const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2, bool swiglu, bool partial) {
+    const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2, bool swiglu, bool partial,
+    const std::vector<at::Tensor>& s1, const std::vector<at::Tensor>& s2) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && experts.dim() == 2 && experts.size(0) == x.size(0) &&
                   experts.is_contiguous() && experts.scalar_type() == at::kLong && weights.sizes() == experts.sizes() &&
                   weights.is_contiguous() && weights.scalar_type() == at::kFloat,
@@ -1234,7 +1288,7 @@ static std::pair<at::Tensor, std::vector<int64_t>> run_pairs(
   char* rp = static_cast<char*>(rows.data_ptr());
   for (int64_t i = 0; i < S * k; ++i)
     if (pair_row[i] >= 0) std::memcpy(rp + pair_row[i] * bytes, xp + (i / k) * bytes, bytes);
-  return {expert_mlps(rows, counts, w1, b1, w2, b2, swiglu), pair_row};
+  return {expert_mlps(rows, counts, w1, b1, w2, b2, swiglu, s1, s2), pair_row};
 }
 
 static at::Tensor combined(const at::Tensor& y, const at::Tensor& weights, const std::vector<int64_t>& pair_row,
@@ -1257,9 +1311,10 @@ static at::Tensor combined(const at::Tensor& y, const at::Tensor& weights, const
 at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
                              const std::vector<int64_t>& active, const std::vector<at::Tensor>& w1,
                              const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
-                             const std::vector<at::Tensor>& b2, bool swiglu) {
+                             const std::vector<at::Tensor>& b2, bool swiglu, const std::vector<at::Tensor>& s1,
+                             const std::vector<at::Tensor>& s2) {
   RECORD_FUNCTION("moe_pipeline::routed_experts", std::vector<c10::IValue>({x}));
-  auto [y, pair_row] = run_pairs("routed_experts", x, experts, weights, active, w1, b1, w2, b2, swiglu, false);
+  auto [y, pair_row] = run_pairs("routed_experts", x, experts, weights, active, w1, b1, w2, b2, swiglu, false, s1, s2);
   return combined(y, weights, pair_row, x.size(0), x.size(1));
 }
 
@@ -1269,10 +1324,11 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& experts, const 
 at::Tensor expert_pairs(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
                            const std::vector<int64_t>& active, const std::vector<at::Tensor>& w1,
                            const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
-                           const std::vector<at::Tensor>& b2, bool swiglu) {
+                           const std::vector<at::Tensor>& b2, bool swiglu, const std::vector<at::Tensor>& s1,
+                           const std::vector<at::Tensor>& s2) {
   RECORD_FUNCTION("moe_pipeline::expert_pairs", std::vector<c10::IValue>({x}));
   const int64_t S = x.size(0), C = x.size(1), k = experts.size(1);
-  auto [y, pair_row] = run_pairs("expert_pairs", x, experts, weights, active, w1, b1, w2, b2, swiglu, true);
+  auto [y, pair_row] = run_pairs("expert_pairs", x, experts, weights, active, w1, b1, w2, b2, swiglu, true, s1, s2);
   at::Tensor out = at::zeros({S, k, C}, x.options());
   const int64_t bytes = C * x.element_size();
   const char* yp = static_cast<const char*>(y.data_ptr());
@@ -2102,7 +2158,7 @@ class DecodeModel {
         std::tie(mix, experts, n) = route(h, L.wg, k_, renormalize_);
         const int64_t* np = n.data_ptr<int64_t>();
         const Picked p = pick(L, n.numel(), [&](int64_t e) { return np[e] ? e : int64_t{-1}; });
-        out = routed_experts(h, experts, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_);
+        out = routed_experts(h, experts, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_, {}, {});
         expert_s += seconds_since(t0);
         ran += static_cast<int64_t>(p.active.size());
         ++here;
@@ -2198,7 +2254,7 @@ class DecodeModel {
       }
     const Picked p = pick(L, n.numel(), [&](int64_t e) { return used[e] ? L.slot[e] : int64_t{-1}; });
     at::Tensor pairs = p.active.empty() ? at::zeros({total, k_, C}, h.options())
-                                        : expert_pairs(every, mine, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_);
+                                        : expert_pairs(every, mine, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_, {}, {});
     expert_s += seconds_since(t0);
     t0 = std::chrono::steady_clock::now();
     all_reduce(pairs);
@@ -2253,11 +2309,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "one new token per row: store its key and value in its row's block of a paged KV pool, attend over the "
         "row's keys through its block table", nogil);
+  const auto none = std::vector<at::Tensor>();  // s1, s2: the int8 weights' scales, or none
   m.def("expert_mlps", &expert_mlps,
-        "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes", nogil);
+        "the routed experts of one MoE layer over their rows (grouped by expert), in two parallel passes",
+        py::arg("x"), py::arg("counts"), py::arg("w1"), py::arg("b1"), py::arg("w2"), py::arg("b2"), py::arg("swiglu"),
+        py::arg_v("s1", none, "[]"), py::arg_v("s2", none, "[]"), nogil);
   m.def("route", &route, "an MoE layer's top-k routing: (weights, experts, tokens per expert)", nogil);
-  m.def("routed_experts", &routed_experts, "every token's routed experts and their weighted sum", nogil);
-  m.def("expert_pairs", &expert_pairs, "the (token, choice) outputs of some of the experts, zeros for the others", nogil);
+  m.def("routed_experts", &routed_experts, "every token's routed experts and their weighted sum", py::arg("x"),
+        py::arg("experts"), py::arg("weights"), py::arg("active"), py::arg("w1"), py::arg("b1"), py::arg("w2"),
+        py::arg("b2"), py::arg("swiglu"), py::arg_v("s1", none, "[]"), py::arg_v("s2", none, "[]"), nogil);
+  m.def("expert_pairs", &expert_pairs, "the (token, choice) outputs of some of the experts, zeros for the others",
+        py::arg("x"), py::arg("experts"), py::arg("weights"), py::arg("active"), py::arg("w1"), py::arg("b1"),
+        py::arg("w2"), py::arg("b2"), py::arg("swiglu"), py::arg_v("s1", none, "[]"), py::arg_v("s2", none, "[]"),
+        nogil);
   m.def("combine_pairs", &combine_pairs, "each token's choices' outputs weighted and summed, as routed_experts", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's", nogil);
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)", nogil);
