@@ -56,6 +56,8 @@ class ServeConfig(BaseModel):
     ep_size: int | None = Field(None, ge=1)  # expert-parallel degree; None: all ranks (at most a layer's experts)
     tp_size: int | None = Field(None, ge=1)  # tensor slicing of the dense part: 1 or nproc
     dtype: Literal["fp32", "bf16", "fp16"] | None = None  # None: the package's
+    # weight-only quantisation at load (export/serve/linears.py `quantize_linears`): int8, or None (the package's weights)
+    quantize: Literal["int8"] | None = None
     # expert placement by a replica table: a policy of export/serve/placement/controller.py (`make_controller`)
     placement: Literal["none", "reactive", "predictive"] | None = None
     replica_budget: float = Field(0.25, ge=0)  # replicas a rank may hold, a fraction of its own expert memory
@@ -74,6 +76,10 @@ class ServeConfig(BaseModel):
         if self.max_batched_tokens < self.max_batch:
             raise ValueError(f"--max-batched-tokens {self.max_batched_tokens}: below --max-batch {self.max_batch} a "
                              f"step could have no room to start a sequence; give at least {self.max_batch}")
+        if self.quantize is not None and ((self.tp_size or 1) > 1 or (self.ep_size or self.nproc) != self.nproc):
+            raise ValueError(f"--quantize {self.quantize}: quantised weights run on the data-parallel layouts only (each rank "
+                             f"all its experts' slices whole): drop --tp-size, and give --ep-size equal to the number "
+                             f"of ranks ({self.nproc})")
         if self.placement is None and self.resident_experts != 1.0:
             raise ValueError("--resident-experts needs --placement (none, reactive or predictive)")
         if self.placement is not None:

@@ -148,7 +148,7 @@ class Decoder:
         for i, moe in layers:
             single = all(len(holders) == 1 for holders in table[moe.index])
             weights = [ex.residency.resident[(moe.index, e)] for e in held[i]]
-            self.native.hold(i, held[i], *(_plain_experts(weights) if weights else ([], [], [], [])),
+            self.native.hold(i, held[i], *(linears._expert_tensors(weights) if weights else ([],) * 6),
                              None if single else functools.partial(ex.split_pairs, moe.index))
         self._table = table
         self.tables_held += 1
@@ -185,7 +185,9 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
             return module.weight, module.bias, module.eps, True
         return None
 
-    def served(w, bias) -> tuple | None:  # a ServingWeight as its `linear` runs it
+    def served(w, bias) -> tuple | None:  # a ServingWeight as its `linear` runs it; an Int8Weight: int8_linear
+        if isinstance(w, linears.Int8Weight) and w.gemv is not None and hasattr(w.gemv, "int8_linear"):
+            return w.q, None, w.scale, linears.MORE_INT8, bias
         if not isinstance(w, linears.ServingWeight) or w.gemv is None or w.weight.dtype != dtype:
             return None
         return w.weight, w.amx, w.packed, w.more, bias
@@ -254,10 +256,8 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
         if block.is_moe and native_experts:
             ex, wg = mlp.exchange, mlp.moe.deepspeed_moe.gate.wg.weight
             if native_experts == "local":
-                experts = [ex.residency.resident[(mlp.index, e)] for e in range(mlp.num_experts)]
-                if any(isinstance(w, linears.Int8Weight) for e in experts for w in e):
-                    return None, 0, ""  # int8 experts: the modules' path (DecodeModel holds plain ones)
-                native.add_experts(wg.contiguous(), *_plain_experts(experts))
+                native.add_experts(wg.contiguous(), *linears._expert_tensors(
+                    [ex.residency.resident[(mlp.index, e)] for e in range(mlp.num_experts)]))
             else:  # its experts: Decoder._hold, under the table in force
                 native.add_gathered(wg.contiguous(), ex.rank, _module_half(block))
             residual, shared = extras(mlp)
@@ -295,11 +295,3 @@ def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(module, linears.ServingRMSNorm) and x.dtype == module.weight.dtype:
         return module.gemv.rms_norm(x, module.weight, module.eps)
     return module(x)
-
-
-def _plain_experts(weights: list[tuple]) -> tuple[list, list, list, list]:
-    """(w1s, b1s, w2s, b2s) of experts in the model's dtype, as DecodeModel takes them (it has no int8 experts)."""
-    w1, b1, w2, b2, s1, _ = linears._expert_tensors(weights)
-    if s1:
-        raise ValueError("DecodeModel: int8 experts are not held natively; the modules' path runs them")
-    return w1, b1, w2, b2

@@ -233,13 +233,17 @@ class Engine:
                              f"{config.nproc} (start as many ranks, or drop --nproc)")
         verified = verified_package(config.package, config.checksums)
         dp = data_parallel_layout(verified.cfg, config, ranks.world)
+        if not dp and config.quantize is not None:
+            raise ValueError(f"--quantize {config.quantize}: the data-parallel layout only, and this package's experts "
+                             f"{list(verified.cfg.experts)} do not split evenly over {ranks.world} ranks")
         if not dp:
             model, tok = load_package(config.package, ranks, ep_size=config.ep_size, checksums=config.checksums,
                                       dtype=config.dtype, tp_size=config.tp_size)
             exchange, layout = None, plan_layout(verified.cfg, ranks.world, config.ep_size, config.tp_size)
         else:
             placed = placed_model(verified.cfg, config.package, ranks, package_dtype(verified.manifest, config.dtype),
-                                  config.resident_experts, files=verified.files, transport=config.expert_exchange)
+                                  config.resident_experts, files=verified.files, transport=config.expert_exchange,
+                                  quantize=config.quantize)
             model, exchange, layout = placed.model, placed.exchange, placed.layout
             tok = read_tokenizer(config.package, verified.files)
         controller = None

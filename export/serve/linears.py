@@ -49,6 +49,7 @@ PACK_ROWS = 32  # the row count oneDNN's packed weight layout is chosen for (a d
 # takes the same codes): oneDNN on its packed copy, the kernel MAX_ROWS rows at a time, F.linear; and an nn.Linear left
 # as it is (F.linear at every row count)
 MORE_ONEDNN, MORE_CHUNKS, MORE_ATEN, MORE_PLAIN = 0, 1, 2, 3
+MORE_INT8 = 4  # csrc/gemv.cpp DecodeLinear: an Int8Weight (its int8 weight, and its scales where `packed` goes)
 ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 PREFETCH_ENV = "MOE_PIPELINE_PREFETCH"  # t0 | nta; unset: `prefetch_hint`'s choice for this CPU
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
@@ -351,7 +352,9 @@ class ServingLinear(nn.Module):
 
     def extra_repr(self) -> str:
         how = "GEMV kernel for 1-8 rows, oneDNN" if self.served.gemv is not None else "oneDNN"
-        if self.served.amx is not None:
+        if isinstance(self.served, Int8Weight):
+            how = "int8 weight, one scale per output (int8_linear)"
+        elif self.served.amx is not None:
             how = f"GEMV kernel for 1 row, AMX for 2-{self.served.gemv.AMX_MAX_ROWS}, oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
 
@@ -628,6 +631,23 @@ def serving_norms(model: nn.Module) -> int:
             if type(child) is RMSNorm and available(child.weight.dtype, child.weight.device):
                 setattr(module, name, ServingRMSNorm(child, gemv))
                 count += 1
+    return count
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """After `serving_linears`: every served linear but the output layer (the model's `lm_head`, whose greedy rows the
+    screen reads in int8 already) and every fused q/k/v weight as an `Int8Weight` (weight-only, one scale per output
+    channel, round to nearest), in place; returns how many. The routers, norms and embeddings are left as they are."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ServingLinear) and module is not getattr(model, "lm_head", None) \
+                and isinstance(module.served, ServingWeight):
+            module.served = Int8Weight.of(module.served.weight)
+            count += 1
+        qkv = getattr(module, "qkv", None)
+        if isinstance(qkv, FusedQKV) and isinstance(qkv.weight, ServingWeight):
+            qkv.weight = Int8Weight.of(qkv.weight.weight)
+            count += 1
     return count
 
 

@@ -1969,7 +1969,7 @@ static int64_t bucket(int64_t rows) {
 // MORE_* codes): oneDNN on its packed copy (rows bucketed), the kernel MAX_ROWS rows at a time (bf16 without oneDNN's),
 // or at::linear (a small weight); PLAIN: an nn.Linear the serving runtime left as it is (F.linear at every row count).
 struct DecodeLinear {
-  enum More : int64_t { ONEDNN = 0, CHUNKS = 1, ATEN = 2, PLAIN = 3 };
+  enum More : int64_t { ONEDNN = 0, CHUNKS = 1, ATEN = 2, PLAIN = 3, INT8 = 4 };  // INT8: w int8, packed its scales
   at::Tensor w, amx, packed;
   c10::optional<at::Tensor> b;
   int64_t more = ATEN;
@@ -1977,6 +1977,7 @@ struct DecodeLinear {
   at::Tensor operator()(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
     if (more == PLAIN) return at::linear(x, w, b);
+    if (more == INT8) return int8_linear(x, w, packed, b);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx.defined() && rows > 1 && rows <= AMX_MAX_ROWS) return amx_linear(x, amx, w.size(0), b);
 #endif
@@ -2005,6 +2006,7 @@ struct DecodeLayer {
   enum { NONE, DENSE, EXPERTS, GATHERED, MODULE } mlp = NONE;
   at::Tensor wg;                           // EXPERTS: the router, every expert's tensors by index
   std::vector<at::Tensor> w1, b1, w2, b2;  // (b1, b2 empty without biases); GATHERED: this rank's experts only
+  std::vector<at::Tensor> s1, s2;          // int8 experts: w1, w2 int8 and their row scales (else empty)
   std::vector<int64_t> slot;               // GATHERED: each expert's place in w1.. (-1: not held here)
   py::object split;                        // GATHERED: None (each expert has one holder), or the replicas' split
   bool residual = false, shared = false;      // EXPERTS: PR-MoE's residual MLP and its coefficient, Qwen2-MoE's
@@ -2024,7 +2026,7 @@ static DecodeLinear decode_linear(const py::tuple& t) {  // (weight, amx or None
   TORCH_CHECK(t.size() == 5, "DecodeModel: a linear is (weight, amx or None, packed, more, bias or None)");
   DecodeLinear l{t[0].cast<at::Tensor>(), t[1].cast<c10::optional<at::Tensor>>().value_or(at::Tensor()),
                  t[2].cast<at::Tensor>(), t[4].cast<c10::optional<at::Tensor>>(), t[3].cast<int64_t>()};
-  TORCH_CHECK(l.more >= DecodeLinear::ONEDNN && l.more <= DecodeLinear::PLAIN, "DecodeModel: `more` is 0 to 3");
+  TORCH_CHECK(l.more >= DecodeLinear::ONEDNN && l.more <= DecodeLinear::INT8, "DecodeModel: `more` is 0 to 4");
   return l;
 }
 
@@ -2047,13 +2049,16 @@ class DecodeModel {
   }
 
   void add_experts(at::Tensor wg, std::vector<at::Tensor> w1, std::vector<at::Tensor> b1,
-                   std::vector<at::Tensor> w2, std::vector<at::Tensor> b2) {
+                   std::vector<at::Tensor> w2, std::vector<at::Tensor> b2, std::vector<at::Tensor> s1,
+                   std::vector<at::Tensor> s2) {
     TORCH_CHECK(!layers_.empty() && static_cast<int64_t>(w1.size()) == wg.size(0) && w2.size() == w1.size() &&
                     (b1.empty() || b1.size() == w1.size()) && b2.size() == b1.size(),
                 "DecodeModel.add_experts: after add_attention, one w1, w2 (b1, b2) per expert of the router");
     DecodeLayer& L = last("add_experts");
+    TORCH_CHECK(s1.size() == s2.size() && (s1.empty() || s1.size() == w1.size()),
+                "DecodeModel.add_experts: int8 experts' scales s1, s2 for every expert, or none");
     L.mlp = DecodeLayer::EXPERTS, L.wg = wg, L.w1 = std::move(w1), L.b1 = std::move(b1), L.w2 = std::move(w2);
-    L.b2 = std::move(b2);
+    L.b2 = std::move(b2), L.s1 = std::move(s1), L.s2 = std::move(s2);
   }
 
   // An expert-parallel MoE layer between the ranks of one machine, as export/serve/placement/exchange.py's
@@ -2076,12 +2081,14 @@ class DecodeModel {
   // here), else a callable (experts [S, k], tokens per expert [E]) -> experts [S, k] with -1 for the pairs another
   // holder computes (a replicated expert's pairs split between its holders: Exchange._my_pairs).
   void hold(int64_t layer, std::vector<int64_t> experts, std::vector<at::Tensor> w1, std::vector<at::Tensor> b1,
-            std::vector<at::Tensor> w2, std::vector<at::Tensor> b2, py::object split) {
+            std::vector<at::Tensor> w2, std::vector<at::Tensor> b2, std::vector<at::Tensor> s1,
+            std::vector<at::Tensor> s2, py::object split) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) &&
                     layers_[layer].mlp == DecodeLayer::GATHERED, "DecodeModel.hold: layer ", layer, " is not gathered");
     DecodeLayer& L = layers_[layer];
     TORCH_CHECK(w1.size() == experts.size() && w2.size() == w1.size() && (b1.empty() || b1.size() == w1.size()) &&
-                    b2.size() == b1.size(), "DecodeModel.hold: one w1, w2 (b1, b2) per expert held");
+                    b2.size() == b1.size() && s1.size() == s2.size() && (s1.empty() || s1.size() == w1.size()),
+                "DecodeModel.hold: one w1, w2 (b1, b2; s1, s2 for int8 ones) per expert held");
     std::vector<int64_t> slot(L.wg.size(0), -1);
     for (size_t i = 0; i < experts.size(); ++i) {
       TORCH_CHECK(experts[i] >= 0 && experts[i] < L.wg.size(0) && (i == 0 || experts[i] > experts[i - 1]),
@@ -2089,7 +2096,7 @@ class DecodeModel {
       slot[experts[i]] = static_cast<int64_t>(i);
     }
     L.slot = std::move(slot), L.w1 = std::move(w1), L.b1 = std::move(b1), L.w2 = std::move(w2);
-    L.b2 = std::move(b2), L.split = std::move(split);
+    L.b2 = std::move(b2), L.s1 = std::move(s1), L.s2 = std::move(s2), L.split = std::move(split);
   }
 
   // After add_experts: PR-MoE's residual MLP, out = experts * c0 + mlp * c1 with (c0, c1) = softmax(coefficient(h))
@@ -2158,7 +2165,7 @@ class DecodeModel {
         std::tie(mix, experts, n) = route(h, L.wg, k_, renormalize_);
         const int64_t* np = n.data_ptr<int64_t>();
         const Picked p = pick(L, n.numel(), [&](int64_t e) { return np[e] ? e : int64_t{-1}; });
-        out = routed_experts(h, experts, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_, {}, {});
+        out = routed_experts(h, experts, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_, p.s1, p.s2);
         expert_s += seconds_since(t0);
         ran += static_cast<int64_t>(p.active.size());
         ++here;
@@ -2178,7 +2185,7 @@ class DecodeModel {
   // Some of a layer's experts, in increasing order, with their tensors (as routed_experts and expert_pairs take them)
   struct Picked {
     std::vector<int64_t> active;
-    std::vector<at::Tensor> w1, b1, w2, b2;
+    std::vector<at::Tensor> w1, b1, w2, b2, s1, s2;
   };
 
   // The experts e of E for which `at(e)` gives their place in L's w1.. (-1: not this call's)
@@ -2194,6 +2201,10 @@ class DecodeModel {
       if (!L.b1.empty()) {
         p.b1.push_back(L.b1[i]);
         p.b2.push_back(L.b2[i]);
+      }
+      if (!L.s1.empty()) {
+        p.s1.push_back(L.s1[i]);
+        p.s2.push_back(L.s2[i]);
       }
     }
     return p;
@@ -2254,7 +2265,7 @@ class DecodeModel {
       }
     const Picked p = pick(L, n.numel(), [&](int64_t e) { return used[e] ? L.slot[e] : int64_t{-1}; });
     at::Tensor pairs = p.active.empty() ? at::zeros({total, k_, C}, h.options())
-                                        : expert_pairs(every, mine, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_, {}, {});
+                                        : expert_pairs(every, mine, mix, p.active, p.w1, p.b1, p.w2, p.b2, swiglu_, p.s1, p.s2);
     expert_s += seconds_since(t0);
     t0 = std::chrono::steady_clock::now();
     all_reduce(pairs);

@@ -529,12 +529,13 @@ class PlacedModel:
 
 
 def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
-                 files: dict | None = None, transport: str = "auto") -> PlacedModel:
+                 files: dict | None = None, transport: str = "auto", quantize: str | None = None) -> PlacedModel:
     """The model with `PlacedMoE` layers on this rank: every rank holds the dense part and the gates;
     experts come through its `Exchange` (its native experts, resident or mapped, plus replicas).
     Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
     ServeConfig checks the flags). `files`: what verification saw of each file (export.package.VerifiedPackage);
-    every read from the package compares it with the open file first."""
+    every read from the package compares it with the open file first. `quantize` ("int8"): the experts and the dense
+    linears quantised as they load (export/serve/linears.py `quantize_linears`, `Int8Weight`; CPU only)."""
     from export.inference import Layout
     from pipeline import dist
     from pipeline.build import cast_keeping_gates, meta_model
@@ -546,7 +547,11 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
                              f"divide evenly; choose --nproc accordingly")
     if transport == "auto":
         transport = "all-reduce" if ranks.world > 1 and dist.shared_memory_reduce() else "all-to-all"
+    if quantize is not None and dist.device().type != "cpu":
+        raise ValueError(f"--quantize {quantize}: the int8 kernels are the CPU's (csrc/gemv.cpp); on a GPU serve the "
+                         f"package's dtype, or its --format hf export in vLLM")
     store = ExpertStore(src, cfg, dtype, files, device=dist.device())
+    store.quantize = quantize
     exchange = Exchange(cfg, Residency(cfg, store, ranks.rank, ranks.world, resident_fraction), ranks.rank,
                         ranks.world, transport)
     model = meta_model(cfg)
@@ -560,4 +565,6 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     model = model.to(device=dist.device()).eval().requires_grad_(False)
     serving_linears(model)  # on the CPU: the few-row kernel and oneDNN (export/serve/linears.py)
     linears.serving_norms(model)  # and RMSNorm in one call
+    if quantize == "int8":
+        linears.quantize_linears(model)
     return PlacedModel(model, exchange, Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world))

@@ -1,0 +1,89 @@
+"""Weight-only int8 in the serving runtime (issue 29): `serve --quantize int8` quantises a package's linears and experts
+as it loads (export/serve/linears.py `quantize_linears`, `Int8Weight`; the experts in export/serve/placement/
+residency.py `ExpertStore.load`), and the engine runs them through csrc/gemv.cpp's int8 kernels, the native decoder's
+included. The reference: the same engine on the dequantised weights, through the plain kernels."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+TINY = ["model.hidden=128", "model.heads=4", "model.experts=[4, 8]", "data.seq_len=128"]
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    from common import random_package
+
+    return random_package(tmp_path_factory.mktemp("quantize") / "pkg", layers=4, overrides=TINY, dtype="fp32")
+
+
+def dequantised_twin(quantised, plain) -> int:
+    """`plain` (an engine of the same package) given `quantised`'s int8 weights, dequantised, as plain served weights
+    (the linears, the fused q/k/v, every resident expert), its native decoder rebuilt on them; returns how many."""
+    from export.serve.decode import Decoder
+    from export.serve.linears import FusedQKV, Int8Weight, ServingLinear, ServingWeight
+
+    count = 0
+    for mq, mp in zip(quantised.worker.model.modules(), plain.worker.model.modules()):
+        if isinstance(mq, ServingLinear) and isinstance(mq.served, Int8Weight):
+            mp.served, count = ServingWeight(mq.served.dequantized()), count + 1
+        if isinstance(getattr(mq, "qkv", None), FusedQKV) and isinstance(mq.qkv.weight, Int8Weight):
+            mp.qkv.weight, count = ServingWeight(mq.qkv.weight.dequantized()), count + 1
+    resident = plain.exchange.residency.resident
+    for key, (w1, b1, w2, b2) in quantised.exchange.residency.resident.items():
+        assert isinstance(w1, Int8Weight) and isinstance(w2, Int8Weight)
+        resident[key] = (ServingWeight(w1.dequantized()), b1, ServingWeight(w2.dequantized()), b2)
+        count += 1
+    plain.worker.decoder = Decoder.of(plain.worker.model, plain.worker.cache)
+    return count
+
+
+def test_int8_at_load_serves_what_its_dequantised_weights_give(package):
+    """Greedy tokens (through the head's screen) and the top-5 log-probabilities of every token, 3 prompts decoded
+    together for 10 tokens, equal to the same engine's on the dequantised weights (fp32: the int8 sums differ from
+    F.linear's only in their order); the decode forwards ran in the native decoder with int8 weights; the output layer,
+    the routers and the embeddings left in fp32."""
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine, generate
+    from export.serve.linears import Int8Weight, ServingWeight
+    from export.serve.request import SamplingParams
+
+    quantised = Engine.from_config(ServeConfig(package=package, quantize="int8", kv_cache_memory=0.05))
+    plain = Engine.from_config(ServeConfig(package=package, kv_cache_memory=0.05))
+    model = quantised.worker.model
+    assert isinstance(model.lm_head.served, ServingWeight) and model.lm_head.served.weight.dtype == torch.float32
+    assert all(b.mlp.moe.deepspeed_moe.gate.wg.weight.dtype == torch.float32 for b in model.blocks if b.is_moe)
+    assert quantised.worker.decoder is not None  # the native decoder took the int8 weights
+    # q/k/v and out in each of 4 layers, fc1 and fc2 of 2 dense MLPs and of the 2 MoE layers' residual MLPs, 12 experts
+    assert dequantised_twin(quantised, plain) == 4 * 2 + 2 * 2 + 2 * 2 + 12
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 8000, (n,), generator=g).tolist() for n in (5, 9, 14)]
+    for params in (SamplingParams(max_tokens=10, ignore_eos=True),
+                   SamplingParams(max_tokens=10, ignore_eos=True, logprobs=5)):
+        got, want = generate(quantised, prompts, params), generate(plain, prompts, params)
+        assert [r.generated for r in got] == [r.generated for r in want]
+        for a, b in zip(got, want):
+            assert len(a.token_logprobs) == (10 if params.logprobs else 0)
+            assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+            for ta, tb in zip(a.top_logprobs, b.top_logprobs):
+                assert ta.keys() == tb.keys() and list(ta.values()) == pytest.approx(list(tb.values()), abs=1e-4)
+    assert quantised.stats["decode_steps"] >= 9
+    held = [w for w in quantised.exchange.residency.resident.values()]
+    assert all(isinstance(w[0], Int8Weight) and w[0].q.dtype == torch.int8 for w in held)
+
+
+def test_quantize_is_refused_where_it_cannot_run(package):
+    """--quantize on a sliced layout (tensor slicing) is refused naming the flag and what to do."""
+    from export.serve.config import ServeConfig, ServeConfigError
+
+    with pytest.raises(ServeConfigError, match=r"--quantize int8: .*drop --tp-size"):
+        ServeConfig.from_flags({"package": package, "quantize": "int8", "tp_size": 2})
+    with pytest.raises(ServeConfigError, match=r"--quantize 'int4'"):
+        ServeConfig.from_flags({"package": package, "quantize": "int4"})
