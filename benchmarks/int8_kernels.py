@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/int8_kernels.py                      # 2 threads, 1-16 rows
     .venv/bin/python benchmarks/int8_kernels.py --threads 1 --rows 1 8 --out runs/bench/int8
+    .venv/bin/python benchmarks/int8_kernels.py --package .peers/work/checkpoint-*/ours-package   # + batch-1 decode
 
 One run, side by side: for each weight shape (the output layer 50,304 x 1024, the fused q/k/v 1536 x 1024, the
 attention output 1024 x 1024, an expert's fused gate/up 1536 x 1024 and down 1024 x 768) and row count, csrc/gemv.cpp
@@ -11,7 +12,8 @@ past 256 MB taken in turn), as a decode step reads its layers. More than 8 rows:
 `ServingWeight` runs a bf16 weight without oneDNN, and `int8_linear` as it is (8 rows a pass). Medians of --repeats
 timings of 20 calls. Then one MoE layer's experts (16 of 1024 -> 768 -> 1024, SwiGLU, top-2) through `expert_mlps`
 at --tokens tokens, bf16 experts against int8 ones (`Int8Weight`). Prints ms and GB/s of each and the speedup (the
-target for a decode step: int8 >= 1.6x bf16, issue 29), with the CPU; writes int8_kernels.json and int8_kernels.png
+target for a decode step: int8 >= 1.6x bf16, issue 29), with the CPU. With --package: batch-1 greedy decode of that
+package served as it is against `serve --quantize int8` (`decode`). Writes int8_kernels.json and int8_kernels.png
 under --out.
 """
 
@@ -115,6 +117,37 @@ def run_experts(experts: int, top_k: int, hidden: int, width: int, tokens: list[
     return out
 
 
+def decode(pkg: Path, threads: int, new_tokens: int, repeats: int) -> dict:
+    """Batch-1 greedy decode of `pkg` served as it is and with `--quantize int8`, both engines in this process, their
+    runs alternated `repeats` times (this VM's memory speed drifts within minutes): tokens/s of each (decode steps
+    only, as benchmarks/decode_bandwidth.py times them), medians, the paired ratio, and how many tokens agree."""
+    import torch
+
+    from decode_bandwidth import decode_run
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine
+
+    engines = {}
+    for name, quantize in (("package", None), ("int8", "int8")):
+        engines[name] = Engine.from_config(ServeConfig(package=pkg, max_batch=1, quantize=quantize))
+        engines[name].eos = None
+    torch.set_num_threads(threads)  # after dist.init, which sizes the pool for the local ranks
+    prompt = list(range(1000, 1016))
+    runs = {name: [] for name in engines}
+    for name, engine in engines.items():
+        decode_run(engine, prompt, 8)  # warm-up
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            runs[name].append(decode_run(engine, prompt, new_tokens))
+    a, b = runs["package"], runs["int8"]
+    same = sum(x == y for x, y in zip(a[0]["tokens"], b[0]["tokens"]))
+    return {"package": str(pkg), "dtype": str(engines["package"].model.wte.weight.dtype).removeprefix("torch."),
+            "new_tokens": new_tokens, "tok_s": {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()},
+            "runs_tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
+            "paired": statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(a, b)),
+            "same_tokens": same, "tokens": len(a[0]["tokens"])}
+
+
 def table(results: list[dict]) -> str:
     lines = [f"{'weight':16s} {'rows':>4s} {'bf16 ms':>8s} {'GB/s':>6s} {'int8 ms':>8s} {'GB/s':>6s} {'int8 / bf16':>11s}"]
     for r in results:
@@ -160,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 32], help="tokens of the MoE layer timed")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--cold-mb", type=float, default=256.0, help="weight copies taken in turn, in MB of bf16")
+    p.add_argument("--package", type=Path, default=None,
+                   help="also: batch-1 decode of this package served as it is and with --quantize int8")
+    p.add_argument("--new-tokens", type=int, default=128, help="with --package: tokens a decode run")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "int8_kernels")
     args = p.parse_args(argv)
     import torch
@@ -172,9 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     experts = run_experts(16, 2, 1024, 768, args.tokens, args.repeats, args.cold_mb * 1e6)
     print(experts_table(experts))
+    served = None
+    if args.package is not None:
+        served = decode(args.package, torch.get_num_threads(), args.new_tokens, args.repeats)
+        t = served["tok_s"]
+        print(f"batch-1 decode of {args.package} ({served['dtype']}): {t['package']:.1f} tok/s as it is, "
+              f"{t['int8']:.1f} with --quantize int8: {t['int8'] / t['package']:.2f}x (paired {served['paired']:.2f}x); "
+              f"{served['same_tokens']} of {served['tokens']} greedy tokens the same")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "int8_kernels.json").write_text(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(),
-                                                            "results": results, "experts": experts}, indent=1))
+                                                            "results": results, "experts": experts,
+                                                            "decode": served}, indent=1))
     plot(results, args.out / "int8_kernels.png")
     print(f"[int8] wrote {args.out / 'int8_kernels.json'} and int8_kernels.png")
     return 0

@@ -73,6 +73,23 @@ def test_int8_kernels_times_both_layers_side_by_side(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_int8_kernels_decodes_a_package_both_ways(tmp_path):
+    """benchmarks/int8_kernels.py --package: the package served as it is and with --quantize int8, runs alternated,
+    each run's tokens/s and their medians, the paired ratio, the tokens compared."""
+    from common import random_package
+
+    pkg = random_package(tmp_path / "pkg", layers=4, overrides=["model.hidden=128", "model.heads=4",
+                                                                "model.experts=[4, 8]", "data.seq_len=128"], dtype="fp32")
+    threads = torch.get_num_threads()
+    try:
+        res = int8_kernels.decode(pkg, threads=1, new_tokens=6, repeats=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert res["tokens"] == 6 and res["dtype"] == "float32" and 0 <= res["same_tokens"] <= 6
+    assert all(len(v) == 2 and min(v) > 0 for v in res["runs_tok_s"].values())
+    assert res["paired"] > 0 and set(res["tok_s"]) == {"package", "int8"}
+
+
 def test_active_bytes_count_top_k_experts_the_whole_tied_head_and_fp32_gates():
     """benchmarks/common.active_bytes, the bound of decode_bandwidth.py and ep_scale_model.py."""
     import common
