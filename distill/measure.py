@@ -11,7 +11,10 @@ every one is scored on the same held-out blocks, untrained:
     minus one down to half of it, the MoE layers counted as the recipe counts them (`model.moe_every`);
   * experts: each pruning rule (`frequency`, `saliency`) keeping 75% and 50% of every MoE layer's experts
     at the teacher's depth (at least `model.top_k`, a multiple of `distributed.ep_size` if it is set);
-  * the teacher itself, the 100% row.
+  * the teacher itself, the 100% row;
+  * weight-only quantisation (pipeline/quantize.py: int8 per output channel, int4 in groups of 128, symmetric,
+    round to nearest; routers and the output layer kept): the teacher and the recipe's own student (cut as the
+    distill stage cuts it, untrained), each as it is, int8 and int4, with the bytes of their weights (`quantized`).
 
 Importance and expert scores come from `student.calibration_batches` micro-batches of the training split,
 the held-out blocks from the validation split. Printed as a table (or one JSON object with `--json`) with
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from distill.stage import calibration_batches
+from distill.stage import calibration_batches, choose_layers, kept_experts
 from distill.student import (METHODS, EXPERT_METHODS, block_importance, expert_scores, init_from_teacher,
                              select_experts, select_layers, student_config)
 from pipeline import data as data_lib
@@ -41,10 +44,12 @@ from pipeline.artifacts import atomic_write_text, cache_root, read_model_config
 from pipeline.build import empty_model, load_frozen, meta_counts
 from pipeline.dist import Ranks, device
 from pipeline.model import ModelConfig
+from pipeline.quantize import INT4_GROUP, SCHEMES, fake_quantize_
 from pipeline.recipe import Recipe, RecipeError
 from pipeline.train import evaluate
 
 FRACTIONS = (0.75, 0.5)
+DTYPE_LABEL = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 @dataclasses.dataclass
@@ -148,6 +153,7 @@ def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool 
     teacher = load_frozen(teacher_dir, 1, None, on, dtype, impl="reference")
     importance = block_importance(teacher, calibration_batches(recipe, train, one))  # the student stage's, rank 0
     scores = {rule: expert_scores(teacher, calibration_batches(recipe, train, one), rule) for rule in EXPERT_METHODS}
+    chosen = choose_layers(recipe, teacher, train, one)  # the student the distill stage would start from
     del teacher
     batches = max(1, min(blocks, val.num_blocks) // micro)
     rows = []
@@ -167,14 +173,42 @@ def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool 
                      "params_total": counts["total"], "params_active_per_token": counts["active_per_token"],
                      "val_loss": round(loss, 5)})
         del model
+    # the cost of weight-only quantisation (pipeline/quantize.py), for the teacher and the recipe's student (cut,
+    # untrained): each as it is and with every quantised weight replaced by its int8 or int4 form
+    quantized = []
+    student_cfg = student_config(teacher_cfg, chosen["kept_teacher_layers"], chosen["experts"])
+    for target in tqdm(("teacher", "student"), desc="scoring quantised", unit="model", disable=not progress):
+        cfg = teacher_cfg if target == "teacher" else student_cfg
+        for scheme in (None, *SCHEMES):
+            if target == "teacher":
+                model = load_frozen(teacher_dir, 1, None, on, dtype, impl="reference")
+            else:
+                model = empty_model(cfg, dtype, on)
+                init_from_teacher(model, teacher_dir, chosen["kept_teacher_layers"], kept_experts(chosen))
+            held = fake_quantize_(model, scheme) if scheme else None
+            loss = evaluate(model.requires_grad_(False), val, batches, micro, one)
+            counts = meta_counts(cfg)
+            size = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+            if held:  # the quantised weights' bytes instead of their dtype's
+                size += held["bytes"] - held["weights"] * torch.finfo(dtype).bits // 8
+            quantized.append({"name": f"{target} {scheme or DTYPE_LABEL[dtype]}", "target": target,
+                              "scheme": scheme or DTYPE_LABEL[dtype], "layers": cfg.layers,
+                              "params_total": counts["total"], "params_active_per_token": counts["active_per_token"],
+                              "weight_bytes": int(size), "val_loss": round(loss, 5)})
+            del model
     base = rows[0]["val_loss"]
-    for r in rows:
+    for r in rows + quantized:
         r["loss_vs_teacher"] = round(r["val_loss"] - base, 5)
         r["retention"] = round(base / r["val_loss"], 5)  # the teacher's loss over the candidate's: 1 = no cost
+    for r in quantized:  # against the same model unquantised
+        plain = next(x for x in quantized if x["target"] == r["target"])
+        r["loss_vs_unquantized"] = round(r["val_loss"] - plain["val_loss"], 5)
+        r["loss_vs_unquantized_pct"] = round(100 * (r["val_loss"] / plain["val_loss"] - 1), 3)
     return {"teacher": str(Path(teacher_dir).resolve()), "held_out_tokens": batches * micro * teacher_cfg.seq_len,
             "calibration_batches": recipe.student.calibration_batches, "block_importance": importance,
             "expert_scores": {rule: {str(t): s for t, s in by_layer.items()} for rule, by_layer in scores.items()},
-            "candidates": rows, "seconds": round(time.perf_counter() - t0, 1)}
+            "candidates": rows, "quantized": quantized, "int4_group": INT4_GROUP,
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def format_table(result: dict) -> str:
@@ -184,6 +218,13 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['name'][:33]:<34}{r['layers']:>7}{r['params_total'] / 1e6:>11.2f}M"
                      f"{r['params_active_per_token'] / 1e6:>11.2f}M{r['val_loss']:>10.4f}{r['loss_vs_teacher']:>+12.4f}"
                      f"{r['retention']:>10.3f}")
+    if result.get("quantized"):
+        lines.append(f"weight-only quantisation (symmetric, round to nearest; int4 in groups of {result['int4_group']}; "
+                     f"routers and the output layer kept)")
+        lines.append(f"{'model':<34}{'weights':>12}{'held-out':>10}{'vs unquantised':>16}{'retention':>10}")
+        for r in result["quantized"]:
+            lines.append(f"{r['name'][:33]:<34}{r['weight_bytes'] / 2 ** 20:>10.2f}MB{r['val_loss']:>10.4f}"
+                         f"{r['loss_vs_unquantized']:>+10.4f} ({r['loss_vs_unquantized_pct']:+.2f}%){r['retention']:>7.3f}")
     return "\n".join(lines)
 
 
@@ -194,7 +235,8 @@ def plot(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), dpi=90)
+    quantized = result.get("quantized") or []
+    fig, axes = plt.subplots(1, 3 if quantized else 2, figsize=(13.5 if quantized else 9, 3.6), dpi=90)
     styles = {"teacher": ("*", "k"), "paper": ("o", "C0"), "uniform": ("s", "C1"), "importance": ("^", "C2"),
               "frequency": ("D", "C3"), "saliency": ("v", "C4")}
     for ax, key, label in ((axes[0], "params_active_per_token", "active parameters per token (M)"),
@@ -205,6 +247,17 @@ def plot(result: dict, path: Path) -> Path:
                 ax.scatter([r[key] / 1e6 for r in rows], [r["val_loss"] for r in rows], marker=marker, color=color,
                            s=60 if rule == "teacher" else 25, label=rule)
         ax.set(xlabel=label, ylabel="held-out loss (nats/token), untrained")
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=7)
+    if quantized:  # the teacher and the recipe's student, as they are and quantised, against their weights' bytes
+        ax = axes[2]
+        for target, marker in (("teacher", "*"), ("student", "o")):
+            rows = [r for r in quantized if r["target"] == target]
+            ax.plot([r["weight_bytes"] / 2 ** 20 for r in rows], [r["val_loss"] for r in rows], marker=marker,
+                    label=target)
+            for r in rows:
+                ax.annotate(r["scheme"], (r["weight_bytes"] / 2 ** 20, r["val_loss"]), fontsize=7)
+        ax.set(xlabel="weights (MB)", ylabel="held-out loss (nats/token), untrained")
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=7)
     fig.suptitle("compression candidates before training", fontsize=9)

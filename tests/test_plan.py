@@ -112,6 +112,19 @@ def test_plan_measure_scores_candidates_cut_from_the_trained_teacher(small_run, 
 
     table = format_table(result)  # what the command prints without --json
     assert all(r["name"][:33] in table for r in rows) and "retention" in table
+    # weight-only quantisation: the teacher and the recipe's student (the paper rule's 3 layers), fp32, int8, int4
+    quantized = {r["name"]: r for r in result["quantized"]}
+    assert list(quantized) == ["teacher fp32", "teacher int8", "teacher int4", "student fp32", "student int8",
+                               "student int4"]
+    assert quantized["teacher fp32"]["val_loss"] == rows[0]["val_loss"]
+    assert quantized["student fp32"]["val_loss"] == paper3["val_loss"]
+    for target in ("teacher", "student"):
+        plain, int8, int4 = (quantized[f"{target} {s}"] for s in ("fp32", "int8", "int4"))
+        assert abs(int8["loss_vs_unquantized_pct"]) < 0.5 and abs(int4["loss_vs_unquantized_pct"]) < 3
+        for r in (int8, int4):
+            assert r["loss_vs_unquantized"] == pytest.approx(r["val_loss"] - plain["val_loss"], abs=2e-5)
+        assert plain["weight_bytes"] > int8["weight_bytes"] > int4["weight_bytes"]
+    assert "weight-only quantisation" in table and "student int4" in table
 
 
 # a Hugging Face teacher's shape from its config.json alone (recipes/hf/): the student ~12% shallower

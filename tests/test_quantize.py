@@ -1,7 +1,8 @@
-"""Weight-only int8 in the serving runtime (issue 29): `serve --quantize int8` quantises a package's linears and experts
-as it loads (export/serve/linears.py `quantize_linears`, `Int8Weight`; the experts in export/serve/placement/
-residency.py `ExpertStore.load`), and the engine runs them through csrc/gemv.cpp's int8 kernels, the native decoder's
-included. The reference: the same engine on the dequantised weights, through the plain kernels."""
+"""Weight-only quantisation (issue 29): the schemes (pipeline/quantize.py), and int8 in the serving runtime.
+`serve --quantize int8` quantises a package's linears and experts as it loads (export/serve/linears.py
+`quantize_linears`, `Int8Weight`; the experts in export/serve/placement/residency.py `ExpertStore.load`), and the
+engine runs them through csrc/gemv.cpp's int8 kernels, the native decoder's included. The reference: the same engine
+on the dequantised weights, through the plain kernels."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, model_config
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -87,3 +88,31 @@ def test_quantize_is_refused_where_it_cannot_run(package):
         ServeConfig.from_flags({"package": package, "quantize": "int8", "tp_size": 2})
     with pytest.raises(ServeConfigError, match=r"--quantize 'int4'"):
         ServeConfig.from_flags({"package": package, "quantize": "int4"})
+
+
+def test_the_schemes_round_each_weight_to_its_nearest_step():
+    """pipeline/quantize.py: int8 per row and int4 per group of a row (a last group shorter than the rest) each within
+    half a step of the weight, their values in range, what they stand for as `dequantized` gives it; fake_quantize_
+    replaces every linear weight but the routers', the residual coefficient's and the output layer's, and counts the
+    bytes they hold quantised."""
+    from pipeline.model import GPT
+    from pipeline.quantize import dequantized, fake_quantize_, quantize_int4, quantize_int8
+
+    torch.manual_seed(0)
+    w = torch.randn(6, 300)
+    for (q, scale), top, step in ((quantize_int8(w), 127, lambda s: s[:, None]),
+                                  (quantize_int4(w, group=128), 7, lambda s: s.repeat_interleave(128, 1)[:, :300])):
+        assert q.dtype == torch.int8 and int(q.abs().max()) == top
+        assert ((dequantized(q, scale) - w).abs() <= step(scale) / 2 * (1 + 1e-6)).all()
+    assert quantize_int4(w)[1].shape == (6, 3)
+    model = GPT(model_config(mlp_type="residual"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    held = fake_quantize_(model, "int4")
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(n.endswith(".weight") for n in changed)
+    assert not any(k in n for n in changed for k in ("wg", "coefficient", "lm_head", "wte", "ln"))
+    assert any("experts" in n for n in changed) and held["tensors"] == len(changed)
+    assert held["bytes"] == pytest.approx(held["weights"] / 2 + sum(
+        -(-p.shape[1] // 128) * p.shape[0] * 4 for n, p in model.named_parameters() if n in changed))
+    with pytest.raises(ValueError, match="quantisation 'fp8': one of int8, int4"):
+        fake_quantize_(model, "fp8")

@@ -42,6 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipeline.quantize import int8_rows, quantize_int8
+
 SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.linear's call is cheapest)
 ONEDNN_FROM = 1 << 20  # below this, more than 4 rows go to F.linear: as fast there, and no primitive cache to grow
 PACK_ROWS = 32  # the row count oneDNN's packed weight layout is chosen for (a decode batch's)
@@ -359,26 +361,6 @@ class ServingLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
 
 
-def _int8_rows(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of a weight in float64 -> (each row's largest |w| (float64), q = round(w / scale) clamped to +-127 (float64,
-    integral), scale = largest |w| / 127 (fp32, at least the smallest normal fp32))."""
-    top = part.abs().amax(1)
-    scale = (top / 127).float().clamp_min(torch.finfo(torch.float32).tiny)
-    return top, torch.round(part / scale.double()[:, None]).clamp(-127, 127), scale
-
-
-def quantize_int8(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [out, in] weight as int8 with one scale per output row (symmetric, round to nearest: w ~ scale[:, None] * q),
-    as `int8_linear` (csrc/gemv.cpp) reads it: (q int8 [out, in], scale fp32 [out]). Computed in float64, `chunk` rows
-    at a time. A row of zeros gets zeros and the smallest normal scale."""
-    O, I = w.shape
-    q, scale = torch.empty(O, I, dtype=torch.int8), torch.empty(O, dtype=torch.float32)
-    for lo in range(0, O, chunk):
-        _, q_part, scale[lo:lo + chunk] = _int8_rows(w[lo:lo + chunk].detach().double())
-        q[lo:lo + chunk] = q_part.to(torch.int8)
-    return q, scale
-
-
 class Int8Weight:
     """A [out, in] weight held as int8 with one fp32 scale per output row (`quantize_int8`: w ~ scale[:, None] * q),
     read at 1 byte a weight by csrc/gemv.cpp (`int8_linear`; as an expert, `expert_mlps` and the routed layers).
@@ -440,7 +422,7 @@ class HeadScreen:
         self.finite = True  # every weight finite (a NaN or inf one makes its row's largest |w| so): else unusable
         for lo in range(0, O, self.CHUNK):
             part = w[lo:lo + self.CHUNK].double()
-            top, q, scale = _int8_rows(part)
+            top, q, scale = int8_rows(part)
             self.finite = self.finite and bool(torch.isfinite(top).all())
             recon = (part - scale.double()[:, None] * q).abs().amax(1)
             bound = (recon + rounding * (top + scale.double())) * (1 + 1e-6)
