@@ -28,6 +28,7 @@ device's free memory is refused before anything is allocated, naming both sizes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -186,7 +187,9 @@ def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool 
                 model = empty_model(cfg, dtype, on)
                 init_from_teacher(model, teacher_dir, chosen["kept_teacher_layers"], kept_experts(chosen))
             held = fake_quantize_(model, scheme) if scheme else None
-            loss = evaluate(model.requires_grad_(False), val, batches, micro, one)
+            with top1_routes() as routes:
+                loss = evaluate(model.requires_grad_(False), val, batches, micro, one)
+            routes = torch.cat(routes) if routes else torch.zeros(0, dtype=torch.long)
             counts = meta_counts(cfg)
             size = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
             if held:  # the quantised weights' bytes instead of their dtype's
@@ -194,7 +197,7 @@ def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool 
             quantized.append({"name": f"{target} {scheme or DTYPE_LABEL[dtype]}", "target": target,
                               "scheme": scheme or DTYPE_LABEL[dtype], "layers": cfg.layers,
                               "params_total": counts["total"], "params_active_per_token": counts["active_per_token"],
-                              "weight_bytes": int(size), "val_loss": round(loss, 5)})
+                              "weight_bytes": int(size), "val_loss": round(loss, 5), "_routes": routes})
             del model
     base = rows[0]["val_loss"]
     for r in rows + quantized:
@@ -204,11 +207,35 @@ def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool 
         plain = next(x for x in quantized if x["target"] == r["target"])
         r["loss_vs_unquantized"] = round(r["val_loss"] - plain["val_loss"], 5)
         r["loss_vs_unquantized_pct"] = round(100 * (r["val_loss"] / plain["val_loss"] - 1), 3)
+        same = (r["_routes"] == plain["_routes"]).double().mean().item() if len(plain["_routes"]) else 1.0
+        r["top1_routing_agreement"] = round(same, 5)  # every MoE layer's tokens: the same first expert chosen
+    for r in quantized:
+        del r["_routes"]
     return {"teacher": str(Path(teacher_dir).resolve()), "held_out_tokens": batches * micro * teacher_cfg.seq_len,
             "calibration_batches": recipe.student.calibration_batches, "block_importance": importance,
             "expert_scores": {rule: {str(t): s for t, s in by_layer.items()} for rule, by_layer in scores.items()},
             "candidates": rows, "quantized": quantized, "int4_group": INT4_GROUP,
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+@contextlib.contextmanager
+def top1_routes():
+    """While inside: every router's first choice of each token, in call order (pipeline/model.py `router_logits`, which
+    every MoE layer's routing calls), appended to the list it yields."""
+    import pipeline.model as model_lib
+
+    seen, original = [], model_lib.router_logits
+
+    def recording(x, wg):
+        logits = original(x, wg)
+        seen.append(logits.argmax(-1).flatten().cpu())
+        return logits
+
+    model_lib.router_logits = recording
+    try:
+        yield seen
+    finally:
+        model_lib.router_logits = original
 
 
 def format_table(result: dict) -> str:
@@ -221,10 +248,11 @@ def format_table(result: dict) -> str:
     if result.get("quantized"):
         lines.append(f"weight-only quantisation (symmetric, round to nearest; int4 in groups of {result['int4_group']}; "
                      f"routers and the output layer kept)")
-        lines.append(f"{'model':<34}{'weights':>12}{'held-out':>10}{'vs unquantised':>16}{'retention':>10}")
+        lines.append(f"{'model':<34}{'weights':>12}{'held-out':>10}{'vs unquantised':>20}{'top-1 routes':>14}")
         for r in result["quantized"]:
             lines.append(f"{r['name'][:33]:<34}{r['weight_bytes'] / 2 ** 20:>10.2f}MB{r['val_loss']:>10.4f}"
-                         f"{r['loss_vs_unquantized']:>+10.4f} ({r['loss_vs_unquantized_pct']:+.2f}%){r['retention']:>7.3f}")
+                         f"{r['loss_vs_unquantized']:>+11.4f} ({r['loss_vs_unquantized_pct']:+.2f}%)"
+                         f"{100 * r['top1_routing_agreement']:>13.2f}%")
     return "\n".join(lines)
 
 

@@ -124,6 +124,8 @@ def test_plan_measure_scores_candidates_cut_from_the_trained_teacher(small_run, 
         for r in (int8, int4):
             assert r["loss_vs_unquantized"] == pytest.approx(r["val_loss"] - plain["val_loss"], abs=2e-5)
         assert plain["weight_bytes"] > int8["weight_bytes"] > int4["weight_bytes"]
+        assert plain["top1_routing_agreement"] == 1.0 and int8["top1_routing_agreement"] >= 0.98
+        assert 0.5 < int4["top1_routing_agreement"] <= 1.0
     assert "weight-only quantisation" in table and "student int4" in table
 
 
