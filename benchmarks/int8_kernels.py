@@ -7,7 +7,8 @@
 One run, side by side: for each weight shape (the output layer 50,304 x 1024, the fused q/k/v 1536 x 1024, the
 attention output 1024 x 1024, an expert's fused gate/up 1536 x 1024 and down 1024 x 768) and row count, csrc/gemv.cpp
 `linear` on a bf16 weight against `int8_linear` on the same weight quantised by export/serve/linears.py
-`quantize_int8` (one scale per output row), bf16 inputs. Each call reads a weight not in the caches (copies of it
+`quantize_int8` (one scale per output row), and `int4_linear` on it quantised by pipeline/quantize.py `quantize_int4`
+(a scale per 128 inputs of a row, two values a byte), bf16 inputs. Each call reads a weight not in the caches (copies of it
 past 256 MB taken in turn), as a decode step reads its layers. More than 8 rows: `linear` 8 rows at a time, as
 `ServingWeight` runs a bf16 weight without oneDNN, and `int8_linear` as it is (8 rows a pass). Medians of --repeats
 timings of 20 calls. Then one MoE layer's experts (16 of 1024 -> 768 -> 1024, SwiGLU, top-2) through `expert_mlps`
@@ -50,6 +51,7 @@ def run(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int, cold_
     import torch
 
     from export.serve.linears import kernel, quantize_int8
+    from pipeline.quantize import INT4_GROUP, pack_int4, quantize_int4
 
     gemv = kernel()
     if gemv is None or not hasattr(gemv, "int8_linear"):
@@ -60,6 +62,8 @@ def run(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int, cold_
         n = max(1, int(cold_bytes // (O * I * 2)))  # copies: each call reads one the last n - 1 calls did not
         bf16 = [(torch.randn(O, I) * 0.02).bfloat16() for _ in range(n)]
         int8 = [quantize_int8(w) for w in bf16]
+        int4 = [(pack_int4(q), scale) for q, scale in (quantize_int4(w, INT4_GROUP) for w in bf16)] \
+            if I % INT4_GROUP == 0 else None
         turn = iter(range(1 << 62))
         for M in rows:
             x = torch.randn(M, I).bfloat16()
@@ -72,9 +76,16 @@ def run(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int, cold_
                 q, scale = int8[next(turn) % n]
                 return gemv.int8_linear(x, q, scale, None)
 
+            def quarter():
+                q, scale = int4[next(turn) % n]
+                return gemv.int4_linear(x, q, scale, None, INT4_GROUP)
+
             a, b = timed(plain, repeats), timed(quantised, repeats)
+            c = timed(quarter, repeats) if int4 is not None else None
             out.append({"weight": name, "shape": [O, I], "rows": M, "bf16_ms": a, "int8_ms": b,
-                        "bf16_gb_s": O * I * 2 / a / 1e6, "int8_gb_s": O * I / b / 1e6, "speedup": a / b})
+                        "bf16_gb_s": O * I * 2 / a / 1e6, "int8_gb_s": O * I / b / 1e6, "speedup": a / b,
+                        "int4_ms": c, "int4_gb_s": O * I / 2 / c / 1e6 if c else None,
+                        "int4_speedup": a / c if c else None})
     return out
 
 
@@ -149,10 +160,13 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = [f"{'weight':16s} {'rows':>4s} {'bf16 ms':>8s} {'GB/s':>6s} {'int8 ms':>8s} {'GB/s':>6s} {'int8 / bf16':>11s}"]
+    lines = [f"{'weight':16s} {'rows':>4s} {'bf16 ms':>8s} {'GB/s':>6s} {'int8 ms':>8s} {'GB/s':>6s} {'int8 / bf16':>11s} "
+             f"{'int4 ms':>8s} {'GB/s':>6s} {'int4 / bf16':>11s}"]
     for r in results:
+        four = f"{r['int4_ms']:8.3f} {r['int4_gb_s']:6.1f} {r['int4_speedup']:10.2f}x" if r.get("int4_ms") else \
+            f"{'-':>8s} {'-':>6s} {'-':>11s}"
         lines.append(f"{r['weight']:16s} {r['rows']:4d} {r['bf16_ms']:8.3f} {r['bf16_gb_s']:6.1f} {r['int8_ms']:8.3f} "
-                     f"{r['int8_gb_s']:6.1f} {r['speedup']:10.2f}x")
+                     f"{r['int8_gb_s']:6.1f} {r['speedup']:10.2f}x {four}")
     return "\n".join(lines)
 
 
@@ -172,14 +186,17 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name in dict.fromkeys(r["weight"] for r in results):
+    for k, name in enumerate(dict.fromkeys(r["weight"] for r in results)):
         rs = [r for r in results if r["weight"] == name]
-        ax.plot([r["rows"] for r in rs], [r["speedup"] for r in rs], marker="o", label=name)
+        ax.plot([r["rows"] for r in rs], [r["speedup"] for r in rs], marker="o", color=f"C{k}", label=f"{name} int8")
+        if all(r.get("int4_speedup") for r in rs):
+            ax.plot([r["rows"] for r in rs], [r["int4_speedup"] for r in rs], marker="s", ls="--", color=f"C{k}",
+                    label=f"{name} int4")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows (tokens in the call)")
-    ax.set_ylabel("int8 speedup over bf16 (time)")
-    ax.set_title("int8_linear vs bf16 linear, cold weights")
+    ax.set_ylabel("speedup over bf16 (time)")
+    ax.set_title("int8_linear and int4_linear (groups of 128) vs bf16 linear, cold weights")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,8 +1,9 @@
 """Weight-only quantisation schemes: what `serve --quantize int8` runs and `plan --measure` prices.
 
-    from pipeline.quantize import quantize_int8, quantize_int4, fake_quantize_
+    from pipeline.quantize import quantize_int8, quantize_int4, pack_int4, fake_quantize_
     q, scale = quantize_int8(w)                  # int8 [out, in], one fp32 scale per output row
     q, scale = quantize_int4(w, group=128)       # int4 values in int8 [out, in], a scale per 128 inputs of a row
+    packed = pack_int4(q)                        # two a byte, as csrc/gemv.cpp's int4_linear reads them
     fake_quantize_(model, "int4")                # every quantised weight replaced by what its int4 form stands for
 
 Both are symmetric and round to nearest (the baseline GPTQ is compared with), computed in float64. What is quantised
@@ -53,6 +54,24 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     scale = (parts.abs().amax(2) / 7).float().clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round(parts / scale.double()[:, :, None]).clamp(-7, 7).view(O, G * group)[:, :I]
     return q.to(torch.int8).contiguous(), scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int4 values (-8..7, one a byte: `quantize_int4`'s q [out, in], `in` a multiple of 64) two a byte, as
+    csrc/gemv.cpp's `int4_linear` reads them: each 64 inputs of a row in 32 bytes, byte j holding input j (low nibble)
+    and input 32 + j (high nibble), each + 8. -> uint8 [out, in / 2]."""
+    O, I = q.shape
+    if I % 64:
+        raise ValueError(f"pack_int4: rows of {I} inputs; the packing takes a multiple of 64")
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(O, I // 64, 2, 32)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(O, I // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s inverse: uint8 [out, in / 2] -> int4 values in int8 [out, in]."""
+    O, half = packed.shape
+    p = packed.view(O, half // 32, 1, 32)
+    return (torch.cat([p & 0x0F, p >> 4], dim=2).to(torch.int16) - 8).to(torch.int8).reshape(O, half * 2)
 
 
 def dequantized(q: torch.Tensor, scale: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:

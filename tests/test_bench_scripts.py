@@ -59,8 +59,10 @@ def test_decode_bandwidth_measures_the_engine_against_the_bound(decode_result):
 def test_int8_kernels_times_both_layers_side_by_side(tmp_path):
     """benchmarks/int8_kernels.py on two small weights: both kernels timed at a row count of each path (one pass, and
     two), the speedup their ratio, the table and the plot written; a small MoE layer's experts both ways."""
-    results = int8_kernels.run({"a": (64, 96), "b": (33, 40)}, [1, 9], repeats=1, cold_bytes=1e5)
+    results = int8_kernels.run({"a": (64, 128), "b": (33, 40)}, [1, 9], repeats=1, cold_bytes=1e5)
     assert [(r["weight"], r["rows"]) for r in results] == [("a", 1), ("a", 9), ("b", 1), ("b", 9)]
+    assert all(r["int4_speedup"] == pytest.approx(r["bf16_ms"] / r["int4_ms"]) for r in results[:2])
+    assert all(r["int4_ms"] is None for r in results[2:])  # 40 inputs: no whole group of 128
     for r in results:
         assert r["bf16_ms"] > 0 and r["int8_ms"] > 0 and r["speedup"] == pytest.approx(r["bf16_ms"] / r["int8_ms"])
         assert r["int8_gb_s"] == pytest.approx(r["shape"][0] * r["shape"][1] / r["int8_ms"] / 1e6)

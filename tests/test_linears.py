@@ -148,6 +148,7 @@ def check_all(gemv):
     check_argmax(gemv)
     check_screen(gemv)
     check_int8(gemv)
+    check_int4(gemv)
     check_routed(gemv)
     if hasattr(gemv, "amx_linear"):
         check_amx(gemv)
@@ -216,6 +217,34 @@ def check_int8(gemv):
     with pytest.raises(RuntimeError, match="bias of x's dtype"):
         gemv.int8_linear(torch.randn(2, 16), torch.zeros(8, 16, dtype=torch.int8), torch.ones(8),
                          torch.ones(8).bfloat16())
+
+
+def check_int4(gemv):
+    """int4_linear against F.linear on the dequantised weight in fp32: groups of 64 and 128, 1 to 19 rows (passes of
+    8), fp32 and bf16 inputs, with and without a bias; pack_int4 and unpack_int4 inverse; bad input named."""
+    from pipeline.quantize import dequantized, pack_int4, quantize_int4, unpack_int4
+
+    torch.manual_seed(0)
+    for out_f, in_f, group in [(512, 256, 128), (7, 128, 64), (33, 384, 128), (1024, 1024, 128)]:
+        q, scale = quantize_int4(torch.randn(out_f, in_f), group=group)
+        packed = pack_int4(q)
+        assert packed.dtype == torch.uint8 and packed.shape == (out_f, in_f // 2) and torch.equal(unpack_int4(packed), q)
+        deq = dequantized(q, scale, group)
+        for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:
+            x = torch.randn(19, in_f).to(dtype)
+            b = torch.randn(out_f).to(dtype)
+            for bias in (None, b):
+                for rows in (1, 2, 3, 8, 9, 19):
+                    ref = F.linear(x[:rows].float(), deq, None if bias is None else bias.float())
+                    got = gemv.int4_linear(x[:rows].contiguous(), packed, scale, bias, group)
+                    assert got.dtype == dtype and got.shape == (rows, out_f)
+                    torch.testing.assert_close(got.float(), ref, atol=tol * in_f ** 0.5, rtol=tol)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 64"):
+        gemv.int4_linear(torch.randn(2, 128), torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), None, 48)
+    with pytest.raises(RuntimeError, match=r"scale fp32 \[out, in / group\]"):
+        gemv.int4_linear(torch.randn(2, 128), torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 1), None, 64)
+    with pytest.raises(ValueError, match="a multiple of 64"):
+        pack_int4(torch.zeros(2, 100, dtype=torch.int8))
 
 
 def check_kernel(gemv):

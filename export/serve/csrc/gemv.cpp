@@ -1837,6 +1837,139 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return y;
 }
 
+// -- int4 weights in groups (weight-only quantisation) ---------------------------------------------------------------
+//
+// q uint8 [O, I / 2]: each 64 inputs of a row in 32 bytes, byte j holding input j in its low nibble and input 32 + j
+// in its high one, each as its int4 value + 8 (pipeline/quantize.py `pack_int4`); scale fp32 [O, I / group], one per
+// `group` inputs of a row (a multiple of 64 dividing I). y = sum over groups of scale * (q . x), + bias, rounded once.
+#if defined(__AVX512BF16__)
+// bf16 x: 32 nibbles at a time become bf16 by one VPERMW from a 16-entry table of the values -8..7 (exact), then
+// VDPBF16PS; a group's sums times its scale into each row's total. Two sums a group (the low and high halves).
+template <int M, typename Out>
+static void rows_i4_dp(const uint8_t* q, const float* scale, const B16* x, int64_t I, int64_t group, int64_t o0,
+                       int64_t o1, const Out& out) {
+  alignas(64) uint16_t table[32] = {};
+  for (int v = 0; v < 16; ++v) table[v] = c10::BFloat16(static_cast<float>(v - 8)).x;
+  const __m512i lut = _mm512_load_si512(table);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int64_t G = I / group, chunks = group / 64;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* qr = q + o * (I / 2);
+    const float* sr = scale + o * G;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a[M], b[M];
+      for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
+      for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c) {
+        const uint8_t* p = qr + c * 32;
+        if (c % 2 == 0) ahead(p);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(bytes, low)), lut);
+        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(
+            _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low)), lut);
+        for (int m = 0; m < M; ++m) {
+          const B16* xm = x + m * I + c * 64;
+          a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_loadu_si512(xm));
+          b[m] = _mm512_dpbf16_ps(b[m], w1, (__m512bh)_mm512_loadu_si512(xm + 32));
+        }
+      }
+      const __m512 sg = _mm512_set1_ps(sr[g]);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a[m], b[m]), sg, acc[m]);
+    }
+    for (int m = 0; m < M; ++m) out(m, o, _mm512_reduce_add_ps(acc[m]));
+  }
+}
+#endif
+
+// Any CPU: x in fp32, each group's 64-input chunks unpacked to floats, FMAs, the group's sum times its scale.
+template <typename Out>
+static void rows_i4_any(int64_t M, const uint8_t* q, const float* scale, const float* x, int64_t I, int64_t group,
+                        int64_t o0, int64_t o1, const Out& out) {
+  const int64_t G = I / group;
+  alignas(64) float w[64];
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* qr = q + o * (I / 2);
+    float total[MAX_ROWS] = {};
+    for (int64_t g = 0; g < G; ++g) {
+      vf sums[MAX_ROWS];
+      for (int64_t m = 0; m < M; ++m) sums[m] = vzero();
+      for (int64_t c = g * group / 64; c < (g + 1) * group / 64; ++c) {
+        for (int j = 0; j < 32; ++j) {
+          w[j] = static_cast<float>((qr[c * 32 + j] & 0x0F) - 8);
+          w[32 + j] = static_cast<float>((qr[c * 32 + j] >> 4) - 8);
+        }
+        for (int i = 0; i < 64; i += VW)
+          for (int64_t m = 0; m < M; ++m) sums[m] = vfma(vload(w + i), vload(x + m * I + c * 64 + i), sums[m]);
+      }
+      for (int64_t m = 0; m < M; ++m) total[m] += vsum(sums[m]) * scale[o * G + g];
+    }
+    for (int64_t m = 0; m < M; ++m) out(m, o, total[m]);
+  }
+}
+
+// x [N, I] fp32 or bf16 (MAX_ROWS rows a pass), q and scale as above, bias [O] of x's dtype or None -> [N, O].
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, int64_t group) {
+  RECORD_FUNCTION("moe_pipeline::int4_linear", std::vector<c10::IValue>({x, q}));
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(0) >= 1 && q.size(1) * 2 == x.size(1),
+              "int4_linear: x [M, in] and q [out, in / 2] (two int4 a byte)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_linear: x fp32 or bf16");
+  const int64_t N = x.size(0), I = x.size(1), O = q.size(0);
+  TORCH_CHECK(group > 0 && group % 64 == 0 && I % group == 0,
+              "int4_linear: groups of a multiple of 64 inputs that divide the row (", I, "), not ", group);
+  TORCH_CHECK(q.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat && scale.dim() == 2 &&
+                  scale.size(0) == O && scale.size(1) == I / group,
+              "int4_linear: q uint8 [out, in / 2] and scale fp32 [out, in / group]");
+  TORCH_CHECK(x.is_contiguous() && q.is_contiguous() && scale.is_contiguous() && x.device().is_cpu() &&
+                  q.device().is_cpu() && scale.device().is_cpu(),
+              "int4_linear: contiguous CPU tensors");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == O,
+                "int4_linear: a contiguous bias of x's dtype, one per output");
+  at::Tensor y = at::empty({N, O}, x.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int64_t groups = (O + GROUP - 1) / GROUP;
+  for (int64_t r0 = 0; r0 < N; r0 += MAX_ROWS) {
+    const int64_t M = std::min(MAX_ROWS, N - r0);
+    if (x.scalar_type() == at::kFloat) {
+      const float* xf = x.data_ptr<float>() + r0 * I;
+      const ToBiased<float> out{has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>() + r0 * O, O};
+      shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
+        rows_i4_any(M, qp, sp, xf, I, group, b * GROUP, std::min(O, e * GROUP), out);
+      });
+      continue;
+    }
+    using B = c10::BFloat16;
+    const B* xb = x.data_ptr<B>() + r0 * I;
+    const ToBiased<B> out{has_bias ? bias->data_ptr<B>() : nullptr, y.data_ptr<B>() + r0 * O, O};
+#if defined(__AVX512BF16__)
+    shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
+      const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
+      switch (M) {
+        case 1: return rows_i4_dp<1>(qp, sp, xb, I, group, o0, o1, out);
+        case 2: return rows_i4_dp<2>(qp, sp, xb, I, group, o0, o1, out);
+        case 3: return rows_i4_dp<3>(qp, sp, xb, I, group, o0, o1, out);
+        case 4: return rows_i4_dp<4>(qp, sp, xb, I, group, o0, o1, out);
+        case 5: return rows_i4_dp<5>(qp, sp, xb, I, group, o0, o1, out);
+        case 6: return rows_i4_dp<6>(qp, sp, xb, I, group, o0, o1, out);
+        case 7: return rows_i4_dp<7>(qp, sp, xb, I, group, o0, o1, out);
+        default: return rows_i4_dp<8>(qp, sp, xb, I, group, o0, o1, out);
+      }
+    });
+#else
+    std::vector<float> xf(M * I);
+    for (int64_t k = 0; k < M * I; ++k) xf[k] = static_cast<float>(xb[k]);
+    shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
+      rows_i4_any(M, qp, sp, xf.data(), I, group, b * GROUP, std::min(O, e * GROUP), out);
+    });
+#endif
+  }
+  return y;
+}
+
 // -- weights moved into a file mapping ---------------------------------------------------------------------------
 //
 // The storage under `owner` (every tensor on it: views, detached copies, the kernels' references) takes the `nbytes`
@@ -2337,6 +2470,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's", nogil);
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)", nogil);
   m.def("int8_linear", &int8_linear, "y = x @ (scale * q).T (+ bias) for int8 weights q, one scale a row", nogil);
+  m.def("int4_linear", &int4_linear, "y = x @ w.T (+ bias) for int4 weights, two a byte, one scale a group of a row",
+        nogil);
   m.def("screen_argmax", &screen_argmax,
         "each row's argmax of x @ w.T as linear writes it, from an int8 copy of w and the candidates' exact rows", nogil);
   m.def("qkv_heads", &qkv_heads,
