@@ -14,7 +14,7 @@ past 256 MB taken in turn), as a decode step reads its layers. More than 8 rows:
 timings of 20 calls. Then one MoE layer's experts (16 of 1024 -> 768 -> 1024, SwiGLU, top-2) through `expert_mlps`
 at --tokens tokens, bf16 experts against int8 ones (`Int8Weight`). Prints ms and GB/s of each and the speedup (the
 target for a decode step: int8 >= 1.6x bf16, issue 29), with the CPU. With --package: batch-1 greedy decode of that
-package served as it is against `serve --quantize int8` (`decode`). Writes int8_kernels.json and int8_kernels.png
+package served as it is against `serve --quantize int8` and `--quantize int4` (`decode`). Writes int8_kernels.json and int8_kernels.png
 under --out.
 """
 
@@ -129,9 +129,10 @@ def run_experts(experts: int, top_k: int, hidden: int, width: int, tokens: list[
 
 
 def decode(pkg: Path, threads: int, new_tokens: int, repeats: int) -> dict:
-    """Batch-1 greedy decode of `pkg` served as it is and with `--quantize int8`, both engines in this process, their
-    runs alternated `repeats` times (this VM's memory speed drifts within minutes): tokens/s of each (decode steps
-    only, as benchmarks/decode_bandwidth.py times them), medians, the paired ratio, and how many tokens agree."""
+    """Batch-1 greedy decode of `pkg` served as it is, with `--quantize int8` and with `--quantize int4`, the engines
+    in this process, their runs alternated `repeats` times (this VM's memory speed drifts within minutes): tokens/s of
+    each (decode steps only, as benchmarks/decode_bandwidth.py times them), medians, the paired ratios, and how many
+    tokens agree with the package's."""
     import torch
 
     from decode_bandwidth import decode_run
@@ -139,7 +140,7 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int) -> dict:
     from export.serve.engine import Engine
 
     engines = {}
-    for name, quantize in (("package", None), ("int8", "int8")):
+    for name, quantize in (("package", None), ("int8", "int8"), ("int4", "int4")):
         engines[name] = Engine.from_config(ServeConfig(package=pkg, max_batch=1, quantize=quantize))
         engines[name].eos = None
     torch.set_num_threads(threads)  # after dist.init, which sizes the pool for the local ranks
@@ -150,13 +151,13 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int) -> dict:
     for _ in range(repeats):
         for name, engine in engines.items():
             runs[name].append(decode_run(engine, prompt, new_tokens))
-    a, b = runs["package"], runs["int8"]
-    same = sum(x == y for x, y in zip(a[0]["tokens"], b[0]["tokens"]))
+    a = runs["package"]
     return {"package": str(pkg), "dtype": str(engines["package"].model.wte.weight.dtype).removeprefix("torch."),
             "new_tokens": new_tokens, "tok_s": {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()},
             "runs_tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
-            "paired": statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(a, b)),
-            "same_tokens": same, "tokens": len(a[0]["tokens"])}
+            "paired": {k: statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(a, runs[k])) for k in ("int8", "int4")},
+            "same_tokens": {k: sum(x == y for x, y in zip(a[0]["tokens"], runs[k][0]["tokens"])) for k in ("int8", "int4")},
+            "tokens": len(a[0]["tokens"])}
 
 
 def table(results: list[dict]) -> str:
@@ -229,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.package is not None:
         served = decode(args.package, torch.get_num_threads(), args.new_tokens, args.repeats)
         t = served["tok_s"]
-        print(f"batch-1 decode of {args.package} ({served['dtype']}): {t['package']:.1f} tok/s as it is, "
-              f"{t['int8']:.1f} with --quantize int8: {t['int8'] / t['package']:.2f}x (paired {served['paired']:.2f}x); "
-              f"{served['same_tokens']} of {served['tokens']} greedy tokens the same")
+        print(f"batch-1 decode of {args.package} ({served['dtype']}): {t['package']:.1f} tok/s as it is" + "".join(
+            f"; --quantize {k} {t[k]:.1f}: {t[k] / t['package']:.2f}x (paired {served['paired'][k]:.2f}x), "
+            f"{served['same_tokens'][k]} of {served['tokens']} greedy tokens the same" for k in ("int8", "int4")))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "int8_kernels.json").write_text(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(),
                                                             "results": results, "experts": experts,

@@ -206,9 +206,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "models only (a Mixtral/Qwen/OLMoE student: --ep-size, or its --format hf export in vLLM)")
     p.add_argument("--dtype", choices=_literal(ServeConfig, "dtype"), default=quiet, help="default: the package's")
     p.add_argument("--quantize", choices=_literal(ServeConfig, "quantize"), default=quiet,
-                   help="int8: the linears and experts quantised as the package loads (weight-only, one scale per "
-                        "output channel, round to nearest), read at 1 byte a weight; the output layer, routers, "
-                        "norms and embeddings stay in the package's dtype. CPU, data-parallel layouts (no --tp-size)")
+                   help="the linears and experts quantised as the package loads (weight-only, round to nearest): "
+                        "int8 (one scale per output channel, 1 byte a weight) or int4 (one scale per 128 inputs of a "
+                        "row, half a byte); the output layer, routers, norms and embeddings stay in the package's "
+                        "dtype. CPU, data-parallel layouts (no --tp-size)")
     p.add_argument("--placement", choices=_literal(ServeConfig, "placement"), default=quiet,
                    help="place experts by a replica table (export/serve/placement/): none, reactive (from observed "
                         "load, EPLB-style) or predictive (the package's predictor; `moe-pipeline predictor train`)")

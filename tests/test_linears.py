@@ -144,6 +144,7 @@ def check_all(gemv):
     check_kernel(gemv)
     check_attention(gemv)
     check_experts(gemv)
+    check_experts(gemv, C=128, width=64, counts=(1, 3, 9, 2))  # int4 experts too (groups of 64)
     check_norm(gemv)
     check_argmax(gemv)
     check_screen(gemv)
@@ -270,22 +271,29 @@ def check_kernel(gemv):
 def check_experts(kernel, C=200, width=70, counts=(1, 3, 5, 2, 9, 4)):
     """expert_mlps of this build against the experts one at a time (F.linear, F.silu or F.gelu, F.linear): SwiGLU
     and GeLU, with and without biases, experts of 1 to 9 rows (past the kernel's 4 a pass), a width off the
-    kernel's blocks, both dtypes; bf16 equal to the bit where F.linear's sums round alike. int8 experts (`quantize_int8`,
+    kernel's blocks, both dtypes; bf16 equal to the bit where F.linear's sums round alike. int8 and int4 experts (their
+    packed weights, and scales per row or per group of 64 as s1, s2; `quantize_int8`,
     the scales as s1, s2) against the same on their dequantised weights."""
     from export.serve.linears import quantize_int8
+    from pipeline.quantize import dequantized, pack_int4, quantize_int4
 
     torch.manual_seed(0)
     counts = list(counts)
+    schemes = (False, "int8", "int4") if C % 64 == 0 and width % 64 == 0 else (False, "int8")  # int4: groups of 64
     for (dtype, tol), swiglu, bias, int8 in itertools.product(((torch.float32, 1e-5), (torch.bfloat16, 2e-2)),
-                                                              (True, False), (False, True), (False, True)):
+                                                              (True, False), (False, True), schemes):
         weights, quantised = [], []  # per expert: (w1, b1, w2, b2) as the kernel takes them; with int8, (q1, s1, q2, s2)
         for _ in counts:
             w1 = torch.randn((2 if swiglu else 1) * width, C).to(dtype)
             w2 = (torch.randn(C, width) * 0.1).to(dtype)
-            if int8:
+            if int8 == "int8":
                 (q1, s1), (q2, s2) = quantize_int8(w1.float()), quantize_int8(w2.float())
                 quantised.append((q1, s1, q2, s2))
                 w1, w2 = q1.float() * s1[:, None], q2.float() * s2[:, None]  # the reference's weights, exact in fp32
+            elif int8 == "int4":  # groups of 64: C and width multiples of it
+                (q1, s1), (q2, s2) = quantize_int4(w1.float(), 64), quantize_int4(w2.float(), 64)
+                quantised.append((pack_int4(q1), s1, pack_int4(q2), s2))
+                w1, w2 = dequantized(q1, s1, 64), dequantized(q2, s2, 64)
             weights.append((w1, torch.randn(w1.shape[0]).to(dtype) if bias else None, w2,
                             torch.randn(C).to(dtype) if bias else None))
         x = torch.randn(sum(counts), C).to(dtype)
@@ -625,9 +633,10 @@ def test_a_large_serving_linear_takes_many_rows_on_any_cpu(dtype, tol):
 def test_int8_weights_through_the_serving_linears():
     """linears.Int8Weight: its linear on [batch, tokens, in] inputs against F.linear on the weight it stands for
     (fp32 and bf16, with a bias); int8 experts through expert_mlps and routed_layer against the same experts
-    dequantised; a layer mixing int8 and plain experts, and a wrong weight, refused by name."""
+    dequantised; a layer mixing int8 and plain experts, and a wrong weight, refused by name; Int4Weight's linear, and
+    a row its groups do not divide."""
     from export.serve import linears
-    from export.serve.linears import Int8Weight
+    from export.serve.linears import Int4Weight, Int8Weight
 
     torch.manual_seed(0)
     w, b = torch.randn(96, 80), torch.randn(96)
@@ -654,7 +663,16 @@ def test_int8_weights_through_the_serving_linears():
     assert torch.equal(counts, counts_)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     mixed = [experts[0], plain[1]]
-    with pytest.raises(ValueError, match="int8 \\(Int8Weight\\) all or none"):
+    with pytest.raises(ValueError, match="all or none, fc1 and fc2 alike"):
         linears.expert_mlps(x[:2], [1, 1], mixed, True)
     with pytest.raises(ValueError, match="q int8 \\[out, in\\] and scale fp32 \\[out\\]"):
         Int8Weight(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))
+    # int4, groups of 128: its linear against the weight it stands for; a row that does not fit its groups refused
+    int4 = Int4Weight.of(torch.randn(40, 256))
+    assert int4.shape == (40, 256) and int4.q.shape == (40, 128) and int4.scale.shape == (40, 2)
+    x = torch.randn(3, 2, 256).bfloat16()
+    torch.testing.assert_close(int4.linear(x).float(), F.linear(x.float(), int4.dequantized()), atol=1e-2 * 16,
+                               rtol=1e-2)
+    assert not Int4Weight.fits(200) and Int4Weight.fits(384)
+    with pytest.raises(ValueError, match="in a multiple of 128"):
+        Int4Weight(torch.zeros(4, 100, dtype=torch.uint8), torch.ones(4, 1))

@@ -29,39 +29,40 @@ def dequantised_twin(quantised, plain) -> int:
     """`plain` (an engine of the same package) given `quantised`'s int8 weights, dequantised, as plain served weights
     (the linears, the fused q/k/v, every resident expert), its native decoder rebuilt on them; returns how many."""
     from export.serve.decode import Decoder
-    from export.serve.linears import FusedQKV, Int8Weight, ServingLinear, ServingWeight
+    from export.serve.linears import FusedQKV, Int4Weight, Int8Weight, ServingLinear, ServingWeight
 
-    count = 0
+    count, kinds = 0, (Int8Weight, Int4Weight)
     for mq, mp in zip(quantised.worker.model.modules(), plain.worker.model.modules()):
-        if isinstance(mq, ServingLinear) and isinstance(mq.served, Int8Weight):
+        if isinstance(mq, ServingLinear) and isinstance(mq.served, kinds):
             mp.served, count = ServingWeight(mq.served.dequantized()), count + 1
-        if isinstance(getattr(mq, "qkv", None), FusedQKV) and isinstance(mq.qkv.weight, Int8Weight):
+        if isinstance(getattr(mq, "qkv", None), FusedQKV) and isinstance(mq.qkv.weight, kinds):
             mp.qkv.weight, count = ServingWeight(mq.qkv.weight.dequantized()), count + 1
     resident = plain.exchange.residency.resident
     for key, (w1, b1, w2, b2) in quantised.exchange.residency.resident.items():
-        assert isinstance(w1, Int8Weight) and isinstance(w2, Int8Weight)
+        assert isinstance(w1, kinds) and type(w1) is type(w2)
         resident[key] = (ServingWeight(w1.dequantized()), b1, ServingWeight(w2.dequantized()), b2)
         count += 1
     plain.worker.decoder = Decoder.of(plain.worker.model, plain.worker.cache)
     return count
 
 
-def test_int8_at_load_serves_what_its_dequantised_weights_give(package):
-    """Greedy tokens (through the head's screen) and the top-5 log-probabilities of every token, 3 prompts decoded
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantised_at_load_serves_what_its_dequantised_weights_give(package, scheme):
+    """int8 and int4 (groups of 128). Greedy tokens (through the head's screen) and the top-5 log-probabilities of every token, 3 prompts decoded
     together for 10 tokens, equal to the same engine's on the dequantised weights (fp32: the int8 sums differ from
     F.linear's only in their order); the decode forwards ran in the native decoder with int8 weights; the output layer,
     the routers and the embeddings left in fp32."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate
-    from export.serve.linears import Int8Weight, ServingWeight
+    from export.serve.linears import QUANTIZED, ServingWeight
     from export.serve.request import SamplingParams
 
-    quantised = Engine.from_config(ServeConfig(package=package, quantize="int8", kv_cache_memory=0.05))
+    quantised = Engine.from_config(ServeConfig(package=package, quantize=scheme, kv_cache_memory=0.05))
     plain = Engine.from_config(ServeConfig(package=package, kv_cache_memory=0.05))
     model = quantised.worker.model
     assert isinstance(model.lm_head.served, ServingWeight) and model.lm_head.served.weight.dtype == torch.float32
     assert all(b.mlp.moe.deepspeed_moe.gate.wg.weight.dtype == torch.float32 for b in model.blocks if b.is_moe)
-    assert quantised.worker.decoder is not None  # the native decoder took the int8 weights
+    assert quantised.worker.decoder is not None  # the native decoder took the quantised weights
     # q/k/v and out in each of 4 layers, fc1 and fc2 of 2 dense MLPs and of the 2 MoE layers' residual MLPs, 12 experts
     assert dequantised_twin(quantised, plain) == 4 * 2 + 2 * 2 + 2 * 2 + 12
     g = torch.Generator().manual_seed(0)
@@ -77,7 +78,8 @@ def test_int8_at_load_serves_what_its_dequantised_weights_give(package):
                 assert ta.keys() == tb.keys() and list(ta.values()) == pytest.approx(list(tb.values()), abs=1e-4)
     assert quantised.stats["decode_steps"] >= 9
     held = [w for w in quantised.exchange.residency.resident.values()]
-    assert all(isinstance(w[0], Int8Weight) and w[0].q.dtype == torch.int8 for w in held)
+    assert all(type(w[0]) is QUANTIZED[scheme] and type(w[2]) is QUANTIZED[scheme] for w in held)
+    assert type(model.blocks[0].attn.qkv.weight) is QUANTIZED[scheme]  # hidden 128: one group of int4 a row
 
 
 def test_quantize_is_refused_where_it_cannot_run(package):
@@ -86,8 +88,8 @@ def test_quantize_is_refused_where_it_cannot_run(package):
 
     with pytest.raises(ServeConfigError, match=r"--quantize int8: .*drop --tp-size"):
         ServeConfig.from_flags({"package": package, "quantize": "int8", "tp_size": 2})
-    with pytest.raises(ServeConfigError, match=r"--quantize 'int4'"):
-        ServeConfig.from_flags({"package": package, "quantize": "int4"})
+    with pytest.raises(ServeConfigError, match=r"--quantize 'int2'"):
+        ServeConfig.from_flags({"package": package, "quantize": "int2"})
 
 
 def test_the_schemes_round_each_weight_to_its_nearest_step():

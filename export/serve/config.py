@@ -56,8 +56,9 @@ class ServeConfig(BaseModel):
     ep_size: int | None = Field(None, ge=1)  # expert-parallel degree; None: all ranks (at most a layer's experts)
     tp_size: int | None = Field(None, ge=1)  # tensor slicing of the dense part: 1 or nproc
     dtype: Literal["fp32", "bf16", "fp16"] | None = None  # None: the package's
-    # weight-only quantisation at load (export/serve/linears.py `quantize_linears`): int8, or None (the package's weights)
-    quantize: Literal["int8"] | None = None
+    # weight-only quantisation at load (export/serve/linears.py `quantize_linears`): int8, int4 (groups of 128 inputs;
+    # int8 where a row does not divide into them), or None (the package's weights)
+    quantize: Literal["int8", "int4"] | None = None
     # expert placement by a replica table: a policy of export/serve/placement/controller.py (`make_controller`)
     placement: Literal["none", "reactive", "predictive"] | None = None
     replica_budget: float = Field(0.25, ge=0)  # replicas a rank may hold, a fraction of its own expert memory

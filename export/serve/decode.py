@@ -188,6 +188,8 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
     def served(w, bias) -> tuple | None:  # a ServingWeight as its `linear` runs it; an Int8Weight: int8_linear
         if isinstance(w, linears.Int8Weight) and w.gemv is not None and hasattr(w.gemv, "int8_linear"):
             return w.q, None, w.scale, linears.MORE_INT8, bias
+        if isinstance(w, linears.Int4Weight) and w.gemv is not None and hasattr(w.gemv, "int4_linear"):
+            return w.q, None, w.scale, linears.MORE_INT4, bias
         if not isinstance(w, linears.ServingWeight) or w.gemv is None or w.weight.dtype != dtype:
             return None
         return w.weight, w.amx, w.packed, w.more, bias

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.quantize import int8_rows, quantize_int8
+from pipeline.quantize import INT4_GROUP, dequantized, int8_rows, pack_int4, quantize_int4, quantize_int8, unpack_int4
 
 SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.linear's call is cheapest)
 ONEDNN_FROM = 1 << 20  # below this, more than 4 rows go to F.linear: as fast there, and no primitive cache to grow
@@ -52,6 +52,7 @@ PACK_ROWS = 32  # the row count oneDNN's packed weight layout is chosen for (a d
 # as it is (F.linear at every row count)
 MORE_ONEDNN, MORE_CHUNKS, MORE_ATEN, MORE_PLAIN = 0, 1, 2, 3
 MORE_INT8 = 4  # csrc/gemv.cpp DecodeLinear: an Int8Weight (its int8 weight, and its scales where `packed` goes)
+MORE_INT4 = 5  # and an Int4Weight (its packed weight, its group scales)
 ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 PREFETCH_ENV = "MOE_PIPELINE_PREFETCH"  # t0 | nta; unset: `prefetch_hint`'s choice for this CPU
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
@@ -356,6 +357,8 @@ class ServingLinear(nn.Module):
         how = "GEMV kernel for 1-8 rows, oneDNN" if self.served.gemv is not None else "oneDNN"
         if isinstance(self.served, Int8Weight):
             how = "int8 weight, one scale per output (int8_linear)"
+        elif isinstance(self.served, Int4Weight):
+            how = f"int4 weight, one scale per {self.served.group} inputs (int4_linear)"
         elif self.served.amx is not None:
             how = f"GEMV kernel for 1 row, AMX for 2-{self.served.gemv.AMX_MAX_ROWS}, oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
@@ -391,6 +394,56 @@ class Int8Weight:
             return F.linear(x, self.dequantized(x.dtype).to(x.device), bias)  # no kernel here: the weight it stands for
         y = self.gemv.int8_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.q, self.scale, bias)
         return y.view(*x.shape[:-1], self.q.shape[0])
+
+
+class Int4Weight:
+    """A [out, in] weight held as int4, two values a byte, with one fp32 scale per `group` inputs of a row
+    (pipeline/quantize.py `quantize_int4`, `pack_int4`), read at half a byte a weight by csrc/gemv.cpp (`int4_linear`;
+    as an expert, `expert_mlps` and the routed layers). As Int8Weight otherwise. `of` refuses a row whose inputs are
+    not a multiple of the group (`fits`)."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, group: int = INT4_GROUP):
+        O, half = packed.shape if packed.dim() == 2 else (0, 0)
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or scale.dtype != torch.float32 or \
+                scale.shape != (O, 2 * half // group) or not self.fits(2 * half, group):
+            raise ValueError(f"Int4Weight: packed uint8 [out, in / 2] and scale fp32 [out, in / {group}] with in a "
+                             f"multiple of {group}, not {packed.dtype} {tuple(packed.shape)} and {scale.dtype} "
+                             f"{tuple(scale.shape)}")
+        self.q, self.scale, self.group = packed.contiguous(), scale.contiguous(), group
+        self.gemv = kernel()
+
+    @staticmethod
+    def fits(inputs: int, group: int = INT4_GROUP) -> bool:
+        return group % 64 == 0 and inputs % group == 0 and inputs > 0
+
+    @classmethod
+    def of(cls, w: torch.Tensor, group: int = INT4_GROUP) -> "Int4Weight":
+        q, scale = quantize_int4(w, group)
+        return cls(pack_int4(q), scale, group)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.q.shape[0], 2 * self.q.shape[1]))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantized(unpack_int4(self.q), self.scale, self.group).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if self.gemv is None or not hasattr(self.gemv, "int4_linear") or x.device.type != "cpu" or rows == 0:
+            return F.linear(x, self.dequantized(x.dtype).to(x.device), bias)  # no kernel here: the weight it stands for
+        y = self.gemv.int4_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.q, self.scale, bias, self.group)
+        return y.view(*x.shape[:-1], self.q.shape[0])
+
+
+QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}  # serve --quantize: the weight class of each scheme
+
+
+def quantized_weight(w: torch.Tensor, scheme: str):
+    """`w` as `scheme`'s weight (Int8Weight or Int4Weight); int4 where the rows fit its groups, else int8."""
+    if scheme == "int4" and Int4Weight.fits(w.shape[1]):
+        return Int4Weight.of(w)
+    return Int8Weight.of(w)
 
 
 class HeadScreen:
@@ -560,20 +613,24 @@ def combine_pairs(y: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
 
 def _expert_tensors(weights: list[tuple]) -> tuple[list, list, list, list, list, list]:
     """(w1s, b1s, w2s, b2s, s1s, s2s) as the kernel takes them: plain contiguous tensors, empty bias lists for none;
-    int8 experts (`Int8Weight`, every one or none) give their int8 tensors and their scales as s1s, s2s (else empty)."""
-    int8 = [isinstance(w[0], Int8Weight) and isinstance(w[2], Int8Weight) for w in weights]
-    if any(int8) and not all(int8):
-        raise ValueError("an MoE layer's experts are int8 (Int8Weight) all or none: quantise every expert alike")
+    int8 or int4 experts (`Int8Weight`, `Int4Weight`: every one alike, or none) give their int8 or packed tensors and
+    their scales as s1s, s2s (else empty)."""
+    kinds = {(type(w[0]), type(w[2])) for w in weights}
+    quant = [isinstance(w[0], (Int8Weight, Int4Weight)) for w in weights]
+    if any(quant) and len(kinds) > 1:
+        raise ValueError("an MoE layer's experts are int8 (Int8Weight) or int4 (Int4Weight) all or none, fc1 and fc2 "
+                         "alike: quantise every expert the same way")
 
     def raw(w):
-        return w.q if isinstance(w, Int8Weight) else w.weight if isinstance(w, ServingWeight) else w.contiguous()
+        return w.q if isinstance(w, (Int8Weight, Int4Weight)) else w.weight if isinstance(w, ServingWeight) \
+            else w.contiguous()
 
     w1 = [raw(w[0]) for w in weights]
     w2 = [raw(w[2]) for w in weights]
     b1 = [w[1].contiguous() for w in weights] if weights[0][1] is not None else []
     b2 = [w[3].contiguous() for w in weights] if weights[0][3] is not None else []
-    s1 = [w[0].scale for w in weights] if all(int8) else []
-    s2 = [w[2].scale for w in weights] if all(int8) else []
+    s1 = [w[0].scale for w in weights] if all(quant) else []
+    s2 = [w[2].scale for w in weights] if all(quant) else []
     return w1, b1, w2, b2, s1, s2
 
 
@@ -616,21 +673,30 @@ def serving_norms(model: nn.Module) -> int:
     return count
 
 
-def quantize_linears(model: nn.Module) -> int:
+def quantize_linears(model: nn.Module, scheme: str = "int8") -> int:
     """After `serving_linears`: every served linear but the output layer (the model's `lm_head`, whose greedy rows the
-    screen reads in int8 already) and every fused q/k/v weight as an `Int8Weight` (weight-only, one scale per output
-    channel, round to nearest), in place; returns how many. The routers, norms and embeddings are left as they are."""
+    screen reads in int8 already) and every fused q/k/v weight as `scheme`'s weight (`quantized_weight`: weight-only,
+    round to nearest; int8 one scale per output channel, int4 one per 128 inputs of a row), in place; returns how many.
+    The routers, norms and embeddings are left as they are."""
     count = 0
     for module in model.modules():
         if isinstance(module, ServingLinear) and module is not getattr(model, "lm_head", None) \
                 and isinstance(module.served, ServingWeight):
-            module.served = Int8Weight.of(module.served.weight)
+            module.served = quantized_weight(module.served.weight, scheme)
             count += 1
         qkv = getattr(module, "qkv", None)
         if isinstance(qkv, FusedQKV) and isinstance(qkv.weight, ServingWeight):
-            qkv.weight = Int8Weight.of(qkv.weight.weight)
+            qkv.weight = quantized_weight(qkv.weight.weight, scheme)
             count += 1
     return count
+
+
+def quantized_expert(w1: torch.Tensor, w2: torch.Tensor, scheme: str) -> tuple:
+    """An expert's fc1 and fc2 weights as `scheme`'s, alike (the expert kernels take one kind a layer): int4 where both
+    fit its groups, else int8."""
+    if scheme == "int4" and Int4Weight.fits(w1.shape[1]) and Int4Weight.fits(w2.shape[1]):
+        return Int4Weight.of(w1), Int4Weight.of(w2)
+    return Int8Weight.of(w1), Int8Weight.of(w2)
 
 
 def serving_linears(model: nn.Module) -> int:

@@ -859,7 +859,42 @@ static void block_rows(const W* w, const W* x, const W* bias, W* y, int64_t M, i
 #if defined(__AVX512BF16__)
 template <int M, typename Out>
 static void rows_i8_dp(const int8_t* q, const B16* x, int64_t I, int64_t o0, int64_t o1, const Out& out);
+template <int M, typename Out>
+static void rows_i4_dp(const uint8_t* q, const float* scale, const B16* x, int64_t I, int64_t group, int64_t o0,
+                       int64_t o1, const Out& out);
 #endif
+template <typename Out>
+static void rows_i4_any(int64_t M, const uint8_t* q, const float* scale, const float* x, int64_t I, int64_t group,
+                        int64_t o0, int64_t o1, const Out& out);
+
+// block_rows on int4 weights (`int4_linear`'s layout): q the first output row's bytes, scale its group scales
+template <typename W>
+static void block_rows_i4(const uint8_t* q, const float* scale, int64_t group, const W* x, const W* bias, W* y,
+                          int64_t M, int64_t I, int64_t O, int64_t n, float* scratch) {
+  const ToBiased<W> out{bias, y, O};
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<W, c10::BFloat16>::value) {
+    switch (M) {
+      case 1: return rows_i4_dp<1>(q, scale, x, I, group, 0, n, out);
+      case 2: return rows_i4_dp<2>(q, scale, x, I, group, 0, n, out);
+      case 3: return rows_i4_dp<3>(q, scale, x, I, group, 0, n, out);
+      case 4: return rows_i4_dp<4>(q, scale, x, I, group, 0, n, out);
+      case 5: return rows_i4_dp<5>(q, scale, x, I, group, 0, n, out);
+      case 6: return rows_i4_dp<6>(q, scale, x, I, group, 0, n, out);
+      case 7: return rows_i4_dp<7>(q, scale, x, I, group, 0, n, out);
+      default: return rows_i4_dp<8>(q, scale, x, I, group, 0, n, out);
+    }
+  }
+#endif
+  const float* xf;
+  if constexpr (std::is_same<W, float>::value) {
+    xf = x;
+  } else {
+    for (int64_t k = 0; k < M * I; ++k) scratch[k] = static_cast<float>(x[k]);
+    xf = scratch;
+  }
+  rows_i4_any(M, q, scale, xf, I, group, 0, n, out);
+}
 
 // block_rows on int8 weights q (w ~ scale[o] * q[o], export/serve/linears.py `quantize_int8`): int8_linear's kernels
 template <typename W>
@@ -960,8 +995,10 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
                               const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2,
                               bool swiglu, const std::vector<at::Tensor>& s1, const std::vector<at::Tensor>& s2,
                               at::Tensor& y) {
-  const int64_t E = counts.size(), C = x.size(1), F = w2[0].size(1);  // experts, hidden, expert width
-  const bool bias = !b1.empty(), int8 = !s1.empty();  // int8: w1, w2 int8 with one scale a row in s1, s2
+  // int8: w1, w2 int8 with one scale a row in s1, s2; int4: w1, w2 two values a byte, a scale a group (s1, s2 2-D)
+  const bool bias = !b1.empty(), int4 = !s1.empty() && w1[0].scalar_type() == at::kByte;
+  const bool int8 = !s1.empty() && !int4;
+  const int64_t E = counts.size(), C = x.size(1), F = w2[0].size(1) * (int4 ? 2 : 1);  // experts, hidden, width
   std::vector<int64_t> start(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
   const T* xp = x.data_ptr<T>();
@@ -975,7 +1012,7 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   int64_t chunks = 0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same<T, B16>::value) {
-    if (C % 32 == 0 && F % 32 == 0 && !int8 && amx_ready())
+    if (C % 32 == 0 && F % 32 == 0 && s1.empty() && amx_ready())
       for (int64_t e = 0; e < E; ++e)
         if (counts[e] > MAX_ROWS) chunk[e] = chunks, chunks += (counts[e] + 15) / 16;
   }
@@ -1010,6 +1047,11 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
     if (int8)
       return block_rows_i8<T>(W[e].data_ptr<int8_t>() + o0 * I, S[e].data_ptr<float>() + o0, xr, b, out, M, I, O, n,
                               scratch);
+    if (int4) {
+      const int64_t G = S[e].size(1);
+      return block_rows_i4<T>(W[e].data_ptr<uint8_t>() + o0 * (I / 2), S[e].data_ptr<float>() + o0 * G, I / G, xr, b,
+                              out, M, I, O, n, scratch);
+    }
     block_rows<T>(W[e].data_ptr<T>() + o0 * I, xr, b, out, M, I, O, n, scratch);
   };
   std::vector<Task> tasks;
@@ -1019,7 +1061,7 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   pack(xp, C);
   // fc1 and the activation: gate rows [o0, o1) and up rows F + [o0, o1) (swiglu), into act[:, o0:o1]
   run_tasks(tasks, (swiglu ? 2 : 1) * C * int64_t(sizeof(T)), [&](const Task& t) {
-    const T* w = int8 ? nullptr : w1[t.expert].data_ptr<T>();
+    const T* w = s1.empty() ? w1[t.expert].data_ptr<T>() : nullptr;
     const T* b = bias ? b1[t.expert].data_ptr<T>() : nullptr;
     const int64_t n = t.o1 - t.o0;
     if (chunk[t.expert] >= 0) {
@@ -1080,7 +1122,7 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   pack(ap, F);
   // fc2: output columns [o0, o1) of each of the expert's rows
   run_tasks(tasks, F * int64_t(sizeof(T)), [&](const Task& t) {
-    const T* w = int8 ? nullptr : w2[t.expert].data_ptr<T>();
+    const T* w = s1.empty() ? w2[t.expert].data_ptr<T>() : nullptr;
     const T* b = bias ? b2[t.expert].data_ptr<T>() : nullptr;
     if (chunk[t.expert] >= 0) {
       alignas(64) float c[32][32];
@@ -1121,28 +1163,36 @@ at::Tensor expert_mlps(const at::Tensor& x, const std::vector<int64_t>& counts, 
   TORCH_CHECK(E > 0 && int64_t(w1.size()) == E && int64_t(w2.size()) == E &&
                   (b1.empty() || int64_t(b1.size()) == E) && b1.size() == b2.size(),
               "expert_mlps: a count, w1 and w2 per expert (and b1, b2 for all or none)");
-  const bool int8 = !s1.empty();
-  TORCH_CHECK(s1.size() == s2.size() && (!int8 || int64_t(s1.size()) == E),
-              "expert_mlps: int8 weights take s1 and s2, a scale vector per expert each (or neither)");
+  const bool quant = !s1.empty(), int4 = quant && w1[0].scalar_type() == at::kByte;
+  TORCH_CHECK(s1.size() == s2.size() && (!quant || int64_t(s1.size()) == E),
+              "expert_mlps: int8 and int4 weights take s1 and s2, their scales, per expert each (or neither)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "expert_mlps: x [rows, hidden], contiguous CPU");
-  const int64_t C = x.size(1), F = w2[0].size(1);
+  const int64_t C = x.size(1), F = w2[0].size(1) * (int4 ? 2 : 1), packs = int4 ? 2 : 1;
   int64_t rows = 0;
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "expert_mlps: fp32 or bf16, not ", dt);
   for (int64_t e = 0; e < E; ++e) {
     TORCH_CHECK(counts[e] >= 0, "expert_mlps: negative count");
     rows += counts[e];
-    TORCH_CHECK(w1[e].dim() == 2 && w1[e].size(0) == (swiglu ? 2 : 1) * F && w1[e].size(1) == C && w2[e].dim() == 2 &&
-                    w2[e].size(0) == C && w2[e].size(1) == F,
+    TORCH_CHECK(w1[e].dim() == 2 && w1[e].size(0) == (swiglu ? 2 : 1) * F && w1[e].size(1) * packs == C &&
+                    w2[e].dim() == 2 && w2[e].size(0) == C && w2[e].size(1) * packs == F,
                 "expert_mlps: expert ", e, ": w1 ", w1[e].sizes(), ", w2 ", w2[e].sizes(), " for hidden ", C);
     for (const at::Tensor* t : {&w1[e], &w2[e]})
-      TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->scalar_type() == (int8 ? at::kChar : dt),
-                  int8 ? "expert_mlps: contiguous CPU int8 weights with s1, s2"
-                       : "expert_mlps: contiguous CPU weights of x's dtype (int8 ones with s1, s2)");
-    if (int8)
+      TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() &&
+                      t->scalar_type() == (int4 ? at::kByte : quant ? at::kChar : dt),
+                  quant ? "expert_mlps: contiguous CPU int8 (or packed int4) weights with s1, s2, alike"
+                        : "expert_mlps: contiguous CPU weights of x's dtype (int8 ones with s1, s2)");
+    if (quant && !int4)
       TORCH_CHECK(s1[e].scalar_type() == at::kFloat && s2[e].scalar_type() == at::kFloat && s1[e].is_contiguous() &&
                       s2[e].is_contiguous() && s1[e].numel() == w1[e].size(0) && s2[e].numel() == C,
                   "expert_mlps: expert ", e, ": s1 and s2 fp32, one scale per row of w1 and w2");
+    if (int4)
+      TORCH_CHECK(s1[e].scalar_type() == at::kFloat && s2[e].scalar_type() == at::kFloat && s1[e].is_contiguous() &&
+                      s2[e].is_contiguous() && s1[e].dim() == 2 && s2[e].dim() == 2 &&
+                      s1[e].size(0) == w1[e].size(0) && s2[e].size(0) == C && s1[e].size(1) > 0 &&
+                      s2[e].size(1) > 0 && C % s1[e].size(1) == 0 && F % s2[e].size(1) == 0 &&
+                      (C / s1[e].size(1)) % 64 == 0 && (F / s2[e].size(1)) % 64 == 0,
+                  "expert_mlps: expert ", e, ": int4 scales [rows, groups] fp32, groups of a multiple of 64 inputs");
     if (!b1.empty())
       TORCH_CHECK(b1[e].numel() == w1[e].size(0) && b2[e].numel() == C && b1[e].is_contiguous() &&
                       b2[e].is_contiguous() && b1[e].scalar_type() == dt && b2[e].scalar_type() == dt,
@@ -2102,7 +2152,8 @@ static int64_t bucket(int64_t rows) {
 // MORE_* codes): oneDNN on its packed copy (rows bucketed), the kernel MAX_ROWS rows at a time (bf16 without oneDNN's),
 // or at::linear (a small weight); PLAIN: an nn.Linear the serving runtime left as it is (F.linear at every row count).
 struct DecodeLinear {
-  enum More : int64_t { ONEDNN = 0, CHUNKS = 1, ATEN = 2, PLAIN = 3, INT8 = 4 };  // INT8: w int8, packed its scales
+  // INT8: w int8, packed its row scales; INT4: w two int4 a byte, packed its group scales [out, groups]
+  enum More : int64_t { ONEDNN = 0, CHUNKS = 1, ATEN = 2, PLAIN = 3, INT8 = 4, INT4 = 5 };
   at::Tensor w, amx, packed;
   c10::optional<at::Tensor> b;
   int64_t more = ATEN;
@@ -2111,6 +2162,7 @@ struct DecodeLinear {
     const int64_t rows = x.size(0);
     if (more == PLAIN) return at::linear(x, w, b);
     if (more == INT8) return int8_linear(x, w, packed, b);
+    if (more == INT4) return int4_linear(x, w, packed, b, x.size(1) / packed.size(1));
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx.defined() && rows > 1 && rows <= AMX_MAX_ROWS) return amx_linear(x, amx, w.size(0), b);
 #endif
@@ -2159,7 +2211,7 @@ static DecodeLinear decode_linear(const py::tuple& t) {  // (weight, amx or None
   TORCH_CHECK(t.size() == 5, "DecodeModel: a linear is (weight, amx or None, packed, more, bias or None)");
   DecodeLinear l{t[0].cast<at::Tensor>(), t[1].cast<c10::optional<at::Tensor>>().value_or(at::Tensor()),
                  t[2].cast<at::Tensor>(), t[4].cast<c10::optional<at::Tensor>>(), t[3].cast<int64_t>()};
-  TORCH_CHECK(l.more >= DecodeLinear::ONEDNN && l.more <= DecodeLinear::INT8, "DecodeModel: `more` is 0 to 4");
+  TORCH_CHECK(l.more >= DecodeLinear::ONEDNN && l.more <= DecodeLinear::INT4, "DecodeModel: `more` is 0 to 5");
   return l;
 }
 

@@ -534,7 +534,7 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     experts come through its `Exchange` (its native experts, resident or mapped, plus replicas).
     Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
     ServeConfig checks the flags). `files`: what verification saw of each file (export.package.VerifiedPackage);
-    every read from the package compares it with the open file first. `quantize` ("int8"): the experts and the dense
+    every read from the package compares it with the open file first. `quantize` ("int8", "int4"): the experts and the dense
     linears quantised as they load (export/serve/linears.py `quantize_linears`, `Int8Weight`; CPU only)."""
     from export.inference import Layout
     from pipeline import dist
@@ -565,6 +565,6 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     model = model.to(device=dist.device()).eval().requires_grad_(False)
     serving_linears(model)  # on the CPU: the few-row kernel and oneDNN (export/serve/linears.py)
     linears.serving_norms(model)  # and RMSNorm in one call
-    if quantize == "int8":
-        linears.quantize_linears(model)
+    if quantize is not None:
+        linears.quantize_linears(model, quantize)
     return PlacedModel(model, exchange, Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world))

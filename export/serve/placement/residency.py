@@ -43,7 +43,7 @@ class ExpertStore:
     what the store saw when it opened them): a changed file fails that load with a FileChangedError."""
 
     file_backed = True  # its tensors are the package's files, mapped: export/serve/linears.py `map_weights` leaves them
-    quantize: str | None = None  # "int8": each expert's weights quantised as it loads (linears.Int8Weight)
+    quantize: str | None = None  # "int8" or "int4": each expert's weights quantised as it loads (linears.quantized_expert)
 
     def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype, files: dict | None = None,
                  device: torch.device | str = "cpu"):
@@ -92,10 +92,11 @@ class ExpertStore:
         else:
             tensors = [self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys]
         w1, b1, w2, b2 = tensors if self.cfg.mlp_bias else (tensors[0], None, tensors[1], None)
-        if self.quantize == "int8":
-            from export.serve.linears import Int8Weight
+        if self.quantize is not None:
+            from export.serve.linears import quantized_expert
 
-            return Int8Weight.of(w1), b1, Int8Weight.of(w2), b2
+            q1, q2 = quantized_expert(w1, w2, self.quantize)
+            return q1, b1, q2, b2
         return serving_weight(w1), b1, serving_weight(w2), b2
 
     def _to_gpu(self, keys: list[str]) -> list[torch.Tensor]:
