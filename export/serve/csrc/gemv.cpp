@@ -311,19 +311,26 @@ static void rows(const W* w, const float* x, int64_t I, int64_t o0, int64_t o1, 
   }
 }
 
+// f(std::integral_constant<int, M>) for M (1 to MAX_ROWS) input rows: a kernel instantiated for that many
+template <typename F>
+static void for_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 5: return f(std::integral_constant<int, 5>());
+    case 6: return f(std::integral_constant<int, 6>());
+    case 7: return f(std::integral_constant<int, 7>());
+    default: return f(std::integral_constant<int, 8>());
+  }
+}
+
 // M (1 to MAX_ROWS) input rows: the kernel instantiated for that many.
 template <typename W, typename Out>
 static void rows_any(int64_t M, const W* w, const float* x, int64_t I, int64_t o0, int64_t o1, const Out& out) {
-  switch (M) {
-    case 1: return row1<W>(w, x, I, o0, o1, out);
-    case 2: return rows<W, 2>(w, x, I, o0, o1, out);
-    case 3: return rows<W, 3>(w, x, I, o0, o1, out);
-    case 4: return rows<W, 4>(w, x, I, o0, o1, out);
-    case 5: return rows<W, 5>(w, x, I, o0, o1, out);
-    case 6: return rows<W, 6>(w, x, I, o0, o1, out);
-    case 7: return rows<W, 7>(w, x, I, o0, o1, out);
-    default: return rows<W, 8>(w, x, I, o0, o1, out);
-  }
+  if (M == 1) return row1<W>(w, x, I, o0, o1, out);
+  for_rows(M, [&](auto m) { rows<W, decltype(m)::value>(w, x, I, o0, o1, out); });
 }
 
 #if defined(__AVX512BF16__)
@@ -401,16 +408,8 @@ static void rows_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t
 
 static void rows_dp_any(int64_t M, const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t O,
                         int64_t o0, int64_t o1) {
-  switch (M) {
-    case 1: return row1_dp(w, x, bias, y, I, o0, o1);
-    case 2: return rows_dp<2>(w, x, bias, y, I, O, o0, o1);
-    case 3: return rows_dp<3>(w, x, bias, y, I, O, o0, o1);
-    case 4: return rows_dp<4>(w, x, bias, y, I, O, o0, o1);
-    case 5: return rows_dp<5>(w, x, bias, y, I, O, o0, o1);
-    case 6: return rows_dp<6>(w, x, bias, y, I, O, o0, o1);
-    case 7: return rows_dp<7>(w, x, bias, y, I, O, o0, o1);
-    default: return rows_dp<8>(w, x, bias, y, I, O, o0, o1);
-  }
+  if (M == 1) return row1_dp(w, x, bias, y, I, o0, o1);
+  for_rows(M, [&](auto m) { rows_dp<decltype(m)::value>(w, x, bias, y, I, O, o0, o1); });
 }
 #endif
 
@@ -838,6 +837,17 @@ constexpr int64_t BLOCK = 64;  // output rows of one task: 128 KB of a bf16 weig
 
 // Output rows [0, n) of M (<= MAX_ROWS) input rows x ([M, I], w's dtype) against w ([n, I]) into y ([M, O], stride
 // O), each plus bias[o] if given. `scratch`: room for M * I floats where x must be widened for the kernel.
+// x as fp32: itself, or its n values widened into scratch
+template <typename W>
+static const float* widened(const W* x, int64_t n, float* scratch) {
+  if constexpr (std::is_same<W, float>::value) {
+    return x;
+  } else {
+    for (int64_t k = 0; k < n; ++k) scratch[k] = static_cast<float>(x[k]);
+    return scratch;
+  }
+}
+
 template <typename W>
 static void block_rows(const W* w, const W* x, const W* bias, W* y, int64_t M, int64_t I, int64_t O, int64_t n,
                        float* scratch) {
@@ -846,22 +856,17 @@ static void block_rows(const W* w, const W* x, const W* bias, W* y, int64_t M, i
     return rows_dp_any(M, w, x, bias, y, I, O, 0, n);
   }
 #endif
-  const float* xf;
-  if constexpr (std::is_same<W, float>::value) {
-    xf = x;
-  } else {
-    for (int64_t k = 0; k < M * I; ++k) scratch[k] = static_cast<float>(x[k]);
-    xf = scratch;
-  }
+  const float* xf = widened(x, M * I, scratch);
   rows_any(M, w, xf, I, 0, n, ToBiased<W>{bias, y, O});
 }
 
 #if defined(__AVX512BF16__)
-template <int M, typename Out>
-static void rows_i8_dp(const int8_t* q, const B16* x, int64_t I, int64_t o0, int64_t o1, const Out& out);
-template <int M, typename Out>
-static void rows_i4_dp(const uint8_t* q, const float* scale, const B16* x, int64_t I, int64_t group, int64_t o0,
-                       int64_t o1, const Out& out);
+template <typename Out>
+static void rows_i8_dp_any(int64_t M, const int8_t* q, const B16* x, int64_t I, int64_t o0, int64_t o1,
+                           const Out& out);
+template <typename Out>
+static void rows_i4_dp_any(int64_t M, const uint8_t* q, const float* scale, const B16* x, int64_t I, int64_t group,
+                           int64_t o0, int64_t o1, const Out& out);
 #endif
 template <typename Out>
 static void rows_i4_any(int64_t M, const uint8_t* q, const float* scale, const float* x, int64_t I, int64_t group,
@@ -874,25 +879,10 @@ static void block_rows_i4(const uint8_t* q, const float* scale, int64_t group, c
   const ToBiased<W> out{bias, y, O};
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same<W, c10::BFloat16>::value) {
-    switch (M) {
-      case 1: return rows_i4_dp<1>(q, scale, x, I, group, 0, n, out);
-      case 2: return rows_i4_dp<2>(q, scale, x, I, group, 0, n, out);
-      case 3: return rows_i4_dp<3>(q, scale, x, I, group, 0, n, out);
-      case 4: return rows_i4_dp<4>(q, scale, x, I, group, 0, n, out);
-      case 5: return rows_i4_dp<5>(q, scale, x, I, group, 0, n, out);
-      case 6: return rows_i4_dp<6>(q, scale, x, I, group, 0, n, out);
-      case 7: return rows_i4_dp<7>(q, scale, x, I, group, 0, n, out);
-      default: return rows_i4_dp<8>(q, scale, x, I, group, 0, n, out);
-    }
+    return rows_i4_dp_any(M, q, scale, x, I, group, 0, n, out);
   }
 #endif
-  const float* xf;
-  if constexpr (std::is_same<W, float>::value) {
-    xf = x;
-  } else {
-    for (int64_t k = 0; k < M * I; ++k) scratch[k] = static_cast<float>(x[k]);
-    xf = scratch;
-  }
+  const float* xf = widened(x, M * I, scratch);
   rows_i4_any(M, q, scale, xf, I, group, 0, n, out);
 }
 
@@ -903,25 +893,10 @@ static void block_rows_i8(const int8_t* q, const float* scale, const W* x, const
   const ToDequantized<W> out{scale, bias, y, O};
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same<W, c10::BFloat16>::value) {
-    switch (M) {
-      case 1: return rows_i8_dp<1>(q, x, I, 0, n, out);
-      case 2: return rows_i8_dp<2>(q, x, I, 0, n, out);
-      case 3: return rows_i8_dp<3>(q, x, I, 0, n, out);
-      case 4: return rows_i8_dp<4>(q, x, I, 0, n, out);
-      case 5: return rows_i8_dp<5>(q, x, I, 0, n, out);
-      case 6: return rows_i8_dp<6>(q, x, I, 0, n, out);
-      case 7: return rows_i8_dp<7>(q, x, I, 0, n, out);
-      default: return rows_i8_dp<8>(q, x, I, 0, n, out);
-    }
+    return rows_i8_dp_any(M, q, x, I, 0, n, out);
   }
 #endif
-  const float* xf;
-  if constexpr (std::is_same<W, float>::value) {
-    xf = x;
-  } else {
-    for (int64_t k = 0; k < M * I; ++k) scratch[k] = static_cast<float>(x[k]);
-    xf = scratch;
-  }
+  const float* xf = widened(x, M * I, scratch);
   rows_any(M, q, xf, I, 0, n, out);
 }
 
@@ -1699,6 +1674,13 @@ static void rows_i8_dp(const int8_t* q, const B16* x, int64_t I, int64_t o0, int
     }
   }
 }
+
+// M (1 to MAX_ROWS) input rows: rows_i8_dp instantiated for that many.
+template <typename Out>
+static void rows_i8_dp_any(int64_t M, const int8_t* q, const B16* x, int64_t I, int64_t o0, int64_t o1,
+                           const Out& out) {
+  for_rows(M, [&](auto m) { rows_i8_dp<decltype(m)::value>(q, x, I, o0, o1, out); });
+}
 #endif
 
 // x [M, I] (1 <= M <= MAX_ROWS) and w [O, I] as `linear` takes them (no bias); q int8 [O, I]; scale, err fp32 [O];
@@ -1740,16 +1722,7 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
 #if defined(__AVX512BF16__)
     if (x.scalar_type() == at::kBFloat16) {
       const B16* xb = x.data_ptr<B16>();
-      switch (M) {
-        case 1: return rows_i8_dp<1>(qp, xb, I, o0, o1, out);
-        case 2: return rows_i8_dp<2>(qp, xb, I, o0, o1, out);
-        case 3: return rows_i8_dp<3>(qp, xb, I, o0, o1, out);
-        case 4: return rows_i8_dp<4>(qp, xb, I, o0, o1, out);
-        case 5: return rows_i8_dp<5>(qp, xb, I, o0, o1, out);
-        case 6: return rows_i8_dp<6>(qp, xb, I, o0, o1, out);
-        case 7: return rows_i8_dp<7>(qp, xb, I, o0, o1, out);
-        default: return rows_i8_dp<8>(qp, xb, I, o0, o1, out);
-      }
+      return rows_i8_dp_any(M, qp, xb, I, o0, o1, out);
     }
 #endif
     rows_any(M, qp, xf.data(), I, o0, o1, out);
@@ -1821,6 +1794,40 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
   return out;
 }
 
+// y [N, O] of a quantised weight's linear over x [N, I] (fp32 or bf16), MAX_ROWS rows a pass, each pass's output
+// rows split between the threads as `linear`'s are (sized as a bf16 weight of as many weights: the quantised sums
+// are compute-bound sooner): rows(M, x as fp32, x as bf16 or null, bias or null, y, o0, o1) writes a pass's outputs
+// [o0, o1). bf16 x: given as it is where the build has AVX512_BF16, else widened to fp32 once a pass.
+template <typename Rows>
+static at::Tensor in_passes(const at::Tensor& x, int64_t O, const c10::optional<at::Tensor>& bias, Rows rows) {
+  using B = c10::BFloat16;
+  const int64_t N = x.size(0), I = x.size(1), groups = (O + GROUP - 1) / GROUP;
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor y = at::empty({N, O}, x.options());
+  for (int64_t r0 = 0; r0 < N; r0 += MAX_ROWS) {
+    const int64_t M = std::min(MAX_ROWS, N - r0);
+    auto split = [&](const float* xf, const B* xb, const auto* bp, auto* yp) {
+      shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
+        rows(M, xf, xb, bp, yp, b * GROUP, std::min(O, e * GROUP));
+      });
+    };
+    if (x.scalar_type() == at::kFloat) {
+      split(x.data_ptr<float>() + r0 * I, nullptr, has_bias ? bias->data_ptr<float>() : nullptr,
+            y.data_ptr<float>() + r0 * O);
+      continue;
+    }
+    const B* xb = x.data_ptr<B>() + r0 * I;
+    const B* bp = has_bias ? bias->data_ptr<B>() : nullptr;
+#if defined(__AVX512BF16__)
+    split(nullptr, xb, bp, y.data_ptr<B>() + r0 * O);
+#else
+    std::vector<float> xf(M * I);  // the bf16 rows widened once (a few KB)
+    split(widened(xb, M * I, xf.data()), nullptr, bp, y.data_ptr<B>() + r0 * O);
+#endif
+  }
+  return y;
+}
+
 // -- int8 weights (weight-only quantisation) -------------------------------------------------------------------------
 //
 // y = x @ (scale * q).T (+ bias) for int8 weights, one scale per output row (export/serve/linears.py `quantize_int8`):
@@ -1843,48 +1850,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (has_bias)
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == q.size(0),
                 "int8_linear: a contiguous bias of x's dtype, one per output");
-  const int64_t N = x.size(0), I = q.size(1), O = q.size(0);
-  at::Tensor y = at::empty({N, O}, x.options());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  const int64_t groups = (O + GROUP - 1) / GROUP;
-  for (int64_t r0 = 0; r0 < N; r0 += MAX_ROWS) {
-    const int64_t M = std::min(MAX_ROWS, N - r0);
-    if (x.scalar_type() == at::kFloat) {
-      const float* xf = x.data_ptr<float>() + r0 * I;
-      const ToDequantized<float> out{sp, has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>() + r0 * O,
-                                     O};
-      shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
-        rows_any(M, qp, xf, I, b * GROUP, std::min(O, e * GROUP), out);
-      });
-      continue;
-    }
-    using B = c10::BFloat16;
-    const B* xb = x.data_ptr<B>() + r0 * I;
-    const ToDequantized<B> out{sp, has_bias ? bias->data_ptr<B>() : nullptr, y.data_ptr<B>() + r0 * O, O};
+  const int64_t O = q.size(0), I = q.size(1);
+  return in_passes(x, O, bias, [&](int64_t M, const float* xf, const c10::BFloat16* xb, const auto* bp, auto* yp,
+                                   int64_t o0, int64_t o1) {
+    const ToDequantized<std::remove_const_t<std::remove_pointer_t<decltype(bp)>>> out{sp, bp, yp, O};
 #if defined(__AVX512BF16__)
-    shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
-      const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
-      switch (M) {
-        case 1: return rows_i8_dp<1>(qp, xb, I, o0, o1, out);
-        case 2: return rows_i8_dp<2>(qp, xb, I, o0, o1, out);
-        case 3: return rows_i8_dp<3>(qp, xb, I, o0, o1, out);
-        case 4: return rows_i8_dp<4>(qp, xb, I, o0, o1, out);
-        case 5: return rows_i8_dp<5>(qp, xb, I, o0, o1, out);
-        case 6: return rows_i8_dp<6>(qp, xb, I, o0, o1, out);
-        case 7: return rows_i8_dp<7>(qp, xb, I, o0, o1, out);
-        default: return rows_i8_dp<8>(qp, xb, I, o0, o1, out);
-      }
-    });
-#else
-    std::vector<float> xf(M * I);  // the bf16 rows widened once (a few KB)
-    for (int64_t k = 0; k < M * I; ++k) xf[k] = static_cast<float>(xb[k]);
-    shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
-      rows_any(M, qp, xf.data(), I, b * GROUP, std::min(O, e * GROUP), out);
-    });
+    if (xb != nullptr) return rows_i8_dp_any(M, qp, xb, I, o0, o1, out);
 #endif
-  }
-  return y;
+    rows_any(M, qp, xf, I, o0, o1, out);
+  });
 }
 
 // -- int4 weights in groups (weight-only quantisation) ---------------------------------------------------------------
@@ -1930,6 +1906,13 @@ static void rows_i4_dp(const uint8_t* q, const float* scale, const B16* x, int64
     for (int m = 0; m < M; ++m) out(m, o, _mm512_reduce_add_ps(acc[m]));
   }
 }
+
+// M (1 to MAX_ROWS) input rows: rows_i4_dp instantiated for that many.
+template <typename Out>
+static void rows_i4_dp_any(int64_t M, const uint8_t* q, const float* scale, const B16* x, int64_t I, int64_t group,
+                           int64_t o0, int64_t o1, const Out& out) {
+  for_rows(M, [&](auto m) { rows_i4_dp<decltype(m)::value>(q, scale, x, I, group, o0, o1, out); });
+}
 #endif
 
 // Any CPU: x in fp32, each group's 64-input chunks unpacked to floats, FMAs, the group's sum times its scale.
@@ -1965,7 +1948,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(0) >= 1 && q.size(1) * 2 == x.size(1),
               "int4_linear: x [M, in] and q [out, in / 2] (two int4 a byte)");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_linear: x fp32 or bf16");
-  const int64_t N = x.size(0), I = x.size(1), O = q.size(0);
+  const int64_t I = x.size(1), O = q.size(0);
   TORCH_CHECK(group > 0 && group % 64 == 0 && I % group == 0,
               "int4_linear: groups of a multiple of 64 inputs that divide the row (", I, "), not ", group);
   TORCH_CHECK(q.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat && scale.dim() == 2 &&
@@ -1978,46 +1961,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (has_bias)
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == O,
                 "int4_linear: a contiguous bias of x's dtype, one per output");
-  at::Tensor y = at::empty({N, O}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-  const int64_t groups = (O + GROUP - 1) / GROUP;
-  for (int64_t r0 = 0; r0 < N; r0 += MAX_ROWS) {
-    const int64_t M = std::min(MAX_ROWS, N - r0);
-    if (x.scalar_type() == at::kFloat) {
-      const float* xf = x.data_ptr<float>() + r0 * I;
-      const ToBiased<float> out{has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>() + r0 * O, O};
-      shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
-        rows_i4_any(M, qp, sp, xf, I, group, b * GROUP, std::min(O, e * GROUP), out);
-      });
-      continue;
-    }
-    using B = c10::BFloat16;
-    const B* xb = x.data_ptr<B>() + r0 * I;
-    const ToBiased<B> out{has_bias ? bias->data_ptr<B>() : nullptr, y.data_ptr<B>() + r0 * O, O};
+  return in_passes(x, O, bias, [&](int64_t M, const float* xf, const c10::BFloat16* xb, const auto* bp, auto* yp,
+                                   int64_t o0, int64_t o1) {
+    const ToBiased<std::remove_const_t<std::remove_pointer_t<decltype(bp)>>> out{bp, yp, O};
 #if defined(__AVX512BF16__)
-    shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
-      const int64_t o0 = b * GROUP, o1 = std::min(O, e * GROUP);
-      switch (M) {
-        case 1: return rows_i4_dp<1>(qp, sp, xb, I, group, o0, o1, out);
-        case 2: return rows_i4_dp<2>(qp, sp, xb, I, group, o0, o1, out);
-        case 3: return rows_i4_dp<3>(qp, sp, xb, I, group, o0, o1, out);
-        case 4: return rows_i4_dp<4>(qp, sp, xb, I, group, o0, o1, out);
-        case 5: return rows_i4_dp<5>(qp, sp, xb, I, group, o0, o1, out);
-        case 6: return rows_i4_dp<6>(qp, sp, xb, I, group, o0, o1, out);
-        case 7: return rows_i4_dp<7>(qp, sp, xb, I, group, o0, o1, out);
-        default: return rows_i4_dp<8>(qp, sp, xb, I, group, o0, o1, out);
-      }
-    });
-#else
-    std::vector<float> xf(M * I);
-    for (int64_t k = 0; k < M * I; ++k) xf[k] = static_cast<float>(xb[k]);
-    shared_range(groups, grain(I, 2), [&](int64_t b, int64_t e) {
-      rows_i4_any(M, qp, sp, xf.data(), I, group, b * GROUP, std::min(O, e * GROUP), out);
-    });
+    if (xb != nullptr) return rows_i4_dp_any(M, qp, sp, xb, I, group, o0, o1, out);
 #endif
-  }
-  return y;
+    rows_i4_any(M, qp, sp, xf, I, group, o0, o1, out);
+  });
 }
 
 // -- weights moved into a file mapping ---------------------------------------------------------------------------
