@@ -14,7 +14,8 @@ past 256 MB taken in turn), as a decode step reads its layers. More than 8 rows:
 timings of 20 calls. Then one MoE layer's experts (16 of 1024 -> 768 -> 1024, SwiGLU, top-2) through `expert_mlps`
 at --tokens tokens, bf16 experts against int8 ones (`Int8Weight`). Prints ms and GB/s of each and the speedup (the
 target for a decode step: int8 >= 1.6x bf16, issue 29), with the CPU. With --package: batch-1 greedy decode of that
-package served as it is against `serve --quantize int8` and `--quantize int4` (`decode`). Writes int8_kernels.json and int8_kernels.png
+package served as it is against `serve --quantize int8` and `--quantize int4`, each also with `--quantize-head`
+(`decode`). Writes int8_kernels.json and int8_kernels.png
 under --out.
 """
 
@@ -30,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, cpu_info, cpu_line  # noqa: E402
 
+VARIANTS = (("package", None, False), ("int8", "int8", False), ("int4", "int4", False),
+            ("int8+head", "int8", True), ("int4+head", "int4", True))  # --package: serve --quantize [--quantize-head]
 SHAPES = {"lm_head": (50304, 1024), "qkv": (1536, 1024), "o_proj": (1024, 1024), "expert gate_up": (1536, 1024),
           "expert down": (1024, 768)}
 
@@ -140,8 +143,9 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int) -> dict:
     from export.serve.engine import Engine
 
     engines = {}
-    for name, quantize in (("package", None), ("int8", "int8"), ("int4", "int4")):
-        engines[name] = Engine.from_config(ServeConfig(package=pkg, max_batch=1, quantize=quantize))
+    for name, quantize, head in VARIANTS:
+        engines[name] = Engine.from_config(ServeConfig(package=pkg, max_batch=1, quantize=quantize,
+                                                       quantize_head=head))
         engines[name].eos = None
     torch.set_num_threads(threads)  # after dist.init, which sizes the pool for the local ranks
     prompt = list(range(1000, 1016))
@@ -155,8 +159,9 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int) -> dict:
     return {"package": str(pkg), "dtype": str(engines["package"].model.wte.weight.dtype).removeprefix("torch."),
             "new_tokens": new_tokens, "tok_s": {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()},
             "runs_tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
-            "paired": {k: statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(a, runs[k])) for k in ("int8", "int4")},
-            "same_tokens": {k: sum(x == y for x, y in zip(a[0]["tokens"], runs[k][0]["tokens"])) for k in ("int8", "int4")},
+            "paired": {k: statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(a, runs[k])) for k in runs if k != "package"},
+            "same_tokens": {k: sum(x == y for x, y in zip(a[0]["tokens"], runs[k][0]["tokens"])) for k in runs
+                            if k != "package"},
             "tokens": len(a[0]["tokens"])}
 
 
@@ -231,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         served = decode(args.package, torch.get_num_threads(), args.new_tokens, args.repeats)
         t = served["tok_s"]
         print(f"batch-1 decode of {args.package} ({served['dtype']}): {t['package']:.1f} tok/s as it is" + "".join(
-            f"; --quantize {k} {t[k]:.1f}: {t[k] / t['package']:.2f}x (paired {served['paired'][k]:.2f}x), "
-            f"{served['same_tokens'][k]} of {served['tokens']} greedy tokens the same" for k in ("int8", "int4")))
+            f"; --quantize {k.removesuffix('+head')}{' --quantize-head' if k.endswith('+head') else ''} {t[k]:.1f}: "
+            f"{t[k] / t['package']:.2f}x (paired {served['paired'][k]:.2f}x), "
+            f"{served['same_tokens'][k]} of {served['tokens']} greedy tokens the same" for k in served["paired"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "int8_kernels.json").write_text(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(),
                                                             "results": results, "experts": experts,

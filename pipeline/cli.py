@@ -210,6 +210,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "int8 (one scale per output channel, 1 byte a weight) or int4 (one scale per 128 inputs of a "
                         "row, half a byte); the output layer, routers, norms and embeddings stay in the package's "
                         "dtype. CPU, data-parallel layouts (no --tp-size)")
+    p.add_argument("--quantize-head", action="store_true", default=quiet,
+                   help="with --quantize: the output layer too (its logits change; the greedy head's exact int8 screen "
+                        "is dropped)")
     p.add_argument("--placement", choices=_literal(ServeConfig, "placement"), default=quiet,
                    help="place experts by a replica table (export/serve/placement/): none, reactive (from observed "
                         "load, EPLB-style) or predictive (the package's predictor; `moe-pipeline predictor train`)")

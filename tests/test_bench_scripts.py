@@ -89,7 +89,7 @@ def test_int8_kernels_decodes_a_package_both_ways(tmp_path):
         torch.set_num_threads(threads)
     assert res["tokens"] == 6 and res["dtype"] == "float32" and all(0 <= n <= 6 for n in res["same_tokens"].values())
     assert all(len(v) == 2 and min(v) > 0 for v in res["runs_tok_s"].values())
-    assert min(res["paired"].values()) > 0 and set(res["tok_s"]) == {"package", "int8", "int4"}
+    assert min(res["paired"].values()) > 0 and set(res["tok_s"]) == {"package", "int8", "int4", "int8+head", "int4+head"}
 
 
 def test_active_bytes_count_top_k_experts_the_whole_tied_head_and_fp32_gates():

@@ -29,12 +29,14 @@ def dequantised_twin(quantised, plain) -> int:
     """`plain` (an engine of the same package) given `quantised`'s int8 weights, dequantised, as plain served weights
     (the linears, the fused q/k/v, every resident expert), its native decoder rebuilt on them; returns how many."""
     from export.serve.decode import Decoder
-    from export.serve.linears import FusedQKV, Int4Weight, Int8Weight, ServingLinear, ServingWeight
+    from export.serve.linears import FusedQKV, HeadScreen, Int4Weight, Int8Weight, ServingLinear, ServingWeight
 
     count, kinds = 0, (Int8Weight, Int4Weight)
     for mq, mp in zip(quantised.worker.model.modules(), plain.worker.model.modules()):
         if isinstance(mq, ServingLinear) and isinstance(mq.served, kinds):
             mp.served, count = ServingWeight(mq.served.dequantized()), count + 1
+            if mp.screen is not None:  # the output layer (--quantize-head): its screen on the weights it now has
+                mp.screen = HeadScreen.of(mp.served, mp.bias)
         if isinstance(getattr(mq, "qkv", None), FusedQKV) and isinstance(mq.qkv.weight, kinds):
             mp.qkv.weight, count = ServingWeight(mq.qkv.weight.dequantized()), count + 1
     resident = plain.exchange.residency.resident
@@ -82,6 +84,29 @@ def test_quantised_at_load_serves_what_its_dequantised_weights_give(package, sch
     assert type(model.blocks[0].attn.qkv.weight) is QUANTIZED[scheme]  # hidden 128: one group of int4 a row
 
 
+def test_the_output_layer_quantised_too(package):
+    """--quantize-head: the output layer int8 as well (its screen dropped: the logits are the quantised layer's); tokens
+    and log-probabilities those of the same engine on the dequantised weights, head included."""
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine, generate
+    from export.serve.linears import Int8Weight
+    from export.serve.request import SamplingParams
+
+    quantised = Engine.from_config(ServeConfig(package=package, quantize="int8", quantize_head=True,
+                                               kv_cache_memory=0.05))
+    plain = Engine.from_config(ServeConfig(package=package, kv_cache_memory=0.05))
+    head = quantised.worker.model.lm_head
+    assert isinstance(head.served, Int8Weight) and head.screen is None
+    assert quantised.worker.model.wte.weight.dtype == torch.float32  # a tied head's embedding stays
+    assert dequantised_twin(quantised, plain) == 4 * 2 + 2 * 2 + 2 * 2 + 12 + 1
+    prompts = [[101, 202, 303, 404], [7, 77, 777]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
+    got, want = generate(quantised, prompts, params), generate(plain, prompts, params)
+    assert [r.generated for r in got] == [r.generated for r in want]
+    for a, b in zip(got, want):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+
+
 def test_quantize_is_refused_where_it_cannot_run(package):
     """--quantize on a sliced layout (tensor slicing) is refused naming the flag and what to do."""
     from export.serve.config import ServeConfig, ServeConfigError
@@ -90,6 +115,8 @@ def test_quantize_is_refused_where_it_cannot_run(package):
         ServeConfig.from_flags({"package": package, "quantize": "int8", "tp_size": 2})
     with pytest.raises(ServeConfigError, match=r"--quantize 'int2'"):
         ServeConfig.from_flags({"package": package, "quantize": "int2"})
+    with pytest.raises(ServeConfigError, match=r"--quantize-head needs --quantize"):
+        ServeConfig.from_flags({"package": package, "quantize_head": True})
 
 
 def test_the_schemes_round_each_weight_to_its_nearest_step():

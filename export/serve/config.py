@@ -59,6 +59,7 @@ class ServeConfig(BaseModel):
     # weight-only quantisation at load (export/serve/linears.py `quantize_linears`): int8, int4 (groups of 128 inputs;
     # int8 where a row does not divide into them), or None (the package's weights)
     quantize: Literal["int8", "int4"] | None = None
+    quantize_head: bool = False  # the output layer too (its logits change; the greedy screen goes)
     # expert placement by a replica table: a policy of export/serve/placement/controller.py (`make_controller`)
     placement: Literal["none", "reactive", "predictive"] | None = None
     replica_budget: float = Field(0.25, ge=0)  # replicas a rank may hold, a fraction of its own expert memory
@@ -81,6 +82,8 @@ class ServeConfig(BaseModel):
             raise ValueError(f"--quantize {self.quantize}: quantised weights run on the data-parallel layouts only (each rank "
                              f"all its experts' slices whole): drop --tp-size, and give --ep-size equal to the number "
                              f"of ranks ({self.nproc})")
+        if self.quantize_head and self.quantize is None:
+            raise ValueError("--quantize-head needs --quantize (int8 or int4)")
         if self.placement is None and self.resident_experts != 1.0:
             raise ValueError("--resident-experts needs --placement (none, reactive or predictive)")
         if self.placement is not None:

@@ -243,7 +243,7 @@ class Engine:
         else:
             placed = placed_model(verified.cfg, config.package, ranks, package_dtype(verified.manifest, config.dtype),
                                   config.resident_experts, files=verified.files, transport=config.expert_exchange,
-                                  quantize=config.quantize)
+                                  quantize=config.quantize, quantize_head=config.quantize_head)
             model, exchange, layout = placed.model, placed.exchange, placed.layout
             tok = read_tokenizer(config.package, verified.files)
         controller = None

@@ -673,16 +673,17 @@ def serving_norms(model: nn.Module) -> int:
     return count
 
 
-def quantize_linears(model: nn.Module, scheme: str = "int8") -> int:
+def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False) -> int:
     """After `serving_linears`: every served linear but the output layer (the model's `lm_head`, whose greedy rows the
-    screen reads in int8 already) and every fused q/k/v weight as `scheme`'s weight (`quantized_weight`: weight-only,
-    round to nearest; int8 one scale per output channel, int4 one per 128 inputs of a row), in place; returns how many.
-    The routers, norms and embeddings are left as they are."""
+    screen reads in int8 already; with `head`, it too, and its screen goes: the logits are the quantised layer's) and
+    every fused q/k/v weight as `scheme`'s weight (`quantized_weight`: weight-only, round to nearest; int8 one scale
+    per output channel, int4 one per 128 inputs of a row), in place; returns how many. The routers, norms and
+    embeddings (a tied head's embedding included) are left as they are."""
     count = 0
     for module in model.modules():
-        if isinstance(module, ServingLinear) and module is not getattr(model, "lm_head", None) \
+        if isinstance(module, ServingLinear) and (head or module is not getattr(model, "lm_head", None)) \
                 and isinstance(module.served, ServingWeight):
-            module.served = quantized_weight(module.served.weight, scheme)
+            module.served, module.screen = quantized_weight(module.served.weight, scheme), None
             count += 1
         qkv = getattr(module, "qkv", None)
         if isinstance(qkv, FusedQKV) and isinstance(qkv.weight, ServingWeight):

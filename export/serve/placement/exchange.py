@@ -529,13 +529,15 @@ class PlacedModel:
 
 
 def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
-                 files: dict | None = None, transport: str = "auto", quantize: str | None = None) -> PlacedModel:
+                 files: dict | None = None, transport: str = "auto", quantize: str | None = None,
+                 quantize_head: bool = False) -> PlacedModel:
     """The model with `PlacedMoE` layers on this rank: every rank holds the dense part and the gates;
     experts come through its `Exchange` (its native experts, resident or mapped, plus replicas).
     Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
     ServeConfig checks the flags). `files`: what verification saw of each file (export.package.VerifiedPackage);
     every read from the package compares it with the open file first. `quantize` ("int8", "int4"): the experts and the dense
-    linears quantised as they load (export/serve/linears.py `quantize_linears`, `Int8Weight`; CPU only)."""
+    linears quantised as they load (export/serve/linears.py `quantize_linears`, `Int8Weight`; CPU only), and with
+    `quantize_head` the output layer too."""
     from export.inference import Layout
     from pipeline import dist
     from pipeline.build import cast_keeping_gates, meta_model
@@ -566,5 +568,5 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     serving_linears(model)  # on the CPU: the few-row kernel and oneDNN (export/serve/linears.py)
     linears.serving_norms(model)  # and RMSNorm in one call
     if quantize is not None:
-        linears.quantize_linears(model, quantize)
+        linears.quantize_linears(model, quantize, head=quantize_head)
     return PlacedModel(model, exchange, Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world))
