@@ -185,11 +185,9 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
             return module.weight, module.bias, module.eps, True
         return None
 
-    def served(w, bias) -> tuple | None:  # a ServingWeight as its `linear` runs it; an Int8Weight: int8_linear
-        if isinstance(w, linears.Int8Weight) and w.gemv is not None and hasattr(w.gemv, "int8_linear"):
-            return w.q, None, w.scale, linears.MORE_INT8, bias
-        if isinstance(w, linears.Int4Weight) and w.gemv is not None and hasattr(w.gemv, "int4_linear"):
-            return w.q, None, w.scale, linears.MORE_INT4, bias
+    def served(w, bias) -> tuple | None:  # a ServingWeight as its `linear` runs it; a QuantizedWeight: its kernel
+        if isinstance(w, linears.QuantizedWeight) and w.gemv is not None and hasattr(w.gemv, w.KERNEL):
+            return w.q, None, w.scale, w.MORE, bias
         if not isinstance(w, linears.ServingWeight) or w.gemv is None or w.weight.dtype != dtype:
             return None
         return w.weight, w.amx, w.packed, w.more, bias

@@ -355,27 +355,50 @@ class ServingLinear(nn.Module):
 
     def extra_repr(self) -> str:
         how = "GEMV kernel for 1-8 rows, oneDNN" if self.served.gemv is not None else "oneDNN"
-        if isinstance(self.served, Int8Weight):
-            how = "int8 weight, one scale per output (int8_linear)"
-        elif isinstance(self.served, Int4Weight):
-            how = f"int4 weight, one scale per {self.served.group} inputs (int4_linear)"
+        if isinstance(self.served, QuantizedWeight):
+            how = f"{type(self.served).__name__} ({self.served.KERNEL})"
         elif self.served.amx is not None:
             how = f"GEMV kernel for 1 row, AMX for 2-{self.served.gemv.AMX_MAX_ROWS}, oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
 
 
-class Int8Weight:
-    """A [out, in] weight held as int8 with one fp32 scale per output row (`quantize_int8`: w ~ scale[:, None] * q),
-    read at 1 byte a weight by csrc/gemv.cpp (`int8_linear`; as an expert, `expert_mlps` and the routed layers).
-    `linear(x, bias)` for x of any rows in fp32 or bf16, as ServingWeight's; `dequantized(dtype)` the weight it
-    stands for."""
+class QuantizedWeight:
+    """A [out, in] weight held quantised (`Int8Weight`, `Int4Weight`): `q` its values as the kernels read them, `scale`
+    its scales. `linear(x, bias)` for x of any rows in fp32 or bf16, as ServingWeight's (on the CPU through the kernel;
+    elsewhere, or without it, F.linear on the weight it stands for); `dequantized(dtype)` that weight."""
+
+    KERNEL = ""  # the csrc/gemv.cpp op that runs it
+    MORE = -1  # its code for the native decoder's linears (csrc/gemv.cpp DecodeLinear)
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        self.q, self.scale = q.contiguous(), scale.contiguous()
+        self.gemv = kernel()
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if self.gemv is None or not hasattr(self.gemv, self.KERNEL) or x.device.type != "cpu" or rows == 0:
+            return F.linear(x, self.dequantized(x.dtype).to(x.device), bias)  # no kernel here: the weight it stands for
+        y = self._kernel_linear(x.reshape(rows, x.shape[-1]).contiguous(), bias)
+        return y.view(*x.shape[:-1], self.q.shape[0])
+
+
+class Int8Weight(QuantizedWeight):
+    """int8 with one fp32 scale per output row (`quantize_int8`: w ~ scale[:, None] * q), read at 1 byte a weight by
+    csrc/gemv.cpp (`int8_linear`; as an expert, `expert_mlps` and the routed layers)."""
+
+    KERNEL, MORE = "int8_linear", MORE_INT8
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         if q.dtype != torch.int8 or q.dim() != 2 or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
             raise ValueError(f"Int8Weight: q int8 [out, in] and scale fp32 [out], not {q.dtype} {tuple(q.shape)} and "
                              f"{scale.dtype} {tuple(scale.shape)}")
-        self.q, self.scale = q.contiguous(), scale.contiguous()
-        self.gemv = kernel()
+        super().__init__(q, scale)
 
     @classmethod
     def of(cls, w: torch.Tensor) -> "Int8Weight":
@@ -386,21 +409,18 @@ class Int8Weight:
         return self.q.shape
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.q.float() * self.scale[:, None]).to(dtype)
+        return dequantized(self.q, self.scale).to(dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.numel() // max(1, x.shape[-1])
-        if self.gemv is None or not hasattr(self.gemv, "int8_linear") or x.device.type != "cpu" or rows == 0:
-            return F.linear(x, self.dequantized(x.dtype).to(x.device), bias)  # no kernel here: the weight it stands for
-        y = self.gemv.int8_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.q, self.scale, bias)
-        return y.view(*x.shape[:-1], self.q.shape[0])
+    def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.gemv.int8_linear(x, self.q, self.scale, bias)
 
 
-class Int4Weight:
-    """A [out, in] weight held as int4, two values a byte, with one fp32 scale per `group` inputs of a row
-    (pipeline/quantize.py `quantize_int4`, `pack_int4`), read at half a byte a weight by csrc/gemv.cpp (`int4_linear`;
-    as an expert, `expert_mlps` and the routed layers). As Int8Weight otherwise. `of` refuses a row whose inputs are
-    not a multiple of the group (`fits`)."""
+class Int4Weight(QuantizedWeight):
+    """int4, two values a byte, with one fp32 scale per `group` inputs of a row (pipeline/quantize.py `quantize_int4`,
+    `pack_int4`), read at half a byte a weight by csrc/gemv.cpp (`int4_linear`; as an expert, `expert_mlps` and the
+    routed layers). `of` refuses a row whose inputs are not a multiple of the group (`fits`)."""
+
+    KERNEL, MORE = "int4_linear", MORE_INT4
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, group: int = INT4_GROUP):
         O, half = packed.shape if packed.dim() == 2 else (0, 0)
@@ -409,8 +429,8 @@ class Int4Weight:
             raise ValueError(f"Int4Weight: packed uint8 [out, in / 2] and scale fp32 [out, in / {group}] with in a "
                              f"multiple of {group}, not {packed.dtype} {tuple(packed.shape)} and {scale.dtype} "
                              f"{tuple(scale.shape)}")
-        self.q, self.scale, self.group = packed.contiguous(), scale.contiguous(), group
-        self.gemv = kernel()
+        super().__init__(packed, scale)
+        self.group = group
 
     @staticmethod
     def fits(inputs: int, group: int = INT4_GROUP) -> bool:
@@ -428,22 +448,18 @@ class Int4Weight:
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantized(unpack_int4(self.q), self.scale, self.group).to(dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.numel() // max(1, x.shape[-1])
-        if self.gemv is None or not hasattr(self.gemv, "int4_linear") or x.device.type != "cpu" or rows == 0:
-            return F.linear(x, self.dequantized(x.dtype).to(x.device), bias)  # no kernel here: the weight it stands for
-        y = self.gemv.int4_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.q, self.scale, bias, self.group)
-        return y.view(*x.shape[:-1], self.q.shape[0])
+    def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.gemv.int4_linear(x, self.q, self.scale, bias, self.group)
 
 
 QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}  # serve --quantize: the weight class of each scheme
 
 
-def quantized_weight(w: torch.Tensor, scheme: str):
-    """`w` as `scheme`'s weight (Int8Weight or Int4Weight); int4 where the rows fit its groups, else int8."""
-    if scheme == "int4" and Int4Weight.fits(w.shape[1]):
-        return Int4Weight.of(w)
-    return Int8Weight.of(w)
+def quantized_weights(weights: list[torch.Tensor], scheme: str) -> list[QuantizedWeight]:
+    """`weights` as `scheme`'s weights, all of one kind (an expert's fc1 and fc2: the expert kernels take one kind a
+    layer): int4 where every one's rows fit its groups, else int8."""
+    kind = Int4Weight if scheme == "int4" and all(Int4Weight.fits(w.shape[1]) for w in weights) else Int8Weight
+    return [kind.of(w) for w in weights]
 
 
 class HeadScreen:
@@ -616,14 +632,13 @@ def _expert_tensors(weights: list[tuple]) -> tuple[list, list, list, list, list,
     int8 or int4 experts (`Int8Weight`, `Int4Weight`: every one alike, or none) give their int8 or packed tensors and
     their scales as s1s, s2s (else empty)."""
     kinds = {(type(w[0]), type(w[2])) for w in weights}
-    quant = [isinstance(w[0], (Int8Weight, Int4Weight)) for w in weights]
+    quant = [isinstance(w[0], QuantizedWeight) for w in weights]
     if any(quant) and len(kinds) > 1:
         raise ValueError("an MoE layer's experts are int8 (Int8Weight) or int4 (Int4Weight) all or none, fc1 and fc2 "
                          "alike: quantise every expert the same way")
 
     def raw(w):
-        return w.q if isinstance(w, (Int8Weight, Int4Weight)) else w.weight if isinstance(w, ServingWeight) \
-            else w.contiguous()
+        return w.q if isinstance(w, QuantizedWeight) else w.weight if isinstance(w, ServingWeight) else w.contiguous()
 
     w1 = [raw(w[0]) for w in weights]
     w2 = [raw(w[2]) for w in weights]
@@ -676,28 +691,20 @@ def serving_norms(model: nn.Module) -> int:
 def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False) -> int:
     """After `serving_linears`: every served linear but the output layer (the model's `lm_head`, whose greedy rows the
     screen reads in int8 already; with `head`, it too, and its screen goes: the logits are the quantised layer's) and
-    every fused q/k/v weight as `scheme`'s weight (`quantized_weight`: weight-only, round to nearest; int8 one scale
+    every fused q/k/v weight as `scheme`'s weight (`quantized_weights`: weight-only, round to nearest; int8 one scale
     per output channel, int4 one per 128 inputs of a row), in place; returns how many. The routers, norms and
     embeddings (a tied head's embedding included) are left as they are."""
     count = 0
     for module in model.modules():
         if isinstance(module, ServingLinear) and (head or module is not getattr(model, "lm_head", None)) \
                 and isinstance(module.served, ServingWeight):
-            module.served, module.screen = quantized_weight(module.served.weight, scheme), None
+            module.served, module.screen = quantized_weights([module.served.weight], scheme)[0], None
             count += 1
         qkv = getattr(module, "qkv", None)
         if isinstance(qkv, FusedQKV) and isinstance(qkv.weight, ServingWeight):
-            qkv.weight = quantized_weight(qkv.weight.weight, scheme)
+            (qkv.weight,) = quantized_weights([qkv.weight.weight], scheme)
             count += 1
     return count
-
-
-def quantized_expert(w1: torch.Tensor, w2: torch.Tensor, scheme: str) -> tuple:
-    """An expert's fc1 and fc2 weights as `scheme`'s, alike (the expert kernels take one kind a layer): int4 where both
-    fit its groups, else int8."""
-    if scheme == "int4" and Int4Weight.fits(w1.shape[1]) and Int4Weight.fits(w2.shape[1]):
-        return Int4Weight.of(w1), Int4Weight.of(w2)
-    return Int8Weight.of(w1), Int8Weight.of(w2)
 
 
 def serving_linears(model: nn.Module) -> int:

@@ -535,9 +535,9 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     experts come through its `Exchange` (its native experts, resident or mapped, plus replicas).
     Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
     ServeConfig checks the flags). `files`: what verification saw of each file (export.package.VerifiedPackage);
-    every read from the package compares it with the open file first. `quantize` ("int8", "int4"): the experts and the dense
-    linears quantised as they load (export/serve/linears.py `quantize_linears`, `Int8Weight`; CPU only), and with
-    `quantize_head` the output layer too."""
+    every read from the package compares it with the open file first. `quantize` ("int8", "int4"): the experts and
+    the dense linears quantised as they load (export/serve/linears.py `quantize_linears`, `quantized_weights`; CPU
+    only), and with `quantize_head` the output layer too."""
     from export.inference import Layout
     from pipeline import dist
     from pipeline.build import cast_keeping_gates, meta_model
@@ -552,8 +552,7 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     if quantize is not None and dist.device().type != "cpu":
         raise ValueError(f"--quantize {quantize}: the int8 kernels are the CPU's (csrc/gemv.cpp); on a GPU serve the "
                          f"package's dtype, or its --format hf export in vLLM")
-    store = ExpertStore(src, cfg, dtype, files, device=dist.device())
-    store.quantize = quantize
+    store = ExpertStore(src, cfg, dtype, files, device=dist.device(), quantize=quantize)
     exchange = Exchange(cfg, Residency(cfg, store, ranks.rank, ranks.world, resident_fraction), ranks.rank,
                         ranks.world, transport)
     model = meta_model(cfg)

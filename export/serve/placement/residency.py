@@ -43,10 +43,9 @@ class ExpertStore:
     what the store saw when it opened them): a changed file fails that load with a FileChangedError."""
 
     file_backed = True  # its tensors are the package's files, mapped: export/serve/linears.py `map_weights` leaves them
-    quantize: str | None = None  # "int8" or "int4": each expert's weights quantised as it loads (linears.quantized_expert)
 
     def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype, files: dict | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", quantize: str | None = None):
         import mmap
         import os
 
@@ -54,6 +53,7 @@ class ExpertStore:
         from pipeline.weights import SAFETENSORS_DTYPES, read_header, weight_files
 
         self.src, self.cfg, self.dtype, self.device = Path(src), cfg, dtype, torch.device(device)
+        self.quantize = quantize  # "int8" or "int4": each expert quantised as it loads (linears.quantized_weights)
         self.where = weight_files(self.src, files)
         self._files, self._facts, self._maps, self._views = {}, {}, {}, {}
         self._stream = None  # on a GPU: the stream experts are copied on (`_to_gpu`)
@@ -93,9 +93,9 @@ class ExpertStore:
             tensors = [self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys]
         w1, b1, w2, b2 = tensors if self.cfg.mlp_bias else (tensors[0], None, tensors[1], None)
         if self.quantize is not None:
-            from export.serve.linears import quantized_expert
+            from export.serve.linears import quantized_weights
 
-            q1, q2 = quantized_expert(w1, w2, self.quantize)
+            q1, q2 = quantized_weights([w1, w2], self.quantize)
             return q1, b1, q2, b2
         return serving_weight(w1), b1, serving_weight(w2), b2
 
