@@ -49,6 +49,7 @@ import json
 import os
 import shutil
 import stat
+import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,9 +73,12 @@ GENERATION_CONFIG = "generation_config.json"
 CARD = "README.md"
 HF_DIR = Path(__file__).resolve().parent / "hf"
 MODEL_SOURCE = Path(__file__).resolve().parents[1] / "pipeline" / "model.py"
+QUANTIZE_SOURCE = Path(__file__).resolve().parents[1] / "pipeline" / "quantize.py"
 CODE_FILES = {"configuration_moe_pipeline.py": HF_DIR / "configuration_moe_pipeline.py",
               "modeling_moe_pipeline.py": HF_DIR / "modeling_moe_pipeline.py",
-              "moe_model.py": MODEL_SOURCE}
+              "moe_model.py": MODEL_SOURCE,
+              "moe_quantize.py": QUANTIZE_SOURCE}
+QUANTIZED_ONLY = ("moe_quantize.py",)  # required of a quantised package only (packages before it lack it)
 DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 
 
@@ -107,15 +111,29 @@ def parse_size(text: str | int) -> int:
 
 # -- what a config implies --------------------------------------------------------------------------
 
-def expected_tensors(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{global tensor name: (shape, dtype)} a package of `cfg` must hold, from the model code (meta device)."""
+def expected_tensors(cfg: ModelConfig, dtype: torch.dtype,
+                     quantization: dict | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{global tensor name: (shape, dtype)} a package of `cfg` must hold, from the model code (meta device). With
+    `quantization` (a manifest's: scheme, group, head), each weight it quantises (pipeline/quantize.py `weight_kinds`)
+    as its values and scales instead."""
+    from pipeline.quantize import scale_name, values_name, weight_kinds
+
     model = meta_model(cfg)
+    kinds = {} if quantization is None else weight_kinds(model, quantization["scheme"], quantization["head"],
+                                                         quantization["group"])
     out, seen = {}, set()
     for name, p in model.named_parameters():
         if id(p) in seen:  # the tied lm_head is the embedding: stored once
             continue
         seen.add(id(p))
-        out[name] = (tuple(p.shape), torch.float32 if is_gate(name) else dtype)
+        kind = kinds.get(name)
+        if kind is None:
+            out[name] = (tuple(p.shape), torch.float32 if is_gate(name) else dtype)
+            continue
+        rows, inputs = p.shape
+        out[values_name(name, kind)] = ((rows, inputs), torch.int8) if kind == "int8" else \
+            ((rows, inputs // 2), torch.uint8)
+        out[scale_name(name)] = ((rows,) if kind == "int8" else (rows, inputs // quantization["group"]), torch.float32)
     return out
 
 
@@ -148,6 +166,16 @@ class _FileEntry(BaseModel):
     size: int = Field(ge=0, description="a byte count")
 
 
+class _QuantizationSchema(BaseModel):
+    """A quantised package's scheme (export --quantize): what verification needs to know which tensors it holds."""
+
+    model_config = _STRICT
+    scheme: Literal["int8", "int4"] = Field(description='"int8" or "int4"')
+    group: int = Field(ge=64, multiple_of=64, description="a multiple of 64 (inputs per int4 scale)")
+    head: bool = Field(description="true or false (the output layer quantised)")
+    method: Literal["gptq", "rtn"] = Field(description='"gptq" or "rtn"')
+
+
 class _ManifestSchema(BaseModel):
     """The manifest keys that verification and the CLI read."""
 
@@ -157,6 +185,7 @@ class _ManifestSchema(BaseModel):
     format_version: Literal[FORMAT_VERSION] = Field(description=f"{FORMAT_VERSION}, the format this code reads")
     dtype: Literal[tuple(DTYPE_OF_NAME)] = Field(description=f"one of {', '.join(DTYPE_OF_NAME)}")
     tensors: int = Field(description="a count")
+    quantization: _QuantizationSchema | None = Field(None, description="an object {scheme, group, head, method}")
 
 
 def _config_field(name: str, hint, default):
@@ -211,6 +240,8 @@ def _located(schema: type[BaseModel], raw, loc: tuple) -> tuple[str, str, str]:
     path stops at the field that failed (a union's member names after it are pydantic's, not the file's)."""
     node, where, expected, value = schema, "", "", raw
     for part in loc:
+        if typing.get_origin(node) in (typing.Union, types.UnionType):  # an optional object: the object's fields
+            node = next((a for a in typing.get_args(node) if a is not type(None)), node)
         if isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
             field = node.model_fields[part]
             node, expected, where = field.annotation, field.description, f"{where}.{part}" if where else part
@@ -336,9 +367,36 @@ def staged(out: Path, force: bool = False) -> Iterator[Path]:
         raise
 
 
+@dataclass(frozen=True)
+class Quantize:
+    """`export --quantize`: weight-only quantisation of the package (pipeline/quantize.py, export/gptq.py)."""
+
+    scheme: str  # "int8" (one scale per output row) or "int4" (one per `group` inputs of a row)
+    head: bool = False  # the output layer too (a tied one stays: it is the embedding)
+    method: str = "gptq"  # or "rtn": round to nearest, no calibration
+    group: int = 128
+    calibration_blocks: int = 128  # blocks of the training split GPTQ calibrates on
+
+    def __post_init__(self):
+        from export.gptq import METHODS
+        from pipeline.quantize import SCHEMES
+
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"--quantize {self.scheme!r}: one of {', '.join(SCHEMES)}")
+        if self.method not in METHODS:
+            raise ValueError(f"--quantize-method {self.method!r}: one of {', '.join(METHODS)}")
+        if self.group < 64 or self.group % 64:
+            raise ValueError(f"--group-size {self.group}: a multiple of 64 (the int4 kernels read 64 inputs a step)")
+        if self.calibration_blocks < 1:
+            raise ValueError(f"--calibration-blocks {self.calibration_blocks}: at least 1 (or --quantize-method rtn)")
+
+
 def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool = False,
-                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write the package of a finished stage to `out` (atomically: temporary directory, then rename)."""
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, quantize: Quantize | None = None,
+                   progress: bool = False) -> Path:
+    """Write the package of a finished stage to `out` (atomically: temporary directory, then rename). `quantize`: its
+    linear weights quantised (int8 or int4 values and fp32 scales, calibrated on the run's training split by GPTQ, or
+    rounded to nearest), the rest in `dtype`."""
     from export.hf.configuration_moe_pipeline import hf_config_dict
     from pipeline import data as data_lib
 
@@ -362,7 +420,12 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
         # read in place through its source.json), in the package's dtypes: its tensors are the package's
         from pipeline.weights import unique_params
 
-        tensors = {k: p for k, p in unique_params(load_stage_model(stage_dir, torch_dtype)) if k in expected}
+        report = None
+        if quantize is None:
+            tensors = {k: p for k, p in unique_params(load_stage_model(stage_dir, torch_dtype)) if k in expected}
+        else:
+            tensors, report = _quantized_tensors(stage_dir, cfg, quantize, torch_dtype, progress)
+            expected = expected_tensors(cfg, torch_dtype, _quantization_entry(quantize))
         missing = sorted(set(expected) - set(tensors))
         if missing:
             raise ValueError(f"{stage_dir}: {len(missing)} tensor(s) missing, e.g. {missing[0]}")
@@ -373,6 +436,8 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
         tok.save_pretrained(str(tmp))
         eos = tok.eos_token_id
         config = hf_config_dict(cfg, DTYPE_NAMES[torch_dtype], bos_token_id=eos, eos_token_id=eos)
+        if quantize is not None:  # read by the remote code (not `quantization_config`: that names HF's quantizers)
+            config["moe_pipeline_quantization"] = _quantization_entry(quantize)
         (tmp / CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
         import transformers
 
@@ -391,6 +456,7 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
                              "moe_layers": list(cfg.moe_layers), "mlp_type": cfg.mlp_type, "top_k": cfg.top_k,
                              "context": cfg.seq_len, "vocab_size": cfg.vocab_size},
             "params": counts, "weights": weight_names, "tensors": len(expected),
+            "quantization": None if quantize is None else {**_quantization_entry(quantize), **report},
             "source": {k: prov.get(k) for k in ("run", "stage", "stage_path", "finished_at", "steps", "val_loss",
                                                 "recipe_sha256")},
             "teacher": prov.get("teacher"), "kd": prov.get("kd"), "recipe": prov.get("recipe"),
@@ -406,11 +472,65 @@ def export_package(stage_dir: Path, out: Path, dtype: str = "fp32", force: bool 
     return out
 
 
+def _quantization_entry(q: Quantize) -> dict:
+    return {"scheme": q.scheme, "group": q.group, "head": q.head, "method": q.method}
+
+
+def _quantized_tensors(stage_dir: Path, cfg: ModelConfig, quantize: Quantize, dtype: torch.dtype,
+                       progress: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """The package's tensors with `quantize`'s weights as their values and scales (quantised from the stage's fp32
+    weights; GPTQ on `calibration_blocks` blocks of the run's training split), and the quantisation's report."""
+    from export.gptq import quantize_model
+    from pipeline.quantize import weight_kinds
+    from pipeline.weights import unique_params
+
+    model = load_stage_model(stage_dir, torch.float32)
+    kinds = weight_kinds(model, quantize.scheme, quantize.head, quantize.group)
+    batches = _calibration_blocks(stage_dir, cfg, quantize.calibration_blocks) if quantize.method == "gptq" else None
+    say = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.layers, desc=f"GPTQ {quantize.scheme}", unit="block")
+        say = lambda _: bar.update(1)  # noqa: E731
+    stored, report = quantize_model(model, kinds, batches, quantize.method, quantize.group, progress=say)
+    if progress:
+        bar.close()
+    tensors = {k: (p.float() if is_gate(k) else p.to(dtype)) for k, p in unique_params(model) if k not in kinds}
+    tensors.update(stored)
+    report = {**report, "weights": len(kinds), "int4_weights": sum(k == "int4" for k in kinds.values()),
+              "int8_weights": sum(k == "int8" for k in kinds.values())}
+    return tensors, report
+
+
+def _calibration_blocks(stage_dir: Path, cfg: ModelConfig, count: int, batch: int = 8) -> list[torch.Tensor]:
+    """input_ids [<= batch, seq_len] of `count` blocks spread evenly over the run's training split (its recipe's
+    data, tokenised in the data cache as the stages read it)."""
+    from pipeline import data as data_lib
+    from pipeline.artifacts import cache_root
+    from pipeline.recipe import load_stored_recipe
+
+    run = Path(stage_dir).resolve().parent
+    if not (run / RECIPE_FILE).is_file():
+        raise FileNotFoundError(f"{run / RECIPE_FILE} is missing: GPTQ calibrates on the run's training split; "
+                                f"export a run directory, or pass --quantize-method rtn")
+    recipe = load_stored_recipe(run / RECIPE_FILE)
+    prepared = data_lib.prepare_data(recipe.data, cache_root())
+    train = data_lib.PackedTokens(prepared.train, cfg.seq_len, prepared.eod_id)
+    picks = sorted({int(i * train.num_blocks / count) for i in range(count)})
+    return [train.batch(picks[i:i + batch])["input_ids"] for i in range(0, len(picks), batch)]
+
+
 def model_card(m: dict) -> str:
     p = m["params"]
     a = m["architecture"]
     rows = [("model", m["name"]), ("format", f"{m['format']} v{m['format_version']}"),
             ("dtype", f"{m['dtype']} (MoE gates float32)"),
+            *([("quantization", f"{m['quantization']['scheme']} weights ({m['quantization']['method']}"
+                                + (f", groups of {m['quantization']['group']}" if m['quantization']['scheme'] == "int4"
+                                   else ", one scale per output row")
+                                + (", the output layer included" if m['quantization']['head'] else "") + ")")]
+              if m.get("quantization") else []),
             ("parameters", f"{p['total']:,} total, {p['active_per_token']:,} active per token"),
             ("architecture", f"PR-MoE GPT, {a['layers']} layers, hidden {a['hidden']}, {a['heads']} heads, "
                              f"context {a['context']}, vocabulary {a['vocab_size']}"),
@@ -505,7 +625,7 @@ def _verify(pkg: Path, checksums: bool) -> tuple[list[str], VerifiedPackage | No
     try:
         manifest = _checked_manifest(pkg)
         listed, weights = manifest["files"], manifest["weights"]
-        _check_names(listed, weights)
+        _check_names(listed, weights, quantized=manifest.get("quantization") is not None)
         _check_files(pkg, listed)
         facts, kept = _checksum_files(pkg, listed, checksums)
         cfg = _checked_config(pkg, kept)
@@ -535,7 +655,7 @@ def _checked_manifest(pkg: Path) -> dict:
     return manifest
 
 
-def _check_names(listed: dict, weights: list[str]) -> None:
+def _check_names(listed: dict, weights: list[str], quantized: bool = False) -> None:
     """1. names: each a file at the package's top level, before any is opened; the required ones listed."""
     problems = []
     for name in dict.fromkeys([*listed, *weights]):
@@ -544,7 +664,7 @@ def _check_names(listed: dict, weights: list[str]) -> None:
             problems.append(f"{MANIFEST}: file name {problem}: a package lists only the files at its top level")
     _refuse_if(problems)
     for name in [CONFIG, GENERATION_CONFIG, *TOKENIZER_FILES, *CODE_FILES, *weights]:
-        if name not in listed:
+        if name not in listed and (quantized or name not in QUANTIZED_ONLY):
             problems.append(f"{name}: not listed in {MANIFEST}")
     _refuse_if(problems)
 
@@ -650,7 +770,7 @@ def _expected_of(cfg: ModelConfig, found: dict, manifest: dict) -> dict:
         raise _Refused([f"{CONFIG}: {cfg.layers} layers and {sum(cfg.experts)} experts, more than the {len(found)} "
                         f"tensors the weights hold"])
     try:
-        return expected_tensors(cfg, DTYPE_OF_NAME[manifest["dtype"]])
+        return expected_tensors(cfg, DTYPE_OF_NAME[manifest["dtype"]], manifest.get("quantization"))
     except (ValueError, TypeError, RuntimeError) as err:  # a model torch refuses to build
         raise _Refused([f"{CONFIG}: describes no model this code builds ({type(err).__name__}: "
                         f"{str(err)[:160]})"]) from None

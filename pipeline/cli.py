@@ -88,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="package: ours (expert-parallel serving, predictor, verify; remote code); hf: the imported "
                         "teacher's own family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) with the student's depth, for "
                         "plain transformers, vLLM, SGLang (default out RUN/hf)")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weight-only quantised package: int8 (one scale per output row) or int4 (one per --group-size "
+                        "inputs of a row); routers, norms, embeddings and the output layer stay in --dtype")
+    p.add_argument("--quantize-head", action="store_true", help="with --quantize: the output layer too (not a tied one)")
+    p.add_argument("--quantize-method", choices=["gptq", "rtn"], default="gptq",
+                   help="gptq: calibrated on the run's training split, every expert on every token (default); rtn: "
+                        "round to nearest")
+    p.add_argument("--group-size", type=_positive_int, default=128, help="int4: inputs per scale (a multiple of 64)")
+    p.add_argument("--calibration-blocks", type=_positive_int, default=128,
+                   help="GPTQ: blocks of the training split (of the model's context each) to calibrate on")
 
     p = sub.add_parser("verify", help="check a package: files, checksums, tensors (exit 1 and a list of problems)")
     p.add_argument("package", type=Path)
@@ -230,7 +240,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args) -> int:
-    from export.package import export_package, parse_size
+    from export.package import Quantize, export_package, parse_size
     from pipeline.artifacts import read_manifest
 
     src = args.run / args.stage if is_run_dir(args.run) else args.run
@@ -240,10 +250,20 @@ def cmd_export(args) -> int:
         if args.format == "hf":
             from export.native import export_native
 
+            if args.quantize:
+                raise ValueError("--quantize with --format hf: compressed-tensors export is not built yet; "
+                                 "export our package (--format package) with --quantize")
+
             pkg = export_native(src, out, args.dtype or "bf16", args.force, parse_size(args.max_shard_size))
         else:
+            quantize = None
+            if args.quantize:
+                quantize = Quantize(args.quantize, args.quantize_head, args.quantize_method, args.group_size,
+                                    args.calibration_blocks)
+            elif args.quantize_head:
+                raise ValueError("--quantize-head needs --quantize (int8 or int4)")
             pkg = export_package(src, out, dtype=args.dtype or "fp32", force=args.force,
-                                 max_shard_bytes=parse_size(args.max_shard_size))
+                                 max_shard_bytes=parse_size(args.max_shard_size), quantize=quantize, progress=True)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"export error: {err}", file=sys.stderr)
         return 2
@@ -254,9 +274,15 @@ def cmd_export(args) -> int:
         print(f"[export] {src} -> {pkg}: {config['architectures'][0]}, {config['num_hidden_layers']} layers, "
               f"{config['torch_dtype']}, {len(manifest['files'])} files, {size / 1e6:.1f} MB")
         return 0
-    print(f"[export] {src} -> {pkg}: {manifest['dtype']}, {manifest['params']['total']:,} parameters "
+    q = manifest.get("quantization")
+    quantized = f" + {q['scheme']} weights ({q['method']}, {q['weights']} quantised)" if q else ""
+    print(f"[export] {src} -> {pkg}: {manifest['dtype']}{quantized}, {manifest['params']['total']:,} parameters "
           f"({manifest['params']['active_per_token']:,} active per token), {len(manifest['files'])} files, "
           f"{size / 1e6:.1f} MB")
+    if q and q.get("round_to_nearest"):
+        print(f"[export] rounded to nearest (GPTQ could not calibrate them): {', '.join(q['round_to_nearest'])}")
+    if q and q.get("never_routed"):
+        print(f"[export] experts no calibration token was routed to (calibrated on all tokens): {q['never_routed']}")
     return 0
 
 

@@ -106,3 +106,162 @@ def fake_quantize_(model: nn.Module, scheme: str) -> dict:
         tensors, weights = tensors + 1, weights + w.numel()
         nbytes += w.numel() * (1 if scheme == "int8" else 0.5) + scale.numel() * 4
     return {"tensors": tensors, "weights": weights, "bytes": int(nbytes)}
+
+
+# -- a package's quantised weights: which, in what form --------------------------------------------------------------
+
+def values_name(name: str, kind: str) -> str:
+    """The stored name of a quantised weight's values: `name` itself (int8 [out, in]) or `name`_packed (int4, uint8
+    [out, in / 2] as `pack_int4` lays them out). Its scales are `name`_scale (fp32 [out], or [out, in / group])."""
+    return name if kind == "int8" else f"{name}_packed"
+
+
+def scale_name(name: str) -> str:
+    return f"{name}_scale"
+
+
+def fits_int4(inputs: int, group: int = INT4_GROUP) -> bool:
+    """Whether rows of `inputs` take int4 groups of `group` (and the kernels' packing of 64 inputs in 32 bytes)."""
+    return group % 64 == 0 and inputs % group == 0 and inputs > 0
+
+
+def weight_kinds(model: nn.Module, scheme: str, head: bool = False, group: int = INT4_GROUP) -> dict[str, str]:
+    """{parameter name ("....weight"): "int8" or "int4"} of every weight a `scheme` package holds quantised, as the
+    serving runtime quantises them (export/serve/linears.py `quantized_weights`): int4 where its rows fit the groups,
+    else int8, and an expert's fc1 and fc2 of one kind (the expert kernels take one kind a layer). The output layer
+    only with `head`, and never when it is the (tied) embedding."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"--quantize {scheme!r}: one of {', '.join(SCHEMES)}")
+    tied = getattr(getattr(model, "lm_head", None), "weight", None) is getattr(getattr(model, "wte", None), "weight", 0)
+    kinds = {}
+    for name, module in model.named_modules():
+        if name == "lm_head" and (not head or tied):
+            continue
+        if quantised(name, module) or (name == "lm_head" and isinstance(module, nn.Linear)):
+            kinds[f"{name}.weight"] = "int4" if scheme == "int4" and fits_int4(module.in_features, group) else "int8"
+    for name in list(kinds):  # an expert: both int4, or both int8
+        if ".deepspeed_experts." in name and name.endswith(".fc1.weight"):
+            pair = name[:-len("fc1.weight")] + "fc2.weight"
+            if kinds.get(pair) != kinds[name]:
+                kinds[name] = kinds[pair] = "int8"
+    return kinds
+
+
+def stored_form(w: torch.Tensor, kind: str, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) of a weight rounded to nearest, as a package stores them."""
+    if kind == "int8":
+        return quantize_int8(w)
+    q, scale = quantize_int4(w, group)
+    return pack_int4(q), scale
+
+
+def stored_dequantized(values: torch.Tensor, scale: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """The fp32 weight a package's stored values and scales stand for (int8 [out, in], or int4 packed uint8)."""
+    return dequantized(unpack_int4(values) if values.dtype == torch.uint8 else values, scale, group)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight a quantised package stores (export --quantize), as Hugging Face's remote code
+    loads it (export/hf/modeling_moe_pipeline.py; this file ships in the package as moe_quantize.py): the stored
+    values and scales are buffers under the package's names (`weight` int8, or `weight_packed` uint8, and
+    `weight_scale` fp32), and each call computes with the weight they stand for, in the input's dtype."""
+
+    def __init__(self, layer: nn.Linear, kind: str, group: int = INT4_GROUP):
+        super().__init__()
+        self.in_features, self.out_features, self.kind, self.group = layer.in_features, layer.out_features, kind, group
+        O, I = layer.out_features, layer.in_features
+        device = layer.weight.device
+        if kind == "int8":
+            self.register_buffer("weight", torch.zeros(O, I, dtype=torch.int8, device=device))
+            self.register_buffer("weight_scale", torch.ones(O, dtype=torch.float32, device=device))
+        else:
+            self.register_buffer("weight_packed", torch.zeros(O, I // 2, dtype=torch.uint8, device=device))
+            self.register_buffer("weight_scale", torch.ones(O, I // group, dtype=torch.float32, device=device))
+        self.bias = layer.bias
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        values = self.weight if self.kind == "int8" else self.weight_packed
+        return stored_dequantized(values.cpu(), self.weight_scale.float().cpu(), self.group).to(
+            device=values.device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}" + \
+            (f", groups of {self.group}" if self.kind == "int4" else "")
+
+
+def quantized_modules_(model: nn.Module, scheme: str, head: bool = False, group: int = INT4_GROUP) -> int:
+    """Every linear layer a `scheme` package stores quantised (`weight_kinds`) replaced, in place, by a
+    `QuantizedLinear` holding its stored form (to be loaded); returns how many."""
+    kinds = weight_kinds(model, scheme, head, group)
+    modules = dict(model.named_modules())
+    for name, kind in kinds.items():
+        path = name[:-len(".weight")]
+        parent, _, child = path.rpartition(".")
+        setattr(modules[parent] if parent else model, child, QuantizedLinear(modules[path], kind, group))
+    return len(kinds)
+
+
+# -- GPTQ ---------------------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def gptq(w: torch.Tensor, hessian: torch.Tensor, kind: str, group: int = INT4_GROUP, damp: float = 0.01,
+         block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ (Frantar et al., 2023) of weights `w` [B, out, in] with their inputs' second moments `hessian` [B, in, in]
+    (sum of x x^T over calibration tokens; B weights at once, each its own): columns quantised in order, each one's
+    rounding error spread over the columns not yet quantised through the inverse Hessian's Cholesky factor, in blocks
+    of `block` columns with lazy updates; `damp` x the mean diagonal added to the diagonal. The grid is the round-to-
+    nearest scheme's: int8 one scale per row from the row's largest |w|; int4 one scale per `group` inputs computed
+    when the group's first column is reached, from the weights as updated so far (GPTQ's static groups, no act-order).
+    Inputs never seen (zero diagonal) get weight 0, as in GPTQ. -> (q int8 [B, out, in] (int4 values -7..7 one a
+    byte), scale fp32 [B, out] or [B, out, in / group]). A Hessian that stays singular after damping raises
+    torch.linalg.LinAlgError (the caller falls back to round to nearest)."""
+    if kind == "int4" and (block % group and group % block):
+        raise ValueError(f"gptq: block {block} and group {group} must nest")
+    W = w.detach().to(torch.float64).clone()
+    H = hessian.detach().to(torch.float64).clone()
+    B, O, I = W.shape
+    diag = H.diagonal(dim1=1, dim2=2)
+    dead = diag == 0
+    diag[dead] = 1.0
+    W[dead[:, None, :].expand_as(W)] = 0.0
+    diag += damp * diag.mean(1, keepdim=True)
+    L = torch.linalg.cholesky(H)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # [B, I, I] upper
+    Q = torch.zeros_like(W)
+    if kind == "int8":
+        top = 127
+        scale = (W.abs().amax(2) / top).clamp_min(torch.finfo(torch.float32).tiny).float()  # [B, O]
+        scales = scale
+    else:
+        top = 7
+        scales = torch.zeros(B, O, -(-I // group), dtype=torch.float32)
+    for i1 in range(0, I, block):
+        i2 = min(i1 + block, I)
+        W1, Err = W[:, :, i1:i2].clone(), torch.zeros(B, O, i2 - i1, dtype=torch.float64)
+        Hb = Hinv[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if kind == "int4" and col % group == 0:
+                g = col // group
+                part = torch.cat([W1[:, :, i:], W[:, :, i2:]], 2)[:, :, :group]  # the group, as updated so far
+                scales[:, :, g] = (part.abs().amax(2) / top).float().clamp_min(torch.finfo(torch.float32).tiny)
+            s = (scale if kind == "int8" else scales[:, :, col // group]).double()  # [B, O]
+            x = W1[:, :, i]
+            q = torch.round(x / s).clamp(-top, top)
+            Q[:, :, col] = q
+            err = (x - q * s) / Hb[:, i, i][:, None]
+            W1[:, :, i:] -= err[:, :, None] * Hb[:, i, i:][:, None, :]
+            Err[:, :, i] = err
+        W[:, :, i2:] -= Err @ Hinv[:, i1:i2, i2:]
+    return Q.to(torch.int8), scales
+
+
+def rounding_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, hessian: torch.Tensor,
+                   group: int = INT4_GROUP) -> torch.Tensor:
+    """GPTQ's objective for weights [B, out, in] and their quantised form: tr((W - Wq) H (W - Wq)^T) per weight [B],
+    the summed squared error of the outputs over the calibration tokens."""
+    d = w.double() - torch.stack([dequantized(q[b], scale[b], group) for b in range(len(q))]).double()
+    return torch.einsum("boi,bij,boj->b", d, hessian.double(), d)

@@ -277,12 +277,15 @@ def write_source(stage_dir: Path, src: Path, files: dict[str, dict], name_map: d
 
 
 def fill_tensors(src: Path, wanted: dict[str, list[torch.Tensor]], files: dict[str, FileFacts] | None = None,
-                 lacks: str = LACKS) -> None:
+                 lacks: str = LACKS, dequantize: bool = True) -> None:
     """Read each stored tensor `wanted` names into the tensors listed for it (parameters, or contiguous views of
     them: a Hugging Face gate and up projection fill the two halves of one fc1), file by file in file order, one
-    tensor in flight. `lacks`: the fix a missing tensor's error gives."""
+    tensor in flight. `lacks`: the fix a missing tensor's error gives. A weight stored quantised (export --quantize)
+    fills its parameters with the weight it stands for, unless not `dequantize`."""
     src = Path(src)
     where = weight_files(src, files)
+    if dequantize:
+        wanted = _dequantizing(wanted, where)
     missing = sorted(set(wanted) - set(where))
     if missing:
         raise ValueError(f"{src} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[0]}: {lacks}")
@@ -303,37 +306,96 @@ def fill_tensors(src: Path, wanted: dict[str, list[torch.Tensor]], files: dict[s
 
 
 def _fill(fh, path: Path, keys: list[str], wanted: dict[str, list[torch.Tensor]]) -> None:
-    """Read `keys` from the open safetensors file `fh` into the parameters `wanted` names for each."""
+    """Read `keys` from the open safetensors file `fh` into the parameters `wanted` names for each (or, for a
+    quantised weight's part, hand it to its `_Dequantize`)."""
     header, data_start = read_header(fh, path)
     for key in keys:
         if key not in header:
             raise ValueError(f"{path}: has no tensor {key}, which the weight map places in it")
     for key in sorted(keys, key=lambda k: header[k]["data_offsets"][0]):  # in file order
         params = wanted[key]
-        for p in params:
-            shard = getattr(p, "shard", None)  # (dim, start, whole size): one slice (export.inference)
-            pick = getattr(p, "pick", None)  # (dim, indices, whole size): chosen rows (distill.student)
-            whole = list(p.shape)
-            if shard is not None:
-                whole[shard[0]] = shard[2]
-            if pick is not None:
-                whole[pick[0]] = pick[2]
-            if list(header[key]["shape"]) != whole:
-                raise ValueError(f"{path}: {key} has shape {tuple(header[key]['shape'])}, "
-                                 f"the model expects {tuple(whole)}")
+        if hasattr(params, "take"):  # a _Dequantize, or read_tensors' keeper
+            params.take(key, _read_tensor(fh, header, key, data_start, path), path)
+            continue
+        _check_shapes(params, key, tuple(header[key]["shape"]), path)
         p = params[0]
         direct = (len(params) == 1 and getattr(p, "shard", None) is None and getattr(p, "pick", None) is None
                   and p.device.type == "cpu"
                   and p.is_contiguous() and SAFETENSORS_DTYPES.get(header[key]["dtype"]) == p.dtype)
         t = _read_tensor(fh, header, key, data_start, path, out=p.data if direct else None)
-        if direct:
+        if not direct:
+            _place(t, params)
+
+
+def _check_shapes(params: list[torch.Tensor], key: str, shape: tuple[int, ...], path: Path) -> None:
+    """Each parameter (or its `shard`, or its `pick`) fits a stored tensor of `shape`."""
+    for p in params:
+        shard = getattr(p, "shard", None)  # (dim, start, whole size): one slice (export.inference)
+        pick = getattr(p, "pick", None)  # (dim, indices, whole size): chosen rows (distill.student)
+        whole = list(p.shape)
+        if shard is not None:
+            whole[shard[0]] = shard[2]
+        if pick is not None:
+            whole[pick[0]] = pick[2]
+        if list(shape) != whole:
+            raise ValueError(f"{path}: {key} has shape {shape}, the model expects {tuple(whole)}")
+
+
+def _place(t: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """A whole stored tensor copied into each parameter: its slice (`shard`), its rows (`pick`), or all of it."""
+    for p in params:
+        shard, pick = getattr(p, "shard", None), getattr(p, "pick", None)
+        part = t.narrow(shard[0], shard[1], p.shape[shard[0]]) if shard is not None else t
+        if pick is not None:
+            part = part.index_select(pick[0], torch.as_tensor(pick[1], dtype=torch.long))
+        p.copy_(part.to(p.dtype))
+
+
+def read_tensors(src: Path, keys: list[str], files: dict[str, FileFacts] | None = None) -> dict[str, torch.Tensor]:
+    """{key: the stored tensor as it is} for each of `keys` (a quantised package's values and scales, say)."""
+    out: dict[str, torch.Tensor] = {}
+
+    class Keep:
+        def take(self, key: str, t: torch.Tensor, path: Path) -> None:
+            out[key] = t
+
+    fill_tensors(src, {k: Keep() for k in keys}, files, dequantize=False)
+    return out
+
+
+class _Dequantize:
+    """The parameters of one weight a package stores quantised (`export --quantize`: values `name` int8 or
+    `name`_packed int4, scales `name`_scale; pipeline/quantize.py): filled with the weight they stand for once both
+    parts are read."""
+
+    def __init__(self, name: str, values: str, params: list[torch.Tensor]):
+        self.name, self.values, self.params, self.parts = name, values, params, {}
+
+    def take(self, key: str, t: torch.Tensor, path: Path) -> None:
+        from pipeline.quantize import scale_name, stored_dequantized
+
+        self.parts[key] = t
+        if len(self.parts) == 2:
+            values, scale = self.parts.pop(self.values), self.parts.pop(scale_name(self.name))
+            unpacked = values.shape[1] * (2 if values.dtype == torch.uint8 else 1)
+            group = unpacked // scale.shape[1] if scale.dim() == 2 else 0
+            w = stored_dequantized(values, scale, group)
+            _check_shapes(self.params, self.name, tuple(w.shape), path)
+            _place(w, self.params)
+
+
+def _dequantizing(wanted: dict[str, list[torch.Tensor]], where: dict[str, str]) -> dict:
+    """`wanted`, with each weight the files hold quantised (its `name`_scale is there) asked for as its two parts."""
+    from pipeline.quantize import scale_name, values_name
+
+    out = {}
+    for key, params in wanted.items():
+        if scale_name(key) not in where:
+            out[key] = params
             continue
-        for p in params:
-            shard, pick = getattr(p, "shard", None), getattr(p, "pick", None)
-            part = t.narrow(shard[0], shard[1], p.shape[shard[0]]) if shard is not None else t
-            if pick is not None:
-                part = part.index_select(pick[0], torch.as_tensor(pick[1], dtype=torch.long))
-            p.copy_(part.to(p.dtype))
+        values = key if key in where else values_name(key, "int4")
+        out[values] = out[scale_name(key)] = _Dequantize(key, values, params)
+    return out
 
 
 # -- reading safetensors tensor by tensor ----------------------------------------------------------

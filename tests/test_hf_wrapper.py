@@ -30,6 +30,7 @@ from pipeline.data import gpt2_tokenizer
 from pipeline.model import GPT, init_weights
 
 HF_DIR = ROOT / "export" / "hf"
+QUANTIZE_SOURCE = ROOT / "pipeline" / "quantize.py"
 EOS = 50256  # GPT-2's <|endoftext|>: bos, eos and pad of the package
 PROMPTS = ["And God said", "In the beginning"]  # 3 GPT-2 tokens each: a batch without padding
 NEW = 8
@@ -55,6 +56,7 @@ def write_package(path: Path, model: GPT, dtype: torch.dtype = torch.float32) ->
     GenerationConfig(bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS).save_pretrained(path)
     gpt2_tokenizer(cfg.seq_len).save_pretrained(path)
     shutil.copyfile(ROOT / "pipeline" / "model.py", path / "moe_model.py")
+    shutil.copyfile(QUANTIZE_SOURCE, path / "moe_quantize.py")
     for name in ("configuration_moe_pipeline.py", "modeling_moe_pipeline.py"):
         shutil.copyfile(HF_DIR / name, path / name)
     return path
@@ -220,10 +222,12 @@ def run(tmp_path_factory):
 
 def test_remote_code_imports_only_torch_transformers_and_the_package():
     # what transformers' dynamic-module loader copies into its cache along with each file
-    assert sorted(get_relative_imports(HF_DIR / "modeling_moe_pipeline.py")) == ["configuration_moe_pipeline", "moe_model"]
+    assert sorted(get_relative_imports(HF_DIR / "modeling_moe_pipeline.py")) == \
+        ["configuration_moe_pipeline", "moe_model", "moe_quantize"]
     assert get_relative_imports(HF_DIR / "configuration_moe_pipeline.py") == ["moe_model"]
     for name in ("modeling_moe_pipeline.py", "configuration_moe_pipeline.py"):
         assert set(get_imports(HF_DIR / name)) <= {"dataclasses", "torch", "transformers"}, name
+    assert get_relative_imports(QUANTIZE_SOURCE) == [] and set(get_imports(QUANTIZE_SOURCE)) <= {"__future__", "torch"}
 
 
 def test_hf_config_dict_is_the_complete_config_json():

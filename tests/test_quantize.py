@@ -145,3 +145,150 @@ def test_the_schemes_round_each_weight_to_its_nearest_step():
         -(-p.shape[1] // 128) * p.shape[0] * 4 for n, p in model.named_parameters() if n in changed))
     with pytest.raises(ValueError, match="quantisation 'fp8': one of int8, int4"):
         fake_quantize_(model, "fp8")
+
+
+# -- export --quantize: quantised packages ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized_packages(small_run, tmp_path_factory):
+    """`moe-pipeline export RUN --quantize int8|int4` (GPTQ on 32 calibration blocks of the run's training split), and
+    the plain fp32 package of the same run. int4 in groups of 64: the run's hidden size is 64."""
+    from conftest import cli
+
+    out = tmp_path_factory.mktemp("quantized")
+    cli("export", str(small_run), "--out", str(out / "plain"))
+    for scheme in ("int8", "int4"):
+        cli("export", str(small_run), "--out", str(out / scheme), "--quantize", scheme, "--calibration-blocks", "32",
+            *(["--group-size", "64"] if scheme == "int4" else []))
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_package_verifies_and_loads_as_the_weights_it_stores(quantized_packages, scheme):
+    """The package holds each quantised linear as its values and scales (int8 [out, in], or int4 packed two a byte with
+    a scale per 64 inputs), the routers in fp32 and the rest in the package's dtype; `verify` passes; the manifest
+    records the scheme and GPTQ's report (every block's output error below round to nearest's on the same Hessian);
+    our loader and transformers' remote code both give the model those weights stand for, with the same logits; and
+    they are not the plain package's weights rounded to nearest (GPTQ moved them)."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from export.inference import load_package
+    from export.package import verify_package
+    from pipeline.quantize import quantize_int8, quantize_int4, pack_int4, stored_dequantized
+
+    pkg = quantized_packages / scheme
+    assert verify_package(pkg) == []
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    q = manifest["quantization"]
+    group = 64 if scheme == "int4" else 128
+    assert (q["scheme"], q["method"], q["group"], q["head"]) == (scheme, "gptq", group, False)
+    assert q[f"{scheme}_weights"] == q["weights"]  # every row fits the groups
+    assert q["calibration_blocks"] == 32 and q["round_to_nearest"] == {} and q["weights"] > 0
+    assert q["relative_error"] and all(0 < r < 1 for r in q["relative_error"].values())
+    assert all(sum(c) > 0 for c in q["routed_tokens"].values())
+    stored = load_file(str(pkg / "model.safetensors"))
+    plain = load_file(str(quantized_packages / "plain" / "model.safetensors"))
+    expert = next(k for k in sorted(stored) if k.endswith("deepspeed_experts.0.fc1.weight_scale"))[:-len("_scale")]
+    values = stored[expert] if scheme == "int8" else stored[expert + "_packed"]
+    assert values.dtype == (torch.int8 if scheme == "int8" else torch.uint8)
+    assert values.shape[1] == plain[expert].shape[1] // (1 if scheme == "int8" else 2)
+    assert stored[expert + "_scale"].dtype == torch.float32
+    assert stored[expert.split(".experts.")[0] + ".gate.wg.weight"].dtype == torch.float32
+    assert expert not in stored or scheme == "int8"
+    rtn = quantize_int8(plain[expert]) if scheme == "int8" else quantize_int4(plain[expert], group)
+    rtn = (rtn[0] if scheme == "int8" else pack_int4(rtn[0]), rtn[1])
+    assert not torch.equal(values, rtn[0])  # GPTQ, not round to nearest
+    want = stored_dequantized(values, stored[expert + "_scale"], group)
+    model, tok = load_package(pkg)
+    assert torch.equal(dict(model.named_parameters())[expert], want)
+    hf = AutoModelForCausalLM.from_pretrained(str(pkg), trust_remote_code=True)
+    ids = torch.tensor([tok.encode("In the beginning God created the heaven and the earth.")])
+    assert torch.allclose(hf(ids).logits, model(ids).logits, atol=1e-5)
+    assert "QuantizedLinear" in {type(m).__name__ for m in hf.modules()}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_package_serves_its_stored_weights(quantized_packages, scheme):
+    """`serve` on a quantised package runs its stored values and scales through the int8/int4 kernels (no second
+    rounding: the served weights are exactly the stored ones), tokens and log-probabilities those of the same engine
+    on the dequantised weights; a different --quantize is refused naming the package's scheme."""
+    from safetensors.torch import load_file
+
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine, generate
+    from export.serve.linears import QUANTIZED, QuantizedWeight
+    from export.serve.request import SamplingParams
+    from pipeline.quantize import scale_name, values_name
+
+    pkg = quantized_packages / scheme
+    quantised = Engine.from_config(ServeConfig(package=pkg, kv_cache_memory=0.05))
+    plain = Engine.from_config(ServeConfig(package=pkg, kv_cache_memory=0.05))
+    stored = load_file(str(pkg / "model.safetensors"))
+    for name, module in quantised.worker.model.named_modules():  # the dense linears large enough to be served
+        if isinstance(getattr(module, "served", None), QuantizedWeight):
+            assert torch.equal(module.served.q, stored[values_name(f"{name}.weight", scheme)])
+            assert torch.equal(module.served.scale, stored[scale_name(f"{name}.weight")])
+    (w1, _, w2, _), = [v for k, v in quantised.exchange.residency.resident.items() if k == (0, 1)]
+    from pipeline.model import expert_key
+
+    fc1 = expert_key(quantised.worker.model.cfg.moe_layers[0], 1, "fc1.weight")
+    assert type(w1) is QUANTIZED[scheme] and torch.equal(w1.q, stored[values_name(fc1, scheme)])
+    assert dequantised_twin(quantised, plain) > 0
+    prompts = [[101, 202, 303, 404], [7, 77, 777, 7777, 5]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
+    got, want = generate(quantised, prompts, params), generate(plain, prompts, params)
+    assert [r.generated for r in got] == [r.generated for r in want]
+    for a, b in zip(got, want):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+    other = "int4" if scheme == "int8" else "int8"
+    with pytest.raises(ValueError, match=f"--quantize {other}: this package holds {scheme} weights"):
+        Engine.from_config(ServeConfig(package=pkg, quantize=other, kv_cache_memory=0.05))
+
+
+def test_verify_checks_the_quantization_against_the_tensors(quantized_packages, tmp_path):
+    """A manifest whose scheme is not the one its tensors were written in, or of a scheme this code does not know, is
+    a listed problem naming the tensors or the key."""
+    import json
+    import shutil
+
+    from export.package import verify_package
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(quantized_packages / "int4", pkg)
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    manifest["quantization"]["scheme"] = "int8"
+    (pkg / "manifest.json").write_text(json.dumps(manifest))
+    problems = verify_package(pkg)
+    assert any("_packed is not part of the model" in p for p in problems)
+    assert any("missing (config.json implies it)" in p for p in problems)
+    manifest["quantization"]["scheme"] = "fp8"
+    (pkg / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_package(pkg) == ['manifest.json: quantization.scheme must be "int8" or "int4", got a string "fp8"']
+
+
+def test_gptq_lowers_the_output_error_of_round_to_nearest():
+    """pipeline/quantize.py `gptq` on inputs with correlated features: the values within range, the output error
+    tr(dW H dW^T) below round to nearest's for int8 and int4, several weights in one call each as alone; an input no
+    token reached gets weight 0; a Hessian of NaNs is refused (LinAlgError), which export falls back from."""
+    from pipeline.quantize import gptq, quantize_int4, quantize_int8, rounding_error
+
+    g = torch.Generator().manual_seed(0)
+    B, O, I = 2, 32, 256
+    X = torch.randn(B, 1024, I, generator=g) @ torch.randn(I, I, generator=g) * 0.3
+    X[:, :, 5] = 0
+    H = X.transpose(1, 2) @ X
+    W = torch.randn(B, O, I, generator=g) * 0.02
+    for kind, top, rtn in (("int8", 127, quantize_int8), ("int4", 7, quantize_int4)):
+        q, scale = gptq(W, H, kind)
+        assert q.dtype == torch.int8 and int(q.abs().max()) <= top and (q[:, :, 5] == 0).all()
+        near = [rtn(W[b]) for b in range(B)]
+        ours = rounding_error(W, q, scale, H)
+        theirs = rounding_error(W, torch.stack([n[0] for n in near]), torch.stack([n[1] for n in near]), H)
+        assert (ours < 0.8 * theirs).all()
+        q1, s1 = gptq(W[1:], H[1:], kind)
+        assert torch.equal(q1[0], q[1]) and torch.equal(s1[0], scale[1])
+    with pytest.raises(torch.linalg.LinAlgError):
+        gptq(W[:1], torch.full((1, I, I), float("nan")), "int8")

@@ -18,6 +18,9 @@ Design:
     `tie_word_embeddings` (= tie_embeddings); a package without lm_head.weight loads cleanly.
   * gate in fp32: `_keep_in_fp32_modules_strict` keeps every router weight (`...gate.wg`) in fp32
     when the model loads in bf16/fp16; the reference router computes in fp32 anyway.
+  * quantised packages (export --quantize; config.json's `moe_pipeline_quantization`): the quantised
+    linears are moe_quantize.py's `QuantizedLinear` (pipeline/quantize.py), whose buffers are the stored
+    int8/int4 values and fp32 scales; each forward computes with the weight they stand for.
   * KV cache: Hugging Face's own `Cache` (a `DynamicCache` by default, what `generate` creates,
     reorders for beam search, crops, ...) seen through the interface moe_model's attention uses.
   * no padding: sequences of a batch must have the same length (an attention_mask with a 0
@@ -78,6 +81,11 @@ class MoEPipelineForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.cfg = config.to_model_config()  # GPT.forward reads self.cfg
         gpt = GPT(self.cfg, moe_impl="reference")
+        quantization = getattr(config, "moe_pipeline_quantization", None)
+        if quantization:  # export --quantize: those linears hold the stored int8/int4 values and scales
+            from .moe_quantize import quantized_modules_
+
+            quantized_modules_(gpt, quantization["scheme"], quantization["head"], quantization["group"])
         for name, module in gpt.named_children():  # wte, wpe, drop, blocks, ln_f, lm_head (tied as the GPT ties it)
             self.add_module(name, module)
         self.post_init()

@@ -233,7 +233,15 @@ class Engine:
                              f"{config.nproc} (start as many ranks, or drop --nproc)")
         verified = verified_package(config.package, config.checksums)
         dp = data_parallel_layout(verified.cfg, config, ranks.world)
-        if not dp and config.quantize is not None:
+        stored = verified.manifest.get("quantization")  # export --quantize: the package's int8/int4 weights
+        quantize, quantize_head = config.quantize, config.quantize_head
+        if stored is not None:
+            if quantize not in (None, stored["scheme"]):
+                raise ValueError(f"--quantize {quantize}: this package holds {stored['scheme']} weights (exported with "
+                                 f"--quantize {stored['scheme']}); drop --quantize, or serve a package exported "
+                                 f"without it")
+            quantize, quantize_head = (stored["scheme"], quantize_head or stored["head"]) if dp else (None, False)
+        if not dp and config.quantize is not None and stored is None:
             raise ValueError(f"--quantize {config.quantize}: the data-parallel layout only, and this package's experts "
                              f"{list(verified.cfg.experts)} do not split evenly over {ranks.world} ranks")
         if not dp:
@@ -243,7 +251,7 @@ class Engine:
         else:
             placed = placed_model(verified.cfg, config.package, ranks, package_dtype(verified.manifest, config.dtype),
                                   config.resident_experts, files=verified.files, transport=config.expert_exchange,
-                                  quantize=config.quantize, quantize_head=config.quantize_head)
+                                  quantize=quantize, quantize_head=quantize_head, stored=stored)
             model, exchange, layout = placed.model, placed.exchange, placed.layout
             tok = read_tokenizer(config.package, verified.files)
         controller = None

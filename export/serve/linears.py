@@ -455,6 +455,14 @@ class Int4Weight(QuantizedWeight):
 QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}  # serve --quantize: the weight class of each scheme
 
 
+def stored_weight(values: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+    """A quantised package's weight (export --quantize: int8 values [out, in], or int4 packed uint8 [out, in / 2]; its
+    scales) as the kernels read it, no copy."""
+    if values.dtype == torch.uint8:
+        return Int4Weight(values, scale, 2 * values.shape[1] // scale.shape[1])
+    return Int8Weight(values, scale)
+
+
 def quantized_weights(weights: list[torch.Tensor], scheme: str) -> list[QuantizedWeight]:
     """`weights` as `scheme`'s weights, all of one kind (an expert's fc1 and fc2: the expert kernels take one kind a
     layer): int4 where every one's rows fit its groups, else int8."""
@@ -688,21 +696,31 @@ def serving_norms(model: nn.Module) -> int:
     return count
 
 
-def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False) -> int:
+def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False,
+                     stored: dict[str, QuantizedWeight] | None = None) -> int:
     """After `serving_linears`: every served linear but the output layer (the model's `lm_head`, whose greedy rows the
     screen reads in int8 already; with `head`, it too, and its screen goes: the logits are the quantised layer's) and
-    every fused q/k/v weight as `scheme`'s weight (`quantized_weights`: weight-only, round to nearest; int8 one scale
-    per output channel, int4 one per 128 inputs of a row), in place; returns how many. The routers, norms and
-    embeddings (a tied head's embedding included) are left as they are."""
+    every fused q/k/v weight as `scheme`'s weight, in place; returns how many. `stored`: {weight name: weight} of a
+    quantised package (`stored_weight`), taken as they are; the rest `quantized_weights` (weight-only, round to
+    nearest; int8 one scale per output channel, int4 one per 128 inputs of a row). The routers, norms and embeddings
+    (a tied head's embedding included) are left as they are."""
+    stored = stored or {}
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, ServingLinear) and (head or module is not getattr(model, "lm_head", None)) \
                 and isinstance(module.served, ServingWeight):
-            module.served, module.screen = quantized_weights([module.served.weight], scheme)[0], None
+            kept = stored.get(f"{name}.weight")
+            module.served = kept or quantized_weights([module.served.weight], scheme)[0]
+            module.screen = None
             count += 1
         qkv = getattr(module, "qkv", None)
         if isinstance(qkv, FusedQKV) and isinstance(qkv.weight, ServingWeight):
-            (qkv.weight,) = quantized_weights([qkv.weight.weight], scheme)
+            parts = [stored.get(f"{name}.{p}.weight") for p in ("q_proj", "k_proj", "v_proj")]
+            if all(parts) and len({type(p) for p in parts}) == 1:  # the package's, rows stacked as the fused weight's
+                (qkv.weight,) = [type(parts[0])(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                                                *((parts[0].group,) if isinstance(parts[0], Int4Weight) else ()))]
+            else:
+                (qkv.weight,) = quantized_weights([qkv.weight.weight], scheme)
             count += 1
     return count
 

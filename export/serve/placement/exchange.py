@@ -528,16 +528,33 @@ class PlacedModel:
     layout: Layout
 
 
+def _stored_dense(model: GPT, src: Path, stored: dict | None, files: dict | None) -> dict:
+    """{weight name: its quantised weight} of the dense part of a quantised package (`stored`: its manifest's
+    `quantization`), read as stored; {} for another package."""
+    if stored is None:
+        return {}
+    from pipeline.build import meta_model
+    from pipeline.model import split_expert_key
+    from pipeline.quantize import scale_name, values_name, weight_kinds
+    from pipeline.weights import read_tensors
+
+    kinds = {n: k for n, k in weight_kinds(meta_model(model.cfg), stored["scheme"], stored["head"], stored["group"]).items()
+             if split_expert_key(n) is None}
+    raw = read_tensors(src, [t for n, k in kinds.items() for t in (values_name(n, k), scale_name(n))], files)
+    return {n: linears.stored_weight(raw[values_name(n, k)], raw[scale_name(n)]) for n, k in kinds.items()}
+
+
 def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
                  files: dict | None = None, transport: str = "auto", quantize: str | None = None,
-                 quantize_head: bool = False) -> PlacedModel:
+                 quantize_head: bool = False, stored: dict | None = None) -> PlacedModel:
     """The model with `PlacedMoE` layers on this rank: every rank holds the dense part and the gates;
     experts come through its `Exchange` (its native experts, resident or mapped, plus replicas).
     Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
     ServeConfig checks the flags). `files`: what verification saw of each file (export.package.VerifiedPackage);
     every read from the package compares it with the open file first. `quantize` ("int8", "int4"): the experts and
     the dense linears quantised as they load (export/serve/linears.py `quantize_linears`, `quantized_weights`; CPU
-    only), and with `quantize_head` the output layer too."""
+    only), and with `quantize_head` the output layer too. `stored`: a quantised package's scheme (its manifest's
+    `quantization`): its weights' values and scales are taken as they are (the rest, as `quantize` says)."""
     from export.inference import Layout
     from pipeline import dist
     from pipeline.build import cast_keeping_gates, meta_model
@@ -567,5 +584,5 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     serving_linears(model)  # on the CPU: the few-row kernel and oneDNN (export/serve/linears.py)
     linears.serving_norms(model)  # and RMSNorm in one call
     if quantize is not None:
-        linears.quantize_linears(model, quantize, head=quantize_head)
+        linears.quantize_linears(model, quantize, head=quantize_head, stored=_stored_dense(model, src, stored, files))
     return PlacedModel(model, exchange, Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world))

@@ -71,6 +71,11 @@ class ExpertStore:
                     count = (end - begin) // torch.empty((), dtype=dt).element_size()
                     view = torch.frombuffer(self._maps[f], dtype=dt, count=count, offset=start + begin)
                     self._views[key] = view.view(info["shape"])
+        # a quantised package (export --quantize): experts load as their stored values and scales
+        self.stored = any(k.endswith("_scale") for k in self._views)
+        if self.stored and self.device.type != "cpu":
+            raise ValueError(f"{self.src}: a quantised package (int8/int4 weights) is served on the CPU, whose kernels "
+                             f"read them (csrc/gemv.cpp); on a GPU export the run again without --quantize")
 
     def key(self, layer: int, expert: int, part: str) -> str:
         return expert_key(self.cfg.moe_layers[layer], expert, part)
@@ -82,11 +87,13 @@ class ExpertStore:
 
         parts = EXPERT_PARTS if self.cfg.mlp_bias else EXPERT_PARTS[::2]  # the families' experts have no biases
         keys = [self.key(layer, expert, p) for p in parts]
-        for f in dict.fromkeys(self.where[k] for k in keys):  # before touching the mapping
+        for f in dict.fromkeys(self.where[k] for k in self._stored_keys(keys)):  # before touching the mapping
             try:
                 check_unchanged(self._files[f].fileno(), self.src / f, self._facts[f])
             except FileChangedError as err:
                 raise FileChangedError(f"expert {expert} of MoE layer {layer} not loaded: {err}") from None
+        if self.stored:  # a quantised package: its experts' values and scales as they are (export --quantize)
+            return self._stored(keys)
         if self.device.type == "cuda":
             tensors = self._to_gpu(keys)
         else:
@@ -98,6 +105,33 @@ class ExpertStore:
             q1, q2 = quantized_weights([w1, w2], self.quantize)
             return q1, b1, q2, b2
         return serving_weight(w1), b1, serving_weight(w2), b2
+
+    def _stored_keys(self, keys: list[str]) -> list[str]:
+        """The stored tensors of `keys`: a quantised package's weight is its values and its scales."""
+        if not self.stored:
+            return keys
+        from pipeline.quantize import scale_name, values_name
+
+        out = []
+        for k in keys:
+            if k.endswith(".weight"):
+                out += [k if k in self._views else values_name(k, "int4"), scale_name(k)]
+            else:
+                out.append(k)
+        return out
+
+    def _stored(self, keys: list[str]) -> tuple:
+        from export.serve.linears import stored_weight
+
+        stored, out = iter(self._stored_keys(keys)), []
+        for k in keys:
+            if k.endswith(".weight"):
+                values, scale = self._views[next(stored)], self._views[next(stored)]
+                out.append(stored_weight(values.clone(), scale.clone()))
+            else:
+                out.append(self._views[next(stored)].to(dtype=self.dtype, copy=True))
+        w1, b1, w2, b2 = out if self.cfg.mlp_bias else (out[0], None, out[1], None)
+        return w1, b1, w2, b2
 
     def _to_gpu(self, keys: list[str]) -> list[torch.Tensor]:
         """The tensors of `keys` on the GPU: staged in pinned host memory (a copy from pageable memory is synchronous),
