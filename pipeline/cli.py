@@ -84,13 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="package directory (default RUN/package)")
     p.add_argument("--force", action="store_true", help="replace an existing package")
     p.add_argument("--max-shard-size", default="2GB", help="split model.safetensors above this size (HF's layout)")
-    p.add_argument("--format", choices=["package", "hf"], default="package",
+    p.add_argument("--format", choices=["package", "hf", "gguf"], default="package",
                    help="package: ours (expert-parallel serving, predictor, verify; remote code); hf: the imported "
                         "teacher's own family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) with the student's depth, for "
-                        "plain transformers, vLLM, SGLang (default out RUN/hf)")
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="weight-only quantised package: int8 (one scale per output row) or int4 (one per --group-size "
-                        "inputs of a row); routers, norms, embeddings and the output layer stay in --dtype")
+                        "plain transformers, vLLM, SGLang (default out RUN/hf); gguf: a file llama.cpp loads "
+                        "(Qwen3-MoE, Qwen2-MoE; --quantize q8_0|q4_0|bf16; default out RUN/gguf/model-TYPE.gguf)")
+    p.add_argument("--quantize", choices=["int8", "int4", "q8_0", "q4_0", "bf16"], default=None,
+                   help="package: weight-only int8 (one scale per output row) or int4 (one per --group-size inputs of a "
+                        "row), routers, norms, embeddings and the output layer staying in --dtype; gguf: llama.cpp's "
+                        "Q8_0, Q4_0 or BF16 (default q8_0)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantize: the output layer too (not a tied one)")
     p.add_argument("--quantize-method", choices=["gptq", "rtn"], default="gptq",
                    help="gptq: calibrated on the run's training split, every expert on every token (default); rtn: "
@@ -244,15 +246,23 @@ def cmd_export(args) -> int:
     from pipeline.artifacts import read_manifest
 
     src = args.run / args.stage if is_run_dir(args.run) else args.run
-    name = "hf" if args.format == "hf" else "package"
+    name = {"hf": "hf", "gguf": f"gguf/model-{(args.quantize or 'q8_0').upper()}.gguf"}.get(args.format, "package")
     out = args.out or (args.run / name if is_run_dir(args.run) else src.parent / name)
     try:
+        formats = {"package": ("int8", "int4"), "hf": (), "gguf": ("q8_0", "q4_0", "bf16")}[args.format]
+        if args.quantize and args.quantize not in formats:
+            raise ValueError(f"--quantize {args.quantize} with --format {args.format}: "
+                             + (f"one of {', '.join(formats)}" if formats else "compressed-tensors export is not "
+                                "built yet; export our package (--format package) with --quantize int8|int4"))
+        if args.format == "gguf":
+            from export.gguf import export_gguf
+
+            pkg = export_gguf(src, out, args.quantize or "q8_0", args.force)
+            print(f"[export] {src} -> {pkg}: GGUF {(args.quantize or 'q8_0').upper()}, {pkg.stat().st_size / 1e6:.1f} MB")
+            return 0
         if args.format == "hf":
             from export.native import export_native
 
-            if args.quantize:
-                raise ValueError("--quantize with --format hf: compressed-tensors export is not built yet; "
-                                 "export our package (--format package) with --quantize")
 
             pkg = export_native(src, out, args.dtype or "bf16", args.force, parse_size(args.max_shard_size))
         else:

@@ -39,7 +39,7 @@ if [ "$WHICH" = all ] || [ "$WHICH" = llama ]; then
   if [ ! -x .peers/llama.cpp/build/bin/llama-server ]; then
     echo "== llama.cpp's llama-server into .peers/llama.cpp"
     rm -rf .peers/sdist && mkdir -p .peers/sdist
-    quiet "$PYTHON" -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .peers/sdist
+    quiet "$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d .peers/sdist
     tar -xzf .peers/sdist/llama_cpp_python-0.3.36.tar.gz -C .peers/sdist
     rm -rf .peers/llama.cpp
     mv .peers/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp .peers/llama.cpp
