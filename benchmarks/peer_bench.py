@@ -120,16 +120,11 @@ def derived_dir(ckpt: Path, work: Path) -> Path:
     return work / f"{ckpt.name}-{hashlib.sha256(' '.join(facts).encode()).hexdigest()[:10]}"
 
 
-def our_package(ckpt: Path, work: Path, log: Path) -> Path:
-    """Our bf16 package of the checkpoint: imported as a teacher stage, exported, then `moe-pipeline verify`."""
-    from pipeline.artifacts import is_package
-
-    out = work / "ours-package"
-    if is_package(out):
-        return out
+@contextlib.contextmanager
+def teacher_stage(ckpt: Path, work: Path):
+    """The checkpoint imported as a finished teacher stage of a temporary run directory under `work` (removed after)."""
     import torch
 
-    from export.package import export_package
     from pipeline import data as data_lib
     from pipeline.artifacts import CONFIG, DONE, RECIPE_FILE, TOKENIZER
     from pipeline.build import load_hf_teacher
@@ -137,7 +132,6 @@ def our_package(ckpt: Path, work: Path, log: Path) -> Path:
     from pipeline.recipe import dump_recipe, load_recipe
     from pipeline.weights import save_weights
 
-    print(f"[ours] importing the checkpoint into a package -> {out}", flush=True)
     recipe = load_recipe(ROOT / "recipes" / "qwen3-30b-a3b-mos.yaml",  # provenance only; student: to validate
                          [f"teacher.load={ckpt.resolve()}", "student.layers=3", "distributed.nproc=1",
                           "distributed.ep_size=null"])
@@ -152,16 +146,49 @@ def our_package(ckpt: Path, work: Path, log: Path) -> Path:
         data_lib.save_tokenizer(data_lib.load_tokenizer(ckpt), stage / TOKENIZER)
         (stage / DONE).write_text(json.dumps({"stage": "teacher", "steps": 0, "loaded_from": str(ckpt.resolve())}))
         (run / RECIPE_FILE).write_text(dump_recipe(recipe))
-        export_package(stage, out, dtype="bf16", force=True)
+        yield stage
     finally:
         shutil.rmtree(run.parent, ignore_errors=True)
+
+
+def our_package(ckpt: Path, work: Path, log: Path, quantize: str | None = None) -> Path:
+    """Our bf16 package of the checkpoint: imported as a teacher stage, exported, then `moe-pipeline verify`. With
+    `quantize` ("int8", "int4"): `export --quantize` of it, rounded to nearest (GPTQ calibrates on a run's training
+    split; this checkpoint's random weights have none, and the speed is the same)."""
+    from pipeline.artifacts import is_package
+
+    out = work / ("ours-package" if quantize is None else f"ours-package-{quantize}")
+    if is_package(out):
+        return out
+    from export.package import Quantize, export_package
+
+    print(f"[ours] importing the checkpoint into a package -> {out}", flush=True)
+    with teacher_stage(ckpt, work) as stage:
+        export_package(stage, out, dtype="bf16", force=True,
+                       quantize=Quantize(quantize, method="rtn") if quantize else None)
     run_logged([*cli_command(), "verify", str(out)], log, timeout=600)
     return out
 
 
-def gguf(ckpt: Path, work: Path, log: Path) -> Path:
-    """The checkpoint as a bf16 GGUF, by llama.cpp's converter (run by an interpreter with transformers >= 5)."""
-    out = work / "model-bf16.gguf"
+def our_gguf(ckpt: Path, work: Path, qtype: str) -> Path:
+    """The checkpoint as a GGUF by our writer (`moe-pipeline export --format gguf`, export/gguf.py)."""
+    out = work / f"ours-{qtype}.gguf"
+    if out.is_file():
+        return out
+    from export.gguf import export_gguf
+
+    print(f"[ours] writing the checkpoint as GGUF {qtype} -> {out}", flush=True)
+    with teacher_stage(ckpt, work) as stage:
+        return export_gguf(stage, out, qtype)
+
+
+def gguf(ckpt: Path, work: Path, log: Path, outtype: str = "bf16") -> Path:
+    """The checkpoint as a GGUF (bf16, or q8_0) by llama.cpp's converter (run by an interpreter with transformers >= 5).
+    q4_0 is not one of its types (llama-quantize makes it): our writer's, whose Q8_0 and BF16 files are the converter's
+    byte for byte (benchmarks/gguf_interop.py)."""
+    if outtype == "q4_0":
+        return our_gguf(ckpt, work, outtype)
+    out = work / f"model-{outtype}.gguf"
     if out.is_file():
         return out
     work.mkdir(parents=True, exist_ok=True)
@@ -174,7 +201,7 @@ def gguf(ckpt: Path, work: Path, log: Path) -> Path:
     tmp = out.with_suffix(".partial")
     env = {**child_env(), "PYTHONPATH": str(PEERS / "llama.cpp" / "gguf-py")}
     with open(log, "a") as f:
-        subprocess.run([python, str(PEERS / "llama.cpp" / "convert_hf_to_gguf.py"), str(ckpt), "--outtype", "bf16",
+        subprocess.run([python, str(PEERS / "llama.cpp" / "convert_hf_to_gguf.py"), str(ckpt), "--outtype", outtype,
                         "--outfile", str(tmp)], env=env, stdout=f, stderr=subprocess.STDOUT, check=True)
     tmp.rename(out)
     return out
@@ -463,6 +490,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="runs of each server at each concurrency, in turn")
     ap.add_argument("--ours-args", default="", help="extra arguments for `moe-pipeline serve`, e.g. '--dtype bf16'")
+    ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                    help="quantised weights: ours an `export --quantize` package (round to nearest), llama.cpp a Q8_0 "
+                         "(int8) or Q4_0 (int4) GGUF; vLLM stays bf16 (its x86 CPU backend runs quantised MoE only as "
+                         "W8A8 compressed-tensors, which export does not write yet)")
     args = ap.parse_args(argv)
     for key in ("out", "work", "checkpoint", "package"):  # the children run in the repository root
         setattr(args, key, getattr(args, key) and getattr(args, key).resolve())
@@ -495,9 +526,10 @@ def main(argv: list[str] | None = None) -> dict:
     servers = [s for s in only if isinstance(results[s], dict)]
     derived = derived_dir(ckpt, args.work)
     if "ours" in servers:
-        pkg = args.package or our_package(ckpt, derived, args.out / "convert.log")
+        pkg = args.package or our_package(ckpt, derived, args.out / "convert.log", args.quantize)
     if "llama" in servers:
-        gguf_file = gguf(ckpt, derived, args.out / "convert.log")
+        gguf_file = gguf(ckpt, derived, args.out / "convert.log",
+                         {None: "bf16", "int8": "q8_0", "int4": "q4_0"}[args.quantize])
 
     with contextlib.ExitStack() as stack:
         up = {}

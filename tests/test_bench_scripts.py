@@ -199,3 +199,18 @@ def test_the_benchmarks_clean_child_environment_drops_every_launcher_variable(mo
     env = common.child_env()
     assert not set(LAUNCH_VARS) & set(env) and env["MOE_PIPELINE_BENCH_KEPT"] == "yes"
     assert env["HF_HUB_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_quantized_quality_scores_each_package_against_bf16(small_run, tmp_path):
+    """benchmarks/quantized_quality.py on the session's finished run, round to nearest only: the bf16, int8 and int4
+    packages exported, each scored on the whole held-out split (loss, its change against bf16, the top-1 routing
+    agreement with bf16: 1 for bf16 itself), smaller packages for fewer bits, the JSON and the plot written."""
+    import quantized_quality
+
+    assert quantized_quality.main([str(small_run), "--methods", "rtn", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "quantized_quality.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["bf16", "int8 rtn", "int4 rtn"]
+    assert rows[0]["loss_vs_bf16_pct"] == 0 and rows[0]["top1_routing_agreement"] == 1.0
+    assert all(0.5 < r["top1_routing_agreement"] <= 1 and abs(r["loss_vs_bf16_pct"]) < 20 for r in rows)
+    assert rows[0]["weights_bytes"] > rows[1]["weights_bytes"] > rows[2]["weights_bytes"]
+    assert (tmp_path / "quantized_quality.png").stat().st_size > 0
