@@ -92,3 +92,24 @@ def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tm
     assert two["blocks_in_use"] == [0, 0] and two["stats"]["failed"] == 0
     if placement != "-":
         assert all(0 < b <= 1 for b in two["placement_balancedness"])
+
+
+@pytest.fixture(scope="module")
+def int8_package(small_run, tmp_path_factory):
+    """`export --quantize int8` of the same run (GPTQ on 32 calibration blocks)."""
+    out = tmp_path_factory.mktemp("dp-int8") / "pkg"
+    cli("export", str(small_run), "--out", str(out), "--quantize", "int8", "--calibration-blocks", "32")
+    return out
+
+
+def test_a_quantized_package_serves_the_one_rank_tokens_on_two_ranks(int8_package, tmp_path):
+    """An int8 package (its stored values and scales through the int8 kernels on every rank, decode forwards in the
+    native decoder) on 2 data-parallel ranks: each request's tokens those of 1 rank on the same package."""
+    one = scenarios(int8_package, tmp_path / "one.json", native=True)
+    two = scenarios(int8_package, tmp_path / "two.json", ranks=2, native=True)
+    assert two["dp"] == 2 and two["native_experts"] == "gathered"
+    for name in ("staggered", "chunked"):
+        assert tokens(two[name]["requests"]) == tokens(one[name]["requests"]), name
+    assert {r["rank"] for r in two["staggered"]["requests"]} == {0, 1}
+    assert tokens(two["burst"]["batched"]) == tokens(one["burst"]["batched"])
+    assert two["stats"]["failed"] == 0
