@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         results = json.loads((out / "eval" / "results.json").read_text())
         for r in rows:
             entry = next((v for k, v in results.items() if not k.startswith("_")
-                          and v.get("model", {}).get("path") == r["package"]), None)
+                          and Path(v.get("model", {}).get("path", "")).resolve() == Path(r["package"]).resolve()), None)
             r["tasks"] = {t: {m: v for m, v in ms.items() if isinstance(v, (int, float)) and "stderr" not in m}
                           for t, ms in (entry or {}).get("results", {}).items()}
     print(f"\n{'variant':12} {'MB':>8} {'held-out loss':>14} {'vs bf16':>9} {'top-1 routes':>13}")
@@ -112,12 +112,14 @@ def main(argv=None) -> int:
               f"{100 * r['top1_routing_agreement']:12.2f}%")
     if args.tasks:
         tasks = sorted({t for r in rows for t in r.get("tasks", {})})
-        print(f"\n{'variant':12} " + " ".join(f"{t[:18]:>18}" for t in tasks))
+        print(f"\n{'variant':12} " + " ".join(f"{t[:18]:>18}" for t in tasks)
+              + "   (acc_norm, else acc, else bits per byte, else perplexity)")
         for r in rows:
             cells = []
             for t in tasks:
                 ms = r["tasks"].get(t, {})
-                key = next((m for m in ("acc_norm,none", "acc,none") if m in ms), next(iter(ms), None))
+                key = next((m for m in ("acc_norm,none", "acc,none", "bits_per_byte,none", "perplexity,none")
+                            if m in ms), None)
                 cells.append(f"{ms[key]:18.4f}" if key else f"{'-':>18}")
             print(f"{r['name']:12} " + " ".join(cells))
     result = {"cpu": cpu, "run": str(args.run.resolve()), "held_out_tokens": val.num_blocks * cfg.seq_len,
