@@ -50,8 +50,8 @@ def dequantised_twin(quantised, plain) -> int:
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantised_at_load_serves_what_its_dequantised_weights_give(package, scheme):
-    """int8 and int4 (groups of 128). Greedy tokens (through the head's screen) and the top-5 log-probabilities of every token, 3 prompts decoded
-    together for 10 tokens, equal to the same engine's on the dequantised weights (fp32: the int8 sums differ from
+    """int8 and int4 (groups of 128). Greedy tokens (through the head's screen) and the top-5 log-probabilities of every token, 4 prompts decoded
+    together for 10 tokens (one of 100 tokens), equal to the same engine's on the dequantised weights (fp32: the int8 sums differ from
     F.linear's only in their order); the decode forwards ran in the native decoder with int8 weights; the output layer,
     the routers and the embeddings left in fp32."""
     from export.serve.config import ServeConfig
@@ -68,7 +68,8 @@ def test_quantised_at_load_serves_what_its_dequantised_weights_give(package, sch
     # q/k/v and out in each of 4 layers, fc1 and fc2 of 2 dense MLPs and of the 2 MoE layers' residual MLPs, 12 experts
     assert dequantised_twin(quantised, plain) == 4 * 2 + 2 * 2 + 2 * 2 + 12
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 8000, (n,), generator=g).tolist() for n in (5, 9, 14)]
+    prompts = [torch.randint(100, 8000, (n,), generator=g).tolist() for n in (5, 9, 14, 100)]  # 100: a prefill
+    # whose experts take more rows than the grouped kernel (one GEMM each) and whose linears dequantise for oneDNN
     for params in (SamplingParams(max_tokens=10, ignore_eos=True),
                    SamplingParams(max_tokens=10, ignore_eos=True, logprobs=5)):
         got, want = generate(quantised, prompts, params), generate(plain, prompts, params)

@@ -335,8 +335,9 @@ def serving_weight(weight: torch.Tensor) -> torch.Tensor | ServingWeight:
     return ServingWeight(weight) if serves(weight) else weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | ServingWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return weight.linear(x, bias) if isinstance(weight, ServingWeight) else F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: "torch.Tensor | ServingWeight | QuantizedWeight",
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    return weight.linear(x, bias) if isinstance(weight, (ServingWeight, QuantizedWeight)) else F.linear(x, weight, bias)
 
 
 class ServingLinear(nn.Module):
@@ -362,6 +363,9 @@ class ServingLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
 
 
+DEQUANTIZE_ABOVE = 64  # rows above which a quantised weight is dequantised for one oneDNN GEMM (the kernels: 8 a pass)
+
+
 class QuantizedWeight:
     """A [out, in] weight held quantised (`Int8Weight`, `Int4Weight`): `q` its values as the kernels read them, `scale`
     its scales. `linear(x, bias)` for x of any rows in fp32 or bf16, as ServingWeight's (on the CPU through the kernel;
@@ -382,8 +386,9 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if self.gemv is None or not hasattr(self.gemv, self.KERNEL) or x.device.type != "cpu" or rows == 0:
-            return F.linear(x, self.dequantized(x.dtype).to(x.device), bias)  # no kernel here: the weight it stands for
+        if self.gemv is None or not hasattr(self.gemv, self.KERNEL) or x.device.type != "cpu" or rows == 0 \
+                or rows > DEQUANTIZE_ABOVE:  # no kernel here, or a prefill's rows: oneDNN on the weight it stands for
+            return F.linear(x, self.dequantized(x.dtype).to(x.device), bias)
         y = self._kernel_linear(x.reshape(rows, x.shape[-1]).contiguous(), bias)
         return y.view(*x.shape[:-1], self.q.shape[0])
 
