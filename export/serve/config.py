@@ -83,7 +83,7 @@ class ServeConfig(BaseModel):
                              f"all its experts' slices whole): drop --tp-size, and give --ep-size equal to the number "
                              f"of ranks ({self.nproc})")
         if self.quantize_head and self.quantize is None:
-            raise ValueError("--quantize-head needs --quantize (int8 or int4)")
+            raise ValueError("--quantize-head needs --quantize (int8 or int4; on a quantised package, its own scheme)")
         if self.placement is None and self.resident_experts != 1.0:
             raise ValueError("--resident-experts needs --placement (none, reactive or predictive)")
         if self.placement is not None:
