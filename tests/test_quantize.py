@@ -82,6 +82,9 @@ def test_quantised_at_load_serves_what_its_dequantised_weights_give(package, sch
     assert quantised.stats["decode_steps"] >= 9
     held = [w for w in quantised.exchange.residency.resident.values()]
     assert all(type(w[0]) is QUANTIZED[scheme] and type(w[2]) is QUANTIZED[scheme] for w in held)
+    w1, b1, w2, b2 = held[0]
+    assert quantised.exchange.residency.store.nbytes() == sum(  # an expert's memory, as held
+        t.numel() * t.element_size() for t in (w1.q, w1.scale, w2.q, w2.scale, *(b for b in (b1, b2) if b is not None)))
     assert type(model.blocks[0].attn.qkv.weight) is QUANTIZED[scheme]  # hidden 128: one group of int4 a row
 
 
@@ -237,6 +240,9 @@ def test_a_quantized_package_serves_its_stored_weights(quantized_packages, schem
 
     fc1 = expert_key(quantised.worker.model.cfg.moe_layers[0], 1, "fc1.weight")
     assert type(w1) is QUANTIZED[scheme] and torch.equal(w1.q, stored[values_name(fc1, scheme)])
+    held = sum(t.numel() * t.element_size() for w in (w1, w2) for t in (w.q, w.scale)) + \
+        sum(b.numel() * b.element_size() for b in quantised.exchange.residency.resident[(0, 1)][1::2] if b is not None)
+    assert quantised.exchange.residency.store.nbytes() == held  # an expert's memory, as held
     assert dequantised_twin(quantised, plain) > 0
     prompts = [[101, 202, 303, 404], [7, 77, 777, 7777, 5]]
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)

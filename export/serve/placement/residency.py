@@ -154,11 +154,22 @@ class ExpertStore:
         return out
 
     def nbytes(self) -> int:
-        """Bytes of one expert in the serving dtype."""
+        """Bytes of one expert as it is held: in the serving dtype, or quantised (its values, scales and biases)."""
         h, f = self.cfg.hidden, self.cfg.expert_hidden
         up = 2 * f if self.cfg.activation == "swiglu" else f
-        n = up * h + f * h + ((up + h) if self.cfg.mlp_bias else 0)
-        return n * torch.finfo(self.dtype).bits // 8
+        biases = ((up + h) if self.cfg.mlp_bias else 0) * torch.finfo(self.dtype).bits // 8
+        if self.stored:  # a quantised package: its first expert's stored tensors (every expert is alike)
+            parts = EXPERT_PARTS if self.cfg.mlp_bias else EXPERT_PARTS[::2]
+            keys = self._stored_keys([self.key(0, 0, p) for p in parts])
+            return sum(self._views[k].numel() * self._views[k].element_size() for k in keys if not k.endswith("bias")) \
+                + biases
+        if self.quantize is not None:  # quantised as it loads (linears.quantized_weights): values and fp32 scales
+            from pipeline.quantize import INT4_GROUP, fits_int4
+
+            if self.quantize == "int4" and fits_int4(h) and fits_int4(f):
+                return (up * h + f * h) // 2 + (up * h + f * h) // INT4_GROUP * 4 + biases
+            return up * h + f * h + (up + h) * 4 + biases
+        return (up * h + f * h) * torch.finfo(self.dtype).bits // 8 + biases
 
 
 @dataclass(frozen=True)
