@@ -75,9 +75,9 @@ def main(argv=None) -> dict:
     rows, t0 = {}, time.perf_counter()
     for qtype in args.types:
         ours = our_gguf(ckpt, derived, qtype)
-        theirs = gguf(ckpt, derived, args.out / "convert.log", "q8_0" if qtype == "q4_0" else qtype)
-        if qtype == "q4_0":
-            theirs = our_gguf(ckpt, derived, "q8_0")  # no converter Q4_0: against our Q8_0 file
+        # no converter Q4_0 (llama-quantize makes it): our Q4_0 against our Q8_0 file
+        theirs = our_gguf(ckpt, derived, "q8_0") if qtype == "q4_0" else gguf(ckpt, derived, args.out / "convert.log",
+                                                                             qtype)
         diff = file_differences(ours, theirs) if qtype != "q4_0" else None
         g_ours = greedy_of(ours, cpu["cores"], tok, prompts, args.new_tokens, args.out / f"llama-ours-{qtype}.log")
         g_theirs = greedy_of(theirs, cpu["cores"], tok, prompts, args.new_tokens,

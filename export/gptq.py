@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 
 from pipeline.model import GPT, _ReferenceDispatch, mlp_activation, rope_tables
-from pipeline.quantize import INT4_GROUP, dequantized, gptq, pack_int4, scale_name, stored_form, values_name
+from pipeline.quantize import (INT4_GROUP, dequantized, gptq, pack_int4, rounding_error, scale_name, stored_form,
+                               values_name)
 
 METHODS = ("gptq", "rtn")
 
@@ -159,11 +160,10 @@ class _Calibration:
                 q, scale = q[0].split([w.shape[0] for w in W]), scale[0].split([w.shape[0] for w in W])
             for b, n in enumerate(names):
                 self._store(n, kind, q[b], scale[b])
-                h = H[0 if rows else b]
-                mine = W[b] - self.params[n].detach().double()  # the parameter holds the quantised weight now
-                near = W[b] - dequantized(*_rtn(W[b], kind, self.group), self.group).double()
-                ours += float(torch.einsum("oi,ij,oj->", mine, h, mine))
-                theirs += float(torch.einsum("oi,ij,oj->", near, h, near))
+                h = H[0 if rows else b][None]
+                ours += float(rounding_error(W[b][None], q[b][None], scale[b][None], h, self.group))
+                near = _rtn(W[b], kind, self.group)
+                theirs += float(rounding_error(W[b][None], near[0][None], near[1][None], h, self.group))
         if theirs > 0:
             self.error[prefix.rstrip(".")] = round(ours / theirs, 4)
 

@@ -155,9 +155,11 @@ def stored_form(w: torch.Tensor, kind: str, group: int = INT4_GROUP) -> tuple[to
     return pack_int4(q), scale
 
 
-def stored_dequantized(values: torch.Tensor, scale: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
-    """The fp32 weight a package's stored values and scales stand for (int8 [out, in], or int4 packed uint8)."""
-    return dequantized(unpack_int4(values) if values.dtype == torch.uint8 else values, scale, group)
+def stored_dequantized(values: torch.Tensor, scale: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """The fp32 weight a package's stored values and scales stand for (int8 [out, in], or int4 packed uint8); an int4
+    weight's `group` is its inputs over its scales' columns unless given."""
+    q = unpack_int4(values) if values.dtype == torch.uint8 else values
+    return dequantized(q, scale, group or (q.shape[1] // scale.shape[1] if scale.dim() == 2 else INT4_GROUP))
 
 
 class QuantizedLinear(nn.Module):
@@ -181,8 +183,7 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         values = self.weight if self.kind == "int8" else self.weight_packed
-        return stored_dequantized(values.cpu(), self.weight_scale.float().cpu(), self.group).to(
-            device=values.device, dtype=dtype)
+        return stored_dequantized(values, self.weight_scale.float(), self.group).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.dequantized(x.dtype), self.bias)
@@ -246,7 +247,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, kind: str, group: int = INT4_GR
             col = i1 + i
             if kind == "int4" and col % group == 0:
                 g = col // group
-                part = torch.cat([W1[:, :, i:], W[:, :, i2:]], 2)[:, :, :group]  # the group, as updated so far
+                part = torch.cat([W1[:, :, i:i + group], W[:, :, i2:col + group]], 2)  # the group, as updated so far
                 scales[:, :, g] = (part.abs().amax(2) / top).float().clamp_min(torch.finfo(torch.float32).tiny)
             s = (scale if kind == "int8" else scales[:, :, col // group]).double()  # [B, O]
             x = W1[:, :, i]

@@ -376,10 +376,7 @@ class _Dequantize:
 
         self.parts[key] = t
         if len(self.parts) == 2:
-            values, scale = self.parts.pop(self.values), self.parts.pop(scale_name(self.name))
-            unpacked = values.shape[1] * (2 if values.dtype == torch.uint8 else 1)
-            group = unpacked // scale.shape[1] if scale.dim() == 2 else 0
-            w = stored_dequantized(values, scale, group)
+            w = stored_dequantized(self.parts.pop(self.values), self.parts.pop(scale_name(self.name)))
             _check_shapes(self.params, self.name, tuple(w.shape), path)
             _place(w, self.params)
 

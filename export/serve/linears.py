@@ -42,7 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.quantize import INT4_GROUP, dequantized, int8_rows, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from pipeline.quantize import (INT4_GROUP, dequantized, fits_int4, int8_rows, pack_int4, quantize_int4, quantize_int8,
+                               unpack_int4)
 
 SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.linear's call is cheapest)
 ONEDNN_FROM = 1 << 20  # below this, more than 4 rows go to F.linear: as fast there, and no primitive cache to grow
@@ -437,9 +438,7 @@ class Int4Weight(QuantizedWeight):
         super().__init__(packed, scale)
         self.group = group
 
-    @staticmethod
-    def fits(inputs: int, group: int = INT4_GROUP) -> bool:
-        return group % 64 == 0 and inputs % group == 0 and inputs > 0
+    fits = staticmethod(fits_int4)
 
     @classmethod
     def of(cls, w: torch.Tensor, group: int = INT4_GROUP) -> "Int4Weight":
@@ -722,8 +721,7 @@ def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False,
         if isinstance(qkv, FusedQKV) and isinstance(qkv.weight, ServingWeight):
             parts = [stored.get(f"{name}.{p}.weight") for p in ("q_proj", "k_proj", "v_proj")]
             if all(parts) and len({type(p) for p in parts}) == 1:  # the package's, rows stacked as the fused weight's
-                (qkv.weight,) = [type(parts[0])(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                                                *((parts[0].group,) if isinstance(parts[0], Int4Weight) else ()))]
+                qkv.weight = stored_weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
             else:
                 (qkv.weight,) = quantized_weights([qkv.weight.weight], scheme)
             count += 1
