@@ -170,6 +170,20 @@ def our_package(ckpt: Path, work: Path, log: Path, quantize: str | None = None) 
     return out
 
 
+def our_w8a8(ckpt: Path, work: Path) -> Path:
+    """The checkpoint as the int8 W8A8 compressed-tensors checkpoint vLLM's CPU backend runs (`export --format hf
+    --quantize w8a8`, export/compressed.py), rounded to nearest: the int8 weights and scales of our int8 package."""
+    out = work / "ours-hf-w8a8"
+    if (out / "config.json").is_file():
+        return out
+    from export.native import export_native
+    from export.package import Quantize
+
+    print(f"[ours] writing the checkpoint as compressed-tensors W8A8 -> {out}", flush=True)
+    with teacher_stage(ckpt, work) as stage:
+        return export_native(stage, out, "bf16", force=True, quantize=Quantize("int8", method="rtn"), scheme="w8a8")
+
+
 def our_gguf(ckpt: Path, work: Path, qtype: str) -> Path:
     """The checkpoint as a GGUF by our writer (`moe-pipeline export --format gguf`, export/gguf.py)."""
     out = work / f"ours-{qtype}.gguf"
@@ -253,7 +267,7 @@ def serve_ours(pkg: Path, cores: int, extra: list[str], log: Path):
     return serving("ours", cmd, {**child_env(), "OMP_NUM_THREADS": str(cores)}, port, log)
 
 
-def serve_vllm(ckpt: Path, cores: int, log: Path):
+def serve_vllm(model_dir: Path, cores: int, log: Path):
     from pipeline.dist import free_port
 
     port = free_port()
@@ -261,7 +275,7 @@ def serve_vllm(ckpt: Path, cores: int, log: Path):
                if Path(p).is_file()]
     env = {**child_env(), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
            "VLLM_NO_USAGE_STATS": "1", **({"LD_PRELOAD": ":".join(preload)} if preload else {})}
-    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--dtype", "bfloat16",
+    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "bfloat16",
            "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME]
     return serving("vllm", cmd, env, port, log)
 
@@ -492,8 +506,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ours-args", default="", help="extra arguments for `moe-pipeline serve`, e.g. '--dtype bf16'")
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
                     help="quantised weights: ours an `export --quantize` package (round to nearest), llama.cpp a Q8_0 "
-                         "(int8) or Q4_0 (int4) GGUF; vLLM stays bf16 (its x86 CPU backend runs quantised MoE only as "
-                         "W8A8 compressed-tensors, which export does not write yet)")
+                         "(int8) or Q4_0 (int4) GGUF, vLLM with int8 the W8A8 compressed-tensors checkpoint of the same "
+                         "int8 weights (`export --format hf --quantize w8a8`; its x86 CPU backend runs quantised MoE "
+                         "only so); with int4 vLLM stays bf16 (no x86 int4 MoE there)")
     args = ap.parse_args(argv)
     for key in ("out", "work", "checkpoint", "package"):  # the children run in the repository root
         setattr(args, key, getattr(args, key) and getattr(args, key).resolve())
@@ -527,6 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
     derived = derived_dir(ckpt, args.work)
     if "ours" in servers:
         pkg = args.package or our_package(ckpt, derived, args.out / "convert.log", args.quantize)
+    vllm_model = our_w8a8(ckpt, derived) if "vllm" in servers and args.quantize == "int8" else ckpt
     if "llama" in servers:
         gguf_file = gguf(ckpt, derived, args.out / "convert.log",
                          {None: "bf16", "int8": "q8_0", "int4": "q4_0"}[args.quantize])
@@ -535,7 +551,7 @@ def main(argv: list[str] | None = None) -> dict:
         up = {}
         for s in servers:  # each up, warmed, its agreement prompts, then paused while the others start
             ctx = (serve_ours(pkg, cpu["cores"], shlex.split(args.ours_args), args.out / "ours.log") if s == "ours" else
-                   serve_vllm(ckpt, cpu["cores"], args.out / "vllm.log") if s == "vllm" else
+                   serve_vllm(vllm_model, cpu["cores"], args.out / "vllm.log") if s == "vllm" else
                    serve_llama(gguf_file, cpu["cores"], args.out / "llama.log"))
             try:
                 url, group = stack.enter_context(ctx)

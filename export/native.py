@@ -19,13 +19,18 @@ were pruned to different expert counts, or a PR-MoE model is refused (NativeExpo
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.artifacts import CONFIG, DONE, DTYPE_NAMES, DTYPES, MANIFEST, TOKENIZER, read_model_config, sha256_file
 from pipeline.hf_import import SUPPORTED, hf_sources
 from pipeline.model import GPT, ModelConfig
+
+if TYPE_CHECKING:
+    from export.package import Quantize
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
@@ -77,13 +82,15 @@ def native_config(cfg: ModelConfig, dtype: torch.dtype, bos: int | None = None, 
     return out
 
 
-def native_tensors(model: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def native_tensors(model: GPT, dtype: torch.dtype, skip=()) -> dict[str, torch.Tensor]:
     """Every tensor of `model` (all experts local) under the family's Hub name, in `dtype` (gates too: these
-    families store the router in the model's dtype)."""
+    families store the router in the model's dtype); our parameters in `skip` left out."""
     from pipeline.weights import unique_params
 
     out = {}
     for name, p in unique_params(model):
+        if name in skip:
+            continue
         keys = hf_sources(model.cfg, name)
         parts = p.detach().chunk(len(keys), dim=0) if len(keys) > 1 else (p.detach(),)
         for key, part in zip(keys, parts):
@@ -92,30 +99,68 @@ def native_tensors(model: GPT, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def write_native(model: GPT, out: Path, tokenizer=None, dtype: torch.dtype = torch.bfloat16, force: bool = False,
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write `model` as its family's checkpoint in `out` (atomically: a temporary directory, then rename)."""
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, quantized: Quantized | None = None) -> Path:
+    """Write `model` as its family's checkpoint in `out` (atomically: a temporary directory, then rename); with
+    `quantized`, its quantised weights as compressed-tensors (export/compressed.py)."""
     from export.package import _write_shards, staged
 
     out = Path(out)
     config = native_config(model.cfg, dtype, getattr(tokenizer, "bos_token_id", None),
                            getattr(tokenizer, "eos_token_id", None))
+    tensors = native_tensors(model, dtype, skip=quantized.kinds if quantized else ())
+    if quantized is not None:
+        from export.compressed import compressed_tensors
+
+        tensors.update(compressed_tensors(model.cfg, quantized.kinds, quantized.stored, quantized.scheme,
+                                          quantized.group))
     with staged(out, force) as tmp:
-        weights = _write_shards(native_tensors(model, dtype), tmp, max_shard_bytes, {"format": "pt"})
+        weights = _write_shards(tensors, tmp, max_shard_bytes, {"format": "pt"})
+        del tensors
         (tmp / CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+        if quantized is not None:  # config.json's quantization_config, by compressed-tensors' own writer
+            from compressed_tensors.compressors import ModelCompressor
+
+            from export.compressed import quantization_config
+
+            qc = quantization_config(model.cfg, quantized.scheme, quantized.group, "lm_head.weight" in quantized.kinds)
+            ModelCompressor(quantization_config=qc).update_config(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        manifest = {"format": f"hf-{model.cfg.family}", "weights": weights, "files": {
-            p.name: {"sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(tmp.iterdir()) if p.is_file()}}
+        manifest = {"format": f"hf-{model.cfg.family}", "weights": weights,
+                    **({"quantization": quantized.manifest()} if quantized is not None else {}),
+                    "files": {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
+                              for p in sorted(tmp.iterdir()) if p.is_file()}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return out
 
 
+@dataclass
+class Quantized:
+    """A model's quantised weights for `write_native`: the compressed-tensors scheme (export/compressed.py SCHEMES),
+    int4's group, {our weight: "int8" | "int4"}, their stored values and scales, the quantiser's report."""
+
+    scheme: str
+    group: int
+    kinds: dict[str, str]
+    stored: dict[str, torch.Tensor]
+    report: dict
+
+    def manifest(self) -> dict:
+        from export.compressed import SCHEMES
+
+        return {"scheme": self.scheme, "compressed_tensors": SCHEMES[self.scheme],
+                "group": self.group if self.scheme == "int4" else None, **self.report}
+
+
 def export_native(stage_dir: Path, out: Path, dtype: str = "bf16", force: bool = False,
-                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, quantize: Quantize | None = None,
+                  scheme: str | None = None, progress: bool = False) -> Path:
     """Write a finished stage (a student of an imported teacher, or the teacher) as its family's checkpoint in
-    `out`. What the family cannot express is refused before any weight is read (NativeExportError)."""
+    `out`; with `quantize` (its weights' kind, method, group, calibration) and `scheme` (export/compressed.py
+    SCHEMES: int8, int4, w8a8), quantised as compressed-tensors. What the family cannot express is refused before any
+    weight is read (NativeExportError)."""
     from pipeline import data as data_lib
-    from pipeline.build import load_stage_model
+    from pipeline.build import load_stage_model, meta_model
 
     stage_dir = Path(stage_dir)
     if dtype not in DTYPES:
@@ -123,9 +168,26 @@ def export_native(stage_dir: Path, out: Path, dtype: str = "bf16", force: bool =
     if not (stage_dir / DONE).is_file():
         raise FileNotFoundError(f"{stage_dir / DONE} is missing: the stage is not finished "
                                 f"(run `moe-pipeline distill RECIPE` first)")
-    native_config(read_model_config(stage_dir), DTYPES[dtype])  # refused here, before anything is read or written
+    cfg = read_model_config(stage_dir)
+    native_config(cfg, DTYPES[dtype])  # refused here, before anything is read or written
+    if quantize is not None:
+        from export.compressed import check_groups, require
+        from pipeline.quantize import weight_kinds
+
+        require()
+
+        shapes = meta_model(cfg)
+        check_groups(weight_kinds(shapes, quantize.scheme, quantize.head, quantize.group), shapes, scheme,
+                     quantize.group)
     if Path(out).exists() and not force:
         raise FileExistsError(f"{out} exists: pass --force to replace it, or --out another directory")
-    model = load_stage_model(stage_dir, DTYPES[dtype])
+    quantized = None
+    if quantize is None:
+        model = load_stage_model(stage_dir, DTYPES[dtype])
+    else:
+        from export.package import quantize_stage
+
+        model, kinds, stored, report = quantize_stage(stage_dir, cfg, quantize, progress)
+        quantized = Quantized(scheme, quantize.group, kinds, stored, {**report, "head": quantize.head})
     return write_native(model, out, data_lib.load_tokenizer(stage_dir / TOKENIZER), DTYPES[dtype], force,
-                        max_shard_bytes)
+                        max_shard_bytes, quantized)

@@ -476,30 +476,41 @@ def _quantization_entry(q: Quantize) -> dict:
     return {"scheme": q.scheme, "group": q.group, "head": q.head, "method": q.method}
 
 
-def _quantized_tensors(stage_dir: Path, cfg: ModelConfig, quantize: Quantize, dtype: torch.dtype,
-                       progress: bool) -> tuple[dict[str, torch.Tensor], dict]:
-    """The package's tensors with `quantize`'s weights as their values and scales (quantised from the stage's fp32
-    weights; GPTQ on `calibration_blocks` blocks of the run's training split), and the quantisation's report."""
+def quantize_stage(stage_dir: Path, cfg: ModelConfig, quantize: Quantize,
+                   progress: bool) -> tuple[torch.nn.Module, dict[str, str], dict[str, torch.Tensor], dict]:
+    """A finished stage's model quantised as `quantize` says (GPTQ on `calibration_blocks` blocks of the run's training
+    split, or round to nearest): (the fp32 model, {weight: "int8" | "int4"} (pipeline/quantize.py `weight_kinds`),
+    {stored name: values or scales} (`values_name`, `scale_name`), the quantisation's report). Our package and the
+    compressed-tensors checkpoint (export/compressed.py) store the same values and scales."""
     from export.gptq import quantize_model
     from pipeline.quantize import weight_kinds
-    from pipeline.weights import unique_params
 
     model = load_stage_model(stage_dir, torch.float32)
     kinds = weight_kinds(model, quantize.scheme, quantize.head, quantize.group)
     batches = _calibration_blocks(stage_dir, cfg, quantize.calibration_blocks) if quantize.method == "gptq" else None
-    say = None
-    if progress:
+    say = bar = None
+    if progress and batches is not None:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.layers, desc=f"GPTQ {quantize.scheme}", unit="block")
         say = lambda _: bar.update(1)  # noqa: E731
     stored, report = quantize_model(model, kinds, batches, quantize.method, quantize.group, progress=say)
-    if progress:
+    if bar is not None:
         bar.close()
-    tensors = {k: (p.float() if is_gate(k) else p.to(dtype)) for k, p in unique_params(model) if k not in kinds}
-    tensors.update(stored)
     report = {**report, "weights": len(kinds), "int4_weights": sum(k == "int4" for k in kinds.values()),
               "int8_weights": sum(k == "int8" for k in kinds.values())}
+    return model, kinds, stored, report
+
+
+def _quantized_tensors(stage_dir: Path, cfg: ModelConfig, quantize: Quantize, dtype: torch.dtype,
+                       progress: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """The package's tensors with `quantize`'s weights as their values and scales (`quantize_stage`), the rest in
+    `dtype` (MoE gates fp32), and the quantisation's report."""
+    from pipeline.weights import unique_params
+
+    model, kinds, stored, report = quantize_stage(stage_dir, cfg, quantize, progress)
+    tensors = {k: (p.float() if is_gate(k) else p.to(dtype)) for k, p in unique_params(model) if k not in kinds}
+    tensors.update(stored)
     return tensors, report
 
 

@@ -89,10 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "teacher's own family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) with the student's depth, for "
                         "plain transformers, vLLM, SGLang (default out RUN/hf); gguf: a file llama.cpp loads "
                         "(Qwen3-MoE, Qwen2-MoE; --quantize q8_0|q4_0|bf16; default out RUN/gguf/model-TYPE.gguf)")
-    p.add_argument("--quantize", choices=["int8", "int4", "q8_0", "q4_0", "bf16"], default=None,
+    p.add_argument("--quantize", choices=["int8", "int4", "w8a8", "q8_0", "q4_0", "bf16"], default=None,
                    help="package: weight-only int8 (one scale per output row) or int4 (one per --group-size inputs of a "
-                        "row), routers, norms, embeddings and the output layer staying in --dtype; gguf: llama.cpp's "
-                        "Q8_0, Q4_0 or BF16 (default q8_0)")
+                        "row), routers, norms, embeddings and the output layer staying in --dtype; hf: compressed-tensors "
+                        "as llm-compressor writes it, int8 (W8A16), int4 (W4A16) or w8a8 (int8 weights and per-token "
+                        "int8 activations: vLLM's CPU backend; default out RUN/hf-SCHEME); gguf: llama.cpp's Q8_0, Q4_0 "
+                        "or BF16 (default q8_0)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantize: the output layer too (not a tied one)")
     p.add_argument("--quantize-method", choices=["gptq", "rtn"], default="gptq",
                    help="gptq: calibrated on the run's training split, every expert on every token (default); rtn: "
@@ -246,14 +248,22 @@ def cmd_export(args) -> int:
     from pipeline.artifacts import read_manifest
 
     src = args.run / args.stage if is_run_dir(args.run) else args.run
-    name = {"hf": "hf", "gguf": f"gguf/model-{(args.quantize or 'q8_0').upper()}.gguf"}.get(args.format, "package")
+    name = {"hf": f"hf-{args.quantize}" if args.quantize else "hf",
+            "gguf": f"gguf/model-{(args.quantize or 'q8_0').upper()}.gguf"}.get(args.format, "package")
     out = args.out or (args.run / name if is_run_dir(args.run) else src.parent / name)
     try:
-        formats = {"package": ("int8", "int4"), "hf": (), "gguf": ("q8_0", "q4_0", "bf16")}[args.format]
+        formats = {"package": ("int8", "int4"), "hf": ("int8", "int4", "w8a8"),
+                   "gguf": ("q8_0", "q4_0", "bf16")}[args.format]
         if args.quantize and args.quantize not in formats:
-            raise ValueError(f"--quantize {args.quantize} with --format {args.format}: "
-                             + (f"one of {', '.join(formats)}" if formats else "compressed-tensors export is not "
-                                "built yet; export our package (--format package) with --quantize int8|int4"))
+            raise ValueError(f"--quantize {args.quantize} with --format {args.format}: one of {', '.join(formats)}")
+        if args.quantize_head and not args.quantize:
+            raise ValueError("--quantize-head needs --quantize (int8 or int4)")
+        quantize = None
+        if args.quantize and args.format != "gguf":
+            from export.compressed import weight_scheme
+
+            quantize = Quantize(weight_scheme(args.quantize), args.quantize_head, args.quantize_method,
+                                args.group_size, args.calibration_blocks)
         if args.format == "gguf":
             from export.gguf import export_gguf
 
@@ -263,15 +273,9 @@ def cmd_export(args) -> int:
         if args.format == "hf":
             from export.native import export_native
 
-
-            pkg = export_native(src, out, args.dtype or "bf16", args.force, parse_size(args.max_shard_size))
+            pkg = export_native(src, out, args.dtype or "bf16", args.force, parse_size(args.max_shard_size),
+                                quantize, args.quantize, progress=True)
         else:
-            quantize = None
-            if args.quantize:
-                quantize = Quantize(args.quantize, args.quantize_head, args.quantize_method, args.group_size,
-                                    args.calibration_blocks)
-            elif args.quantize_head:
-                raise ValueError("--quantize-head needs --quantize (int8 or int4)")
             pkg = export_package(src, out, dtype=args.dtype or "fp32", force=args.force,
                                  max_shard_bytes=parse_size(args.max_shard_size), quantize=quantize, progress=True)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
@@ -281,8 +285,10 @@ def cmd_export(args) -> int:
     size = sum(f["size"] for f in manifest["files"].values())
     if args.format == "hf":
         config = json.loads((pkg / "config.json").read_text())
+        q = manifest.get("quantization")
+        quantized = f" + {q['compressed_tensors']} (compressed-tensors, {q['method']})" if q else ""
         print(f"[export] {src} -> {pkg}: {config['architectures'][0]}, {config['num_hidden_layers']} layers, "
-              f"{config['torch_dtype']}, {len(manifest['files'])} files, {size / 1e6:.1f} MB")
+              f"{config['torch_dtype']}{quantized}, {len(manifest['files'])} files, {size / 1e6:.1f} MB")
         return 0
     q = manifest.get("quantization")
     quantized = f" + {q['scheme']} weights ({q['method']}, {q['weights']} quantised)" if q else ""

