@@ -2,6 +2,7 @@
 
     bash scripts/peers_setup.sh llama                  # llama.cpp's llama-server and converter, under .peers/ (once)
     .venv/bin/python benchmarks/gguf_interop.py        # Q8_0 and BF16
+    .venv/bin/python benchmarks/gguf_interop.py --family mixtral     # a random Mixtral of the same sizes (or olmoe)
     .venv/bin/python benchmarks/gguf_interop.py --types q8_0 --checkpoint DIR
 
 For each type: the checkpoint (peer_bench.py's random Qwen3-MoE, or --checkpoint) written by `moe-pipeline export
@@ -56,7 +57,10 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gguf_interop")
     ap.add_argument("--work", type=Path, default=PEERS / "work")
-    ap.add_argument("--checkpoint", type=Path, help="a Qwen3-MoE checkpoint directory instead of the random one")
+    ap.add_argument("--checkpoint", type=Path, help="a checkpoint directory (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) "
+                                                     "instead of the random one")
+    ap.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "mixtral", "olmoe"],
+                    help="the random checkpoint's family (peer_bench.py's sizes)")
     ap.add_argument("--types", nargs="+", default=["q8_0", "bf16"], choices=["q8_0", "bf16", "q4_0"])
     ap.add_argument("--new-tokens", type=int, default=16)
     args = ap.parse_args(argv)
@@ -68,7 +72,7 @@ def main(argv=None) -> dict:
     print(f"CPU: {cpu_line(cpu)}")
     from pipeline import data as data_lib
 
-    ckpt = (args.checkpoint or make_checkpoint(args.work)).resolve()
+    ckpt = (args.checkpoint or make_checkpoint(args.work, args.family)).resolve()
     derived = derived_dir(ckpt, args.work)
     tok = data_lib.load_tokenizer(ckpt)
     prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]

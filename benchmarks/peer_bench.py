@@ -47,6 +47,8 @@ from common import ROOT, child_env, cli_command, cpu_info, cpu_line, run_logged 
 PEERS = ROOT / ".peers"
 VLLM_PY = PEERS / "vllm" / "bin" / "python"
 LLAMA_SERVER = PEERS / "llama.cpp" / "build" / "bin" / "llama-server"
+RECIPES = {"qwen3_moe": "qwen3-30b-a3b-mos.yaml", "qwen2_moe": "qwen1.5-moe-a2.7b-mos.yaml",  # a family's recipe
+           "mixtral": "mixtral-8x7b-mos.yaml", "olmoe": "olmoe-1b-7b-mos.yaml"}
 SERVERS = {"ours": "ours", "vllm": "vLLM CPU", "llama": "llama.cpp"}
 REFERENCE = "transformers fp32"
 MODEL_NAME = "peer-qwen3-moe"  # the peers' served name (ours answers to its package's name)
@@ -77,9 +79,10 @@ main(p.parse_args(sys.argv[1:]))
 
 # -- the model, three ways ---------------------------------------------------------------------------------------
 
-def make_checkpoint(work: Path) -> Path:
-    """The random Qwen3-MoE checkpoint (bf16, ~529 MB) with GPT-2's tokenizer, made once under `work`."""
-    out = work / "checkpoint"
+def make_checkpoint(work: Path, family: str = "qwen3_moe") -> Path:
+    """The random Qwen3-MoE checkpoint (bf16, ~529 MB) with GPT-2's tokenizer, made once under `work`; or one of
+    another family of the same sizes (Mixtral, OLMoE: experts 768 wide, for benchmarks/gguf_interop.py)."""
+    out = work / ("checkpoint" if family == "qwen3_moe" else f"checkpoint-{family}")
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
         return out
     import torch
@@ -87,13 +90,20 @@ def make_checkpoint(work: Path) -> Path:
 
     from pipeline import data as data_lib
 
-    print(f"[model] making the random Qwen3-MoE checkpoint -> {out}", flush=True)
+    print(f"[model] making the random {family} checkpoint -> {out}", flush=True)
     tok = data_lib.gpt2_tokenizer(4096)  # <|endoftext|> = 50256: bos, eos and unk
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=50304, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
-        head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096, tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    common = dict(vocab_size=50304, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                  num_key_value_heads=4, num_experts_per_tok=2, max_position_embeddings=4096, tie_word_embeddings=False,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(head_dim=64, num_experts=16, moe_intermediate_size=768, norm_topk_prob=True,
+                                          decoder_sparse_step=1, mlp_only_layers=[], **common)
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=16, intermediate_size=768, **common)
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(num_experts=16, intermediate_size=768, pad_token_id=tok.eos_token_id, **common)
+    else:
+        raise ValueError(f"make_checkpoint: family {family!r}: one of qwen3_moe, mixtral, olmoe")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # routers and norms away from their initial values, as tests/hf_checkpoints.py
@@ -132,7 +142,8 @@ def teacher_stage(ckpt: Path, work: Path):
     from pipeline.recipe import dump_recipe, load_recipe
     from pipeline.weights import save_weights
 
-    recipe = load_recipe(ROOT / "recipes" / "qwen3-30b-a3b-mos.yaml",  # provenance only; student: to validate
+    family = read_hf_config(ckpt)["model_type"]
+    recipe = load_recipe(ROOT / "recipes" / RECIPES[family],  # provenance only; student: to validate
                          [f"teacher.load={ckpt.resolve()}", "student.layers=3", "distributed.nproc=1",
                           "distributed.ep_size=null"])
     run = work / ".ours-build" / MODEL_NAME  # a run directory with one finished stage

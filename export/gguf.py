@@ -4,20 +4,22 @@
     moe-pipeline export RUN --stage teacher --format gguf --quantize bf16 --out teacher-bf16.gguf
     llama-server -m RUN/gguf/model-Q8_0.gguf
 
-The model of a family llama.cpp runs (Qwen3-MoE `qwen3moe`, Qwen2-MoE `qwen2moe`: a teacher imported from one, and
-the students distilled from it) is written as llama.cpp's own converter (convert_hf_to_gguf.py) writes that family's
-Hugging Face checkpoint: the same architecture key and hyper-parameters, the same tensor names (gguf-py's tensor map;
-each layer's experts stacked into one [experts, out, in] tensor per projection), the tokenizer as a GPT-2 style BPE
-vocabulary with its merges and special tokens, and the same tensor types: norms, biases and the routers
-(`ffn_gate_inp`, llama.cpp never quantises them) in F32; every other weight in the requested type (Q8_0: blocks of 32
-values with one fp16 scale, what the converter's `--outtype q8_0` writes; Q4_0: blocks of 32 4-bit values, the output
-layer in Q8_0 as llama-quantize keeps it wider; BF16), F16 where a row does not divide into blocks of 32. The
-quantisation is gguf-py's (PyPI `gguf`), the code llama.cpp's converter runs. Written to a temporary name, then renamed.
+The model of a family llama.cpp runs (Qwen3-MoE `qwen3moe`, Qwen2-MoE `qwen2moe`, OLMoE `olmoe`, Mixtral as `llama`
+with experts: a teacher imported from one, and the students distilled from it) is written as llama.cpp's own converter
+(convert_hf_to_gguf.py) writes that family's Hugging Face checkpoint: the same architecture key and hyper-parameters,
+the same tensor names (gguf-py's tensor map; each layer's experts stacked into one [experts, out, in] tensor per
+projection), Mixtral's q and k rows permuted as the converter permutes llama's (llama.cpp rotates adjacent pairs), the
+tokenizer as a GPT-2 style BPE vocabulary with its merges and special tokens, and the same tensor types: norms, biases
+and the routers (`ffn_gate_inp`, llama.cpp never quantises them) in F32; every other weight in the requested type
+(Q8_0: blocks of 32 values with one fp16 scale, what the converter's `--outtype q8_0` writes; Q4_0: blocks of 32 4-bit
+values, the output layer in Q8_0 as llama-quantize keeps it wider; BF16), F16 where a row does not divide into blocks
+of 32. The quantisation is gguf-py's (PyPI `gguf`), the code llama.cpp's converter runs. Written to a temporary name,
+then renamed.
 
-Refused, naming what works: our own PR-MoE GPT, Mixtral and OLMoE students (not written here yet: export --format hf
-and run llama.cpp's convert_hf_to_gguf.py on it), a Qwen student with dense layers (llama.cpp's qwen3moe and qwen2moe
-have an MoE in every layer), a pyramid of expert counts, and a tokenizer whose pre-tokenizer is not one recognised
-here (GPT-2's byte level, Qwen2's split).
+Refused, naming what works: our own PR-MoE GPT, a student with dense layers (llama.cpp's MoE architectures have an
+MoE in every layer), a pyramid of expert counts, and a tokenizer whose pre-tokenizer is not one recognised here
+(GPT-2's byte level, Qwen2's split; Mixtral's own SentencePiece tokenizer among them: `export --format hf` and
+llama.cpp's convert_hf_to_gguf.py on it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from pipeline.artifacts import DONE, TOKENIZER, read_model_config
 from pipeline.model import ModelConfig
 
 TYPES = ("q8_0", "q4_0", "bf16")
-ARCHES = {"qwen3_moe": "QWEN3MOE", "qwen2_moe": "QWEN2MOE"}  # our family -> gguf-py's MODEL_ARCH member
+# our family -> gguf-py's MODEL_ARCH member (llama.cpp runs Mixtral as llama with experts)
+ARCHES = {"qwen3_moe": "QWEN3MOE", "qwen2_moe": "QWEN2MOE", "olmoe": "OLMOE", "mixtral": "LLAMA"}
 # the Qwen2 tokenizer's pre-tokenizer regex (tokenizer.json), which llama.cpp names "qwen2"
 QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
@@ -48,16 +51,17 @@ def check_gguf(cfg: ModelConfig, qtype: str) -> None:
     if qtype not in TYPES:
         raise GGUFExportError(f"--quantize {qtype!r} with --format gguf: one of {', '.join(TYPES)}")
     ours = "export our package (`moe-pipeline export RUN`, served by `moe-pipeline serve`)"
-    if cfg.family in ("mixtral", "olmoe"):
-        raise GGUFExportError(f"--format gguf: {cfg.family} is not written here yet; `moe-pipeline export RUN --format "
-                              f"hf` and llama.cpp's convert_hf_to_gguf.py on it, or {ours}")
     if cfg.family not in ARCHES:
         raise GGUFExportError(f"--format gguf: a {cfg.family} model has no llama.cpp architecture (llama.cpp runs the "
-                              f"Qwen3-MoE and Qwen2-MoE students here, imported teachers' families); {ours}")
+                              f"Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral students here, imported teachers' families); "
+                              f"{ours}")
     dense = [i for i in range(cfg.layers) if not cfg.is_moe(i)]
     if dense:
         raise GGUFExportError(f"--format gguf: layers {dense} are dense; llama.cpp's {ARCHES[cfg.family].lower()} has an "
                               f"MoE in every layer (a student keeping only MoE layers can be written); {ours}")
+    if len(set(cfg.experts)) > 1:
+        raise GGUFExportError(f"--format gguf: its MoE layers have different expert counts {list(cfg.experts)}; "
+                              f"llama.cpp has one count per model; {ours}")
 
 
 def tokenizer_pre(tokenizer) -> str:
@@ -110,34 +114,48 @@ def tensor_type(name: str, data: np.ndarray, qtype: str):
     return {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "bf16": T.BF16}[qtype]
 
 
+def rope_permuted(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """A q or k projection's rows (or bias) with each head's two rotary halves interleaved, as llama.cpp's converter
+    permutes them for an architecture whose rotation pairs adjacent dimensions (llama, and so Mixtral): Hugging Face's
+    checkpoints rotate the first half of a head against the second."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def gguf_tensors(model, arch) -> dict[str, torch.Tensor]:
     """{GGUF name: fp32 tensor} of `model` (all experts local): the family's Hugging Face tensors (export/native.py)
-    renamed by gguf-py's map, each layer's experts stacked per projection."""
+    renamed by gguf-py's map, each layer's experts stacked per projection (Mixtral's under the name its converter
+    gives them), llama's q and k rows permuted (`rope_permuted`)."""
+    import re
+
     import gguf
 
     from export.native import native_tensors
 
+    cfg = model.cfg
     hf = native_tensors(model, torch.float32)
-    names = gguf.get_tensor_name_map(arch, model.cfg.layers)
+    names = gguf.get_tensor_name_map(arch, cfg.layers)
     out, experts = {}, {}
     for key, t in hf.items():
-        parts = key.split(".")
-        if ".mlp.experts." in key:  # model.layers.{b}.mlp.experts.{e}.{proj}.weight
-            b, e, proj = int(parts[2]), int(parts[5]), parts[6]
-            experts.setdefault((b, proj), {})[e] = t
+        if e := re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", key):
+            experts.setdefault((int(e.group(1)), e.group(3)), {})[int(e.group(2))] = t
             continue
+        if arch == gguf.MODEL_ARCH.LLAMA and key.endswith(("q_proj.weight", "q_proj.bias")):
+            t = rope_permuted(t, cfg.heads)
+        elif arch == gguf.MODEL_ARCH.LLAMA and key.endswith(("k_proj.weight", "k_proj.bias")):
+            t = rope_permuted(t, cfg.kv_heads)
         new = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise GGUFExportError(f"--format gguf: no GGUF name for {key}")
         out[new] = t
     for (b, proj), by_expert in sorted(experts.items()):
-        key = f"model.layers.{b}.mlp.experts.{proj}.weight"
+        key = (f"layers.{b}.feed_forward.experts.{proj}.weight" if cfg.family == "mixtral"
+               else f"model.layers.{b}.mlp.experts.{proj}.weight")
         out[names.get_name(key, try_suffixes=(".weight",))] = torch.stack([by_expert[e] for e in sorted(by_expert)])
     return out
 
 
 def write_gguf(model, tokenizer, out: Path, qtype: str, name: str, force: bool = False) -> dict:
-    """Write `model` (our model of a Qwen MoE family, all experts local) and its tokenizer to the GGUF file `out`
+    """Write `model` (our model of a family in ARCHES, all experts local) and its tokenizer to the GGUF file `out`
     (a temporary name, then renamed). Returns {tensor name: GGML type name}."""
     import gguf
 
@@ -174,9 +192,13 @@ def write_gguf(model, tokenizer, out: Path, qtype: str, name: str, force: bool =
         w.add_file_type({"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                          "bf16": gguf.LlamaFileType.MOSTLY_BF16}[qtype])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_expert_feed_forward_length(cfg.expert_hidden)
+        if cfg.family in ("qwen3_moe", "qwen2_moe"):  # the keys each family's converter adds
+            w.add_expert_feed_forward_length(cfg.expert_hidden)
         if cfg.shared_expert_hidden:
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_hidden)
+        if cfg.family == "mixtral":
+            w.add_vocab_size(cfg.vocab_size)
+            w.add_rope_dimension_count(cfg.head_dim)
         tokens, token_types = vocab(tokenizer, cfg.vocab_size)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)
@@ -208,7 +230,7 @@ def write_gguf(model, tokenizer, out: Path, qtype: str, name: str, force: bool =
 
 
 def export_gguf(stage_dir: Path, out: Path, qtype: str = "q8_0", force: bool = False) -> Path:
-    """Write a finished stage (a student of an imported Qwen MoE teacher, or that teacher) as a GGUF file. What
+    """Write a finished stage (a student of an imported teacher of a family in ARCHES, or that teacher) as a GGUF file. What
     llama.cpp cannot run is refused before any weight is read (GGUFExportError)."""
     from pipeline import data as data_lib
     from pipeline.build import load_stage_model

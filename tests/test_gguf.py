@@ -85,3 +85,43 @@ def test_gguf_export_refuses_what_llama_cpp_cannot_run(small_run, tmp_path):
     proc = cli("export", str(small_run), "--quantize", "q8_0", "--out", str(tmp_path / "p"), check=False)
     assert proc.returncode == 2 and "--quantize q8_0 with --format package: one of int8, int4" in proc.stderr
     assert not out.exists() and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_mixtral_and_olmoe_export_as_llama_cpp_names_them(family, tmp_path):
+    """Mixtral as llama.cpp's `llama` with experts (its vocabulary size and rotary dimensions in the metadata; q and k
+    rows permuted as the converter permutes llama's: each head's halves interleaved), OLMoE as `olmoe` (its q/k norms
+    over the whole projection); each layer's experts stacked (Mixtral's w1/w2/w3 as gate/down/up), BF16 values the
+    checkpoint's."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from hf_checkpoints import imported_stage
+
+    ckpt, stage = imported_stage(tmp_path / "ckpt", family)
+    out = tmp_path / "model.gguf"
+    cli("export", str(stage), "--format", "gguf", "--quantize", "bf16", "--out", str(out))
+    kv, tensors = read(out)
+    arch = "llama" if family == "mixtral" else "olmoe"
+    assert kv["general.architecture"] == arch and kv[f"{arch}.expert_count"] == 4
+    assert kv[f"{arch}.expert_used_count"] == 2 and kv[f"{arch}.block_count"] == 3
+    hf = load_file(str(ckpt / "model.safetensors"))
+
+    def values(name, shape):
+        t = tensors[name]
+        return torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type))).reshape(shape)
+
+    q = hf["model.layers.1.self_attn.q_proj.weight"]
+    if family == "mixtral":
+        assert kv["llama.vocab_size"] == 512 and kv["llama.rope.dimension_count"] == 16
+        heads, half = 4, 8
+        permuted = q.reshape(heads, 2, half, -1).transpose(1, 2).reshape(q.shape)  # row h*16 + 2i + j <- h*16 + j*8 + i
+        assert torch.equal(values("blk.1.attn_q.weight", q.shape), permuted.bfloat16().float())
+        assert not torch.equal(permuted, q)
+        gate = torch.stack([hf[f"model.layers.2.block_sparse_moe.experts.{e}.w1.weight"] for e in range(4)])
+    else:
+        assert tensors["blk.1.attn_q_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+        assert torch.equal(values("blk.1.attn_q.weight", q.shape), q.bfloat16().float())
+        gate = torch.stack([hf[f"model.layers.2.mlp.experts.{e}.gate_proj.weight"] for e in range(4)])
+    assert torch.equal(values("blk.2.ffn_gate_exps.weight", gate.shape), gate.bfloat16().float())
+    assert tensors["blk.2.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
