@@ -105,6 +105,23 @@ def test_weight_only_checkpoints_load_in_transformers_as_our_quantised_weights(s
             assert (bf16(ids).logits - ours).abs().max().item() < 0.1
 
 
+@pytest.mark.parametrize("family, scheme", [("mixtral", "int4"), ("olmoe", "int8")])
+def test_mixtral_and_olmoe_load_in_transformers_too(family, scheme, tmp_path):
+    """The other two families (Mixtral's experts as w1/w2/w3, its router ignored under block_sparse_moe): the logits of
+    our model on the same quantised weights."""
+    from hf_checkpoints import imported_stage
+
+    _, stage = imported_stage(tmp_path / "ckpt", family, hidden_size=128, intermediate_size=128)
+    cli("export", str(stage), "--format", "hf", "--quantize", scheme, "--quantize-method", "rtn", "--group-size", "64",
+        "--dtype", "fp32", "--out", str(tmp_path / "hf"))
+    qc = json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]
+    assert "re:.*block_sparse_moe.gate$" in qc["ignore"] if family == "mixtral" else "re:.*mlp.gate$" in qc["ignore"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (loaded(ids).logits - rounded_twin(stage, scheme, 64)(ids).logits).abs().max().item() < 1e-4
+
+
 def test_w8a8_holds_the_int8_weights_of_our_package(stages, tmp_path):
     """W8A8 (int-quantized, what vLLM's x86 CPU backend runs for MoE): int8 weights per output channel and per-token
     dynamic int8 inputs in the config; its int8 values and scales are those of our `export --quantize int8` package of
