@@ -22,6 +22,10 @@ it out), and each figure is the median over the rounds:
     seed per run so that no prompt is in a prefix cache). Output tokens are counted as generated, --output-len a
     request for every server (the client's own count re-tokenizes a stream that carries no `usage`, llama.cpp's, and
     finds ~4% more); TPOT per request is (latency - TTFT) / (--output-len - 1).
+With --quantize int8 the three serve the same int8 weights where they can: ours an `export --quantize int8` package,
+vLLM the W8A8 compressed-tensors checkpoint of those values and scales (`export --format hf --quantize w8a8`; vLLM's
+x86 CPU backend runs quantised MoE only as W8A8, through zentorch on AMD Zen or AMX on Intel), llama.cpp its Q8_0 (its
+own blocks of 32); the agreement table then compares our greedy tokens with vLLM's on the same quantised weights.
 Prints the CPU (model name, avx512f / avx512_bf16 / amx_tile), a throughput table (output tok/s and TPOT p50 per
 server, our ratios), a latency table (TTFT p50/p99, TPOT p99, failures) and the agreement table; writes
 peer_bench.json and peer_bench.png (tok/s and TTFT p50 against concurrency) under --out.
@@ -541,6 +545,10 @@ def main(argv: list[str] | None = None) -> dict:
             results[s] = "not installed"
     if missing["vllm"]:
         print("[bench] no throughput runs: the shared client is vLLM's `vllm bench serve`; agreement only")
+    zentorch = not missing["vllm"] and subprocess.run([str(VLLM_PY), "-c", "import zentorch"],
+                                                      capture_output=True).returncode == 0
+    if "vllm" in only and not missing["vllm"]:  # on AMD Zen, zentorch turns on vLLM's ZenCpuPlatform
+        print(f"[vllm] zentorch {'installed' if zentorch else 'not installed'}")
 
     from pipeline import data as data_lib
 
@@ -601,7 +609,8 @@ def main(argv: list[str] | None = None) -> dict:
     names = list(greedy)
     pairs = {f"{a} vs {b}": compare(greedy[a], greedy[b]) for i, a in enumerate(names) for b in names[i + 1:]}
     wall = time.perf_counter() - t_start
-    report = {"cpu": cpu, "checkpoint": str(ckpt), "args": {k: str(v) for k, v in vars(args).items()},
+    report = {"cpu": cpu, "checkpoint": str(ckpt), "vllm_zentorch": zentorch,
+              "args": {k: str(v) for k, v in vars(args).items()},
               "results": results, "agreement": pairs, "greedy": greedy, "wall_s": round(wall, 1)}
     (args.out / "peer_bench.json").write_text(json.dumps(report, indent=1))
     plot(results, args.out / "peer_bench.png")
