@@ -105,7 +105,9 @@ def make_checkpoint(work: Path, family: str = "qwen3_moe") -> Path:
     elif family == "mixtral":
         cfg = transformers.MixtralConfig(num_local_experts=16, intermediate_size=768, **common)
     elif family == "olmoe":
-        cfg = transformers.OlmoeConfig(num_experts=16, intermediate_size=768, pad_token_id=tok.eos_token_id, **common)
+        # OLMoE is multi-head (its q/k norms span the whole hidden size; llama.cpp's olmoe takes no other)
+        cfg = transformers.OlmoeConfig(num_experts=16, intermediate_size=768, pad_token_id=tok.eos_token_id,
+                                       **{**common, "num_key_value_heads": 16})
     else:
         raise ValueError(f"make_checkpoint: family {family!r}: one of qwen3_moe, mixtral, olmoe")
     torch.manual_seed(0)
@@ -264,8 +266,9 @@ def serving(name: str, cmd: list[str], env: dict, port: int, log: Path, ready_s:
         print(f"[{name}] up in {time.perf_counter() - t0:.0f} s at {url}", flush=True)
         yield url, proc.pid
     finally:
-        os.killpg(proc.pid, signal.SIGCONT)  # a paused server (`paused`) stops as a running one
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own group: vLLM's engine process goes with it
+        with contextlib.suppress(ProcessLookupError):  # (a server that failed to start has no group left)
+            os.killpg(proc.pid, signal.SIGCONT)  # a paused server (`paused`) stops as a running one
+            os.killpg(proc.pid, signal.SIGTERM)  # the server's own group: vLLM's engine process goes with it
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -17,7 +17,8 @@ of 32. The quantisation is gguf-py's (PyPI `gguf`), the code llama.cpp's convert
 then renamed.
 
 Refused, naming what works: our own PR-MoE GPT, a student with dense layers (llama.cpp's MoE architectures have an
-MoE in every layer), a pyramid of expert counts, and a tokenizer whose pre-tokenizer is not one recognised here
+MoE in every layer), a pyramid of expert counts, an OLMoE with grouped-query attention (llama.cpp's olmoe norms k over
+the whole hidden size), and a tokenizer whose pre-tokenizer is not one recognised here
 (GPT-2's byte level, Qwen2's split; Mixtral's own SentencePiece tokenizer among them: `export --format hf` and
 llama.cpp's convert_hf_to_gguf.py on it).
 """
@@ -59,6 +60,10 @@ def check_gguf(cfg: ModelConfig, qtype: str) -> None:
     if dense:
         raise GGUFExportError(f"--format gguf: layers {dense} are dense; llama.cpp's {ARCHES[cfg.family].lower()} has an "
                               f"MoE in every layer (a student keeping only MoE layers can be written); {ours}")
+    if cfg.family == "olmoe" and cfg.kv_heads != cfg.heads:
+        raise GGUFExportError(f"--format gguf: this OLMoE model has {cfg.kv_heads} key/value heads of {cfg.heads}; "
+                              f"llama.cpp's olmoe takes its k norm over the whole hidden size (multi-head attention, "
+                              f"as OLMoE's own checkpoints); {ours}")
     if len(set(cfg.experts)) > 1:
         raise GGUFExportError(f"--format gguf: its MoE layers have different expert counts {list(cfg.experts)}; "
                               f"llama.cpp has one count per model; {ours}")

@@ -98,8 +98,12 @@ def test_mixtral_and_olmoe_export_as_llama_cpp_names_them(family, tmp_path):
 
     from hf_checkpoints import imported_stage
 
-    ckpt, stage = imported_stage(tmp_path / "ckpt", family)
     out = tmp_path / "model.gguf"
+    if family == "olmoe":  # llama.cpp's olmoe is multi-head (its k norm spans the hidden size): GQA is refused
+        _, gqa = imported_stage(tmp_path / "gqa", family)
+        proc = cli("export", str(gqa), "--format", "gguf", "--out", str(out), check=False)
+        assert proc.returncode == 2 and "2 key/value heads of 4" in proc.stderr and not out.exists()
+    ckpt, stage = imported_stage(tmp_path / "ckpt", family, **({"num_key_value_heads": 4} if family == "olmoe" else {}))
     cli("export", str(stage), "--format", "gguf", "--quantize", "bf16", "--out", str(out))
     kv, tensors = read(out)
     arch = "llama" if family == "mixtral" else "olmoe"
