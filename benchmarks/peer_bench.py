@@ -148,10 +148,10 @@ def teacher_stage(ckpt: Path, work: Path):
     from pipeline.recipe import dump_recipe, load_recipe
     from pipeline.weights import save_weights
 
-    family = read_hf_config(ckpt)["model_type"]
-    recipe = load_recipe(ROOT / "recipes" / RECIPES[family],  # provenance only; student: to validate
-                         [f"teacher.load={ckpt.resolve()}", "student.layers=3", "distributed.nproc=1",
-                          "distributed.ep_size=null"])
+    hf = read_hf_config(ckpt)
+    recipe = load_recipe(ROOT / "recipes" / RECIPES[hf["model_type"]],  # provenance only; student: to validate
+                         [f"teacher.load={ckpt.resolve()}", f"student.layers={max(1, hf['num_hidden_layers'] - 1)}",
+                          "distributed.nproc=1", "distributed.ep_size=null"])
     run = work / ".ours-build" / MODEL_NAME  # a run directory with one finished stage
     stage = run / "teacher"
     shutil.rmtree(run.parent, ignore_errors=True)
