@@ -36,15 +36,18 @@ from pipeline.model import GPT, ModelConfig
 SCHEMES = {"int8": "W8A16", "int4": "W4A16", "w8a8": "W8A8"}  # ours -> llm-compressor's preset name
 
 
+class CompressedExportError(ValueError):
+    """A quantised checkpoint this writer cannot express, or a missing library; the message says what works."""
+
+
 def require() -> None:
-    """compressed-tensors importable, or a NativeExportError saying how to install it."""
+    """compressed-tensors importable, or a CompressedExportError saying how to install it."""
     try:
         import compressed_tensors  # noqa: F401
     except ImportError as err:
-        from export.native import NativeExportError
-
-        raise NativeExportError(f"--format hf --quantize writes compressed-tensors, which is not installed ({err}): "
-                                f"pip install 'moe-pipeline[compressed]' (compressed-tensors>=0.20, torch>=2.10)") from err
+        raise CompressedExportError(f"--format hf --quantize writes compressed-tensors, which is not installed "
+                                    f"({err}): pip install 'moe-pipeline[compressed]' (compressed-tensors>=0.20, "
+                                    f"torch>=2.10)") from err
 
 
 def weight_scheme(scheme: str) -> str:
@@ -92,17 +95,15 @@ def quantization_config(cfg: ModelConfig, scheme: str, group: int, head_quantize
 def check_groups(kinds: dict[str, str], model: GPT, scheme: str, group: int) -> None:
     """Refuse an int4 export whose weights do not all divide into groups of `group` inputs (compressed-tensors has one
     scheme for every Linear here, and vLLM's group kernels take whole groups), naming the weight and what works."""
-    from export.native import NativeExportError
-
     if scheme != "int4":
         return
     shapes = dict(model.named_parameters())
     for name, kind in kinds.items():
         if kind != "int4":
             inputs = shapes[name].shape[1]
-            raise NativeExportError(f"--quantize int4 --format hf: {name} has rows of {inputs} inputs, which do not "
-                                    f"divide into groups of {group} (--group-size); pass a --group-size dividing "
-                                    f"every layer's inputs (a multiple of 64), or --quantize int8|w8a8")
+            raise CompressedExportError(f"--quantize int4 --format hf: {name} has rows of {inputs} inputs, which do "
+                                        f"not divide into groups of {group} (--group-size); pass a --group-size "
+                                        f"dividing every layer's inputs (a multiple of 64), or --quantize int8|w8a8")
 
 
 def compressed_tensors(cfg: ModelConfig, kinds: dict[str, str], stored: dict[str, torch.Tensor], scheme: str,

@@ -158,7 +158,7 @@ def export_native(stage_dir: Path, out: Path, dtype: str = "bf16", force: bool =
     """Write a finished stage (a student of an imported teacher, or the teacher) as its family's checkpoint in
     `out`; with `quantize` (its weights' kind, method, group, calibration) and `scheme` (export/compressed.py
     SCHEMES: int8, int4, w8a8), quantised as compressed-tensors. What the family cannot express is refused before any
-    weight is read (NativeExportError)."""
+    weight is read (NativeExportError; export.compressed.CompressedExportError for the quantisation)."""
     from pipeline import data as data_lib
     from pipeline.build import load_stage_model, meta_model
 
