@@ -171,11 +171,14 @@ def export_native(stage_dir: Path, out: Path, dtype: str = "bf16", force: bool =
     cfg = read_model_config(stage_dir)
     native_config(cfg, DTYPES[dtype])  # refused here, before anything is read or written
     if quantize is not None:
-        from export.compressed import check_groups, require
+        from export.compressed import check_groups, require, weight_scheme
         from pipeline.quantize import weight_kinds
 
+        scheme = scheme or quantize.scheme
+        if weight_scheme(scheme) != quantize.scheme:
+            raise ValueError(f"export_native: scheme {scheme!r} quantises weights to {weight_scheme(scheme)}, "
+                             f"not {quantize.scheme}")
         require()
-
         shapes = meta_model(cfg)
         check_groups(weight_kinds(shapes, quantize.scheme, quantize.head, quantize.group), shapes, scheme,
                      quantize.group)
