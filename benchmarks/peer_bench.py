@@ -548,9 +548,9 @@ def main(argv: list[str] | None = None) -> dict:
             results[s] = "not installed"
     if missing["vllm"]:
         print("[bench] no throughput runs: the shared client is vLLM's `vllm bench serve`; agreement only")
-    zentorch = not missing["vllm"] and subprocess.run([str(VLLM_PY), "-c", "import zentorch"],
-                                                      capture_output=True).returncode == 0
-    if "vllm" in only and not missing["vllm"]:  # on AMD Zen, zentorch turns on vLLM's ZenCpuPlatform
+    zentorch = None  # on AMD Zen, zentorch turns on vLLM's ZenCpuPlatform; asked only of a vLLM that will run
+    if "vllm" in only and not missing["vllm"]:
+        zentorch = subprocess.run([str(VLLM_PY), "-c", "import zentorch"], capture_output=True).returncode == 0
         print(f"[vllm] zentorch {'installed' if zentorch else 'not installed'}")
 
     from pipeline import data as data_lib
