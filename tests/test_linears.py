@@ -356,16 +356,27 @@ def check_argmax(kernel):
             assert kernel.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 
+def few_row_argmax(kernel, x, w):
+    """argmax_rows of the few-row kernel's logits, MAX_ROWS rows a pass (what the screens answer, to the index)."""
+    n = kernel.MAX_ROWS
+    return kernel.argmax_rows(torch.cat([kernel.linear(x[i:i + n], w, None) for i in range(0, x.shape[0], n)])).tolist()
+
+
 def check_screen(kernel):
-    """HeadScreen (export/serve/linears.py) over this build's `screen_argmax`: each row's token is argmax_rows of the
-    few-row kernel's logits, to the index, for 1-8 rows, fp32 and bf16 weights, sizes off the vector widths, with
-    exact ties between output rows (duplicated weight rows: the first index wins) and near ties (one weight a bf16
-    step apart) at the top; logits all equal (every output a candidate) and a non-finite input are declined (None: the
-    caller runs the whole head)."""
+    """HeadScreen (export/serve/linears.py) over this build's screen (`screen_argmax`, or `screen_argmax_vnni` where
+    the build has AVX512_VNNI): each row's token is argmax_rows of the few-row kernel's logits, to the index, for 1-8
+    rows (and up to VNNI_MAX_ROWS with VNNI: several passes of the few-row kernel), fp32 and bf16 weights, sizes off
+    the vector widths, with exact ties between output rows (duplicated weight rows: the first index wins) and near
+    ties (one weight a bf16 step apart) at the top; a cluster the int8 weights cannot order, and (VNNI) one that x
+    rounded to int8 cannot: one input 300x the others, which all round to 0; logits all equal (every output a
+    candidate) and a non-finite input are declined (None: the caller runs the whole head); a row count that keeps
+    declining stops being tried."""
     from export.serve.linears import HeadScreen, ServingWeight
 
     torch.manual_seed(0)
-    O, I = 3000, 200  # a tail past the int8 and bf16 vectors' widths, and past the candidate scan's
+    O, I = 3000, 200  # a tail past the int8 and bf16 vectors' widths, past the candidate scan's and the VNNI tiles'
+    vnni = hasattr(kernel, "screen_argmax_vnni")
+    counts = [*range(1, 9), 9, 13, 32, 64] if vnni else range(1, 9)
     for dtype in (torch.float32, torch.bfloat16):
         w = (torch.randn(O, I) * 0.05).to(dtype)
         w[1500] = w[10]  # an exact tie with an earlier row
@@ -376,17 +387,21 @@ def check_screen(kernel):
         served = ServingWeight(w)
         served.gemv = kernel  # this build, whichever the process loaded
         screen = HeadScreen(served)
-        for M in range(1, 9):
-            x = torch.randn(M, I)
+        assert screen.vnni == vnni and screen.rows == (kernel.VNNI_MAX_ROWS if vnni else kernel.MAX_ROWS)
+        for M in counts:
+            x = torch.randn(M, I)  # each row's logits peaked at a random output (flat ones: too many candidates)
+            x[2:] += w[torch.randint(0, O, (max(0, M - 2),))].float() * 40
             x[0] = w[10].float() * 40 + torch.randn(I) * 0.01  # row 10 and its ties on top
             if M > 1:
                 x[1] = w[7].float() * 40  # row 7 and row 2999
+            if M > 8:
+                x[8] = w[1234].float() * 40  # in the second pass of the few-row kernel
             x = x.to(dtype)
-            want = kernel.argmax_rows(kernel.linear(x, w, None)).tolist()
+            want = few_row_argmax(kernel, x, w)
             assert screen.argmax(x) == want
             if M > 1:
                 assert want[1] == 7
-        assert screen.calls == 8 and screen.fallbacks == 0
+        assert screen.calls == len(counts) and screen.fallbacks == 0
         # a cluster the int8 copy cannot order: 60 rows of large weights nearly orthogonal to x, logits near 0 and
         # within the quantisation's error of each other; the rest far below. Only the bound (err) keeps them all.
         x = torch.randn(I)
@@ -398,15 +413,39 @@ def check_screen(kernel):
         served = ServingWeight(w2)
         served.gemv = kernel
         cluster = HeadScreen(served)
-        for M in (1, 3):
+        cluster.most = O  # 60 candidates a row: 12 rows pass the default `most`
+        for M in (1, 3, 12) if vnni else (1, 3):
             xs = x.to(dtype)[None].repeat(M, 1)
-            assert cluster.argmax(xs) == kernel.argmax_rows(kernel.linear(xs, w2, None)).tolist()
+            assert cluster.argmax(xs) == few_row_argmax(kernel, xs, w2)
         assert cluster.fallbacks == 0
+        if vnni:  # x rounded to int8 loses all but input 0: x[0] = 100, the rest below half a step (100 / 127 / 2)
+            k = torch.randint(-127, 128, (O, I))
+            k[:, 0], k[:, 1] = -64, 127  # scale 1 / 64 on every row: the int8 weights exact (the weights' bound ~0)
+            k[200:260, 0] = 4 + torch.arange(60) % 3  # these on top; by input 0 alone, every third one first (by
+            # 100 / 64 = 1.6, past the bf16 margin of their logits ~8: the invisible inputs add ~3.5 to each)
+            w3 = (k / 64).to(dtype)
+            served = ServingWeight(w3)
+            served.gemv = kernel
+            outlier = HeadScreen(served)
+            outlier.most = O
+            wants = []
+            for M in (1, 5, 20):
+                xs = torch.rand(M, I) * 0.76 - 0.38
+                xs[:, 0] = 100.0
+                xs = xs.to(dtype)
+                want = few_row_argmax(kernel, xs, w3)
+                assert outlier.argmax(xs) == want and all(200 <= t < 260 for t in want)
+                wants += want
+            assert outlier.fallbacks == 0 and any(t % 3 != 202 % 3 for t in wants)  # inputs int8 could not see won
         assert screen.argmax(torch.zeros(2, I, dtype=dtype)) is None  # every logit 0: all candidates
         x = torch.randn(1, I).to(dtype)
         x[0, 5] = float("inf")
         assert screen.argmax(x) is None
-        assert screen.argmax(torch.randn(9, I).to(dtype)) is None  # past the few-row kernel's rows
+        assert screen.argmax(torch.randn(screen.rows + 1, I).to(dtype)) is None  # past the screen's rows
+        for _ in range(HeadScreen.GIVE_UP):  # 3 rows that never screen: after GIVE_UP tries, not tried again
+            assert screen.argmax(torch.zeros(3, I, dtype=dtype)) is None
+        calls = screen.calls
+        assert screen.argmax(torch.zeros(3, I, dtype=dtype)) is None and screen.calls == calls
 
 
 def test_only_an_output_layer_that_fits_gets_a_screen(monkeypatch):

@@ -58,7 +58,8 @@ ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 PREFETCH_ENV = "MOE_PIPELINE_PREFETCH"  # t0 | nta; unset: `prefetch_hint`'s choice for this CPU
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
-ISA_FLAGS = {"AMX_BF16": [*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"], "AVX512_BF16": [*_AVX512, "-mavx512bf16"],
+ISA_FLAGS = {"AMX_BF16": [*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
+             "AVX512_BF16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
              "AVX512": _AVX512, "AVX2": ["-mavx2", "-mfma"]}
 
 _kernel_lock = threading.Lock()
@@ -221,12 +222,13 @@ def _cpuinfo(key: str) -> str:
 
 def cpu_isa() -> str:
     """torch's CPU capability, as AVX512_BF16 where the CPU also has AVX512_BF16 (VDPBF16PS: bf16 dot products,
-    Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on), and as AMX_BF16 where it also has AMX's bf16 tiles
+    Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on) and AVX512_VNNI (VPDPBUSD: int8 dot products; every
+    CPU with AVX512_BF16 has it), and as AMX_BF16 where it also has AMX's bf16 tiles
     (Intel Sapphire Rapids on); torch reports neither. Without /proc/cpuinfo (not Linux): the AVX-512 build, whose
     bf16 path needs no extension."""
     isa = torch.backends.cpu.get_cpu_capability()
     flags = set(_cpuinfo("flags").split())
-    if isa == "AVX512" and "avx512_bf16" in flags:
+    if isa == "AVX512" and {"avx512_bf16", "avx512_vnni"} <= flags:
         return "AMX_BF16" if {"amx_tile", "amx_bf16"} <= flags else "AVX512_BF16"
     return isa
 
@@ -476,21 +478,31 @@ def quantized_weights(weights: list[torch.Tensor], scheme: str) -> list[Quantize
 
 class HeadScreen:
     """The greedy rows' argmax of an output layer, read from an int8 copy of its weight (half of bf16's bytes, a
-    quarter of fp32's) and exact on a few rows (csrc/gemv.cpp `screen_argmax`): the same token as the whole layer's
-    logits and `argmax_rows`, to the bit, for ~half the layer's reading. A batch-1 decode step of the peer benchmark's
-    Qwen3-MoE reads 162 MB, 103 MB of it the bf16 output layer (50,304 x 1024).
+    quarter of fp32's) and exact (csrc/gemv.cpp `screen_argmax`, `screen_argmax_vnni`): the same token as the
+    argmax_rows of the layer's logits as the few-row kernel writes them (passes of up to MAX_ROWS rows), to the bit,
+    for ~half the layer's reading and, past a few rows, for fewer instructions. A batch-1 decode step of the peer
+    benchmark's Qwen3-MoE reads 162 MB, 103 MB of it the bf16 output layer (50,304 x 1024).
 
     Each output row o is stored as q[o] = round(w[o] / scale[o]) (int8, scale = max |w[o]| / 127) and err[o], a
     bound, per unit of |x|'s L1 norm, on |exact sum - scale[o] * (q[o] . x)|: the row's largest quantisation error
     max |w[o] - scale[o] q[o]| (measured in float64, where it is exact), plus both sums' fp32 roundings (I
     additions of terms at most (max |w[o]| + scale[o]) |x_i| each: 2 I 2^-24 per unit, doubled). The kernel then
-    recomputes, through the few-row kernel, every row whose interval can reach the best one's (a handful on a trained
-    model: its logits are peaked). Not for: a bias, a weight that is not finite, more rows than the few-row kernel's
-    or rows the head would send to AMX (`amx_linear`'s other sums), rows that sample or ask for log-probabilities.
-    MOE_PIPELINE_HEAD_SCREEN=0: none."""
+    recomputes, as the few-row kernel does, every row whose interval can reach the best one's (a handful on a trained
+    model: its logits are peaked). With AVX512_VNNI (the AVX512_BF16 and AMX builds) the rows of x are rounded to
+    int8 too (one scale a row) and multiplied by VPDPBUSD, 1 to VNNI_MAX_ROWS (64) rows a call: err2, top and norm
+    bound what that rounding adds (`screen_argmax_vnni`), and q is kept only in that kernel's tiles (`packed`). On
+    the Qwen3-MoE head (AMD EPYC, 2 cores) 8 / 16 / 32 rows took 2.3 / 3.4 / 6.5 ms where the whole layer took 5.9 /
+    6.6 / 10.7 (oneDNN past 8 rows) and the bf16 x int8 screen 3.6 at 8. Past 8 rows the tokens are the few-row
+    kernel's (8 rows a pass), where the unscreened layer runs oneDNN's GEMM: both are fp32 sums of the same bf16
+    products rounded once; near-ties can differ between the two.
+
+    Not for: a bias, a weight that is not finite, rows the head would send to AMX (`amx_linear`'s other sums), rows
+    that sample or ask for log-probabilities. A row count whose calls keep falling back (candidates past `most`:
+    flat logits) stops trying after GIVE_UP of them. MOE_PIPELINE_HEAD_SCREEN=0: none."""
 
     CHUNK = 4096  # output rows quantised at a time (a float64 copy of this many rows at most)
     MOST = 1 / 16  # candidates (all rows of a call) past this share of the outputs: the whole layer instead
+    GIVE_UP = 8  # calls of one row count that fell back (more than half of them): that row count skips the screen
 
     def __init__(self, served: ServingWeight):
         w = served.weight
@@ -499,17 +511,35 @@ class HeadScreen:
         self.q = torch.empty(O, I, dtype=torch.int8)
         self.scale = torch.empty(O, dtype=torch.float32)
         self.err = torch.empty(O, dtype=torch.float32)
+        # the int8 x int8 screen's other bounds (`screen_argmax_vnni`): the weights' error per unit of |x|_2, and
+        # each row's scale * max |q| and scale * |q|_2 (the inputs' rounding's weight, per unit of |e|_1, |e|_2)
+        self.vnni = hasattr(self.gemv, "screen_argmax_vnni")
+        self.err2, self.top, self.norm = (torch.empty(O, dtype=torch.float32) for _ in range(3))
         rounding = 4 * I * 2.0 ** -24
         self.finite = True  # every weight finite (a NaN or inf one makes its row's largest |w| so): else unusable
+        up = torch.tensor(float("inf"))
         for lo in range(0, O, self.CHUNK):
             part = w[lo:lo + self.CHUNK].double()
             top, q, scale = int8_rows(part)
             self.finite = self.finite and bool(torch.isfinite(top).all())
-            recon = (part - scale.double()[:, None] * q).abs().amax(1)
-            bound = (recon + rounding * (top + scale.double())) * (1 + 1e-6)
+            d = part - scale.double()[:, None] * q
+            bound = (d.abs().amax(1) + rounding * (top + scale.double())) * (1 + 1e-6)
             self.q[lo:lo + self.CHUNK] = q.to(torch.int8)
             self.scale[lo:lo + self.CHUNK] = scale
-            self.err[lo:lo + self.CHUNK] = torch.nextafter(bound.float(), torch.tensor(float("inf")))
+            self.err[lo:lo + self.CHUNK] = torch.nextafter(bound.float(), up)
+            if self.vnni:
+                # |sum x d| <= |x|_2 |d|_2, and the sums' roundings sum |x_i| (|w_i| + scale) <= |x|_2 |(|w| + s)|_2
+                err2 = (d.norm(dim=1) + rounding * (part.abs() + scale.double()[:, None]).norm(dim=1)) * (1 + 1e-6)
+                self.err2[lo:lo + self.CHUNK] = torch.nextafter(err2.float(), up)
+                s64 = scale.double()
+                self.top[lo:lo + self.CHUNK] = torch.nextafter((s64 * q.abs().amax(1) * (1 + 1e-6)).float(), up)
+                self.norm[lo:lo + self.CHUNK] = torch.nextafter((s64 * q.norm(dim=1) * (1 + 1e-6)).float(), up)
+        if self.vnni:  # the int8 copy in the VNNI kernel's tiles only
+            self.packed = self.gemv.vnni_pack(self.q)
+            self.colsum = self.q.sum(1, dtype=torch.int32)
+            del self.q
+        self.rows = self.gemv.VNNI_MAX_ROWS if self.vnni else self.gemv.MAX_ROWS  # most rows a call screens
+        self.tried: dict[int, list[int]] = {}  # row count -> [calls, fallbacks]
         self.most = max(1, int(O * self.MOST))
         self.calls = self.fallbacks = 0  # screened calls, and those that read the whole layer after all
 
@@ -527,13 +557,22 @@ class HeadScreen:
         """Each row's token of hidden states x [n, C] (the head's dtype), as argmax_rows(head(x)); None where the
         screen does not apply (then the caller runs the whole head)."""
         n = x.shape[0]
-        if not 0 < n <= self.gemv.MAX_ROWS or x.dtype != self.served.weight.dtype or (
+        if not 0 < n <= self.rows or x.dtype != self.served.weight.dtype or (
                 self.served.amx is not None and n > 1):
             return None
+        tried = self.tried.setdefault(n, [0, 0])
+        if tried[1] >= self.GIVE_UP and 2 * tried[1] > tried[0]:
+            return None  # this many rows' candidates keep passing `most` (flat logits): the whole layer at once
         self.calls += 1
-        out = self.gemv.screen_argmax(x.contiguous(), self.served.weight, self.q, self.scale, self.err, self.most)
+        tried[0] += 1
+        if self.vnni:
+            out = self.gemv.screen_argmax_vnni(x.contiguous(), self.served.weight, self.packed, self.colsum,
+                                               self.scale, self.err, self.err2, self.top, self.norm, self.most)
+        else:
+            out = self.gemv.screen_argmax(x.contiguous(), self.served.weight, self.q, self.scale, self.err, self.most)
         if out.numel() == 0:
             self.fallbacks += 1
+            tried[1] += 1
             return None
         return out.tolist()
 
