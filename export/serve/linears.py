@@ -502,6 +502,10 @@ class HeadScreen:
 
     CHUNK = 4096  # output rows quantised at a time (a float64 copy of this many rows at most)
     MOST = 1 / 16  # candidates (all rows of a call) past this share of the outputs: the whole layer instead
+    # the same with VNNI on a bf16 layer, where each row's own candidates are re-checked (one row of w each, not the
+    # union for every row): the peer benchmark's random Qwen3-MoE gives 2,100-2,900 candidates for 32 rows (its
+    # logits are flat; 1/16 of its outputs is 3,144), re-checked in ~0.3 ms where a fallback costs the whole layer
+    MOST_PER_ROW = 1 / 4
     GIVE_UP = 8  # calls of one row count that fell back (more than half of them): that row count skips the screen
 
     def __init__(self, served: ServingWeight):
@@ -540,7 +544,7 @@ class HeadScreen:
             del self.q
         self.rows = self.gemv.VNNI_MAX_ROWS if self.vnni else self.gemv.MAX_ROWS  # most rows a call screens
         self.tried: dict[int, list[int]] = {}  # row count -> [calls, fallbacks]
-        self.most = max(1, int(O * self.MOST))
+        self.most = max(1, int(O * (self.MOST_PER_ROW if self.vnni and w.dtype == torch.bfloat16 else self.MOST)))
         self.calls = self.fallbacks = 0  # screened calls, and those that read the whole layer after all
 
     @classmethod
