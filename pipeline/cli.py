@@ -220,10 +220,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "models only (a Mixtral/Qwen/OLMoE student: --ep-size, or its --format hf export in vLLM)")
     p.add_argument("--dtype", choices=_literal(ServeConfig, "dtype"), default=quiet, help="default: the package's")
     p.add_argument("--quantize", choices=_literal(ServeConfig, "quantize"), default=quiet,
-                   help="the linears and experts quantised as the package loads (weight-only, round to nearest): "
+                   help="the linears and experts quantised as the package loads (round to nearest): weight-only "
                         "int8 (one scale per output channel, 1 byte a weight) or int4 (one scale per 128 inputs of a "
-                        "row, half a byte); the output layer, routers, norms and embeddings stay in the package's "
-                        "dtype. CPU, data-parallel layouts (no --tp-size)")
+                        "row, half a byte), or w8a8 (int8 weights, and each row of a linear's inputs rounded to int8 "
+                        "with its own scale, as vLLM's W8A8: int8 x int8 products; also on a package exported with "
+                        "--quantize int8, whose weights it runs); the output layer, routers, norms and embeddings stay "
+                        "in the package's dtype. CPU, data-parallel layouts (no --tp-size)")
     p.add_argument("--quantize-head", action="store_true", default=quiet,
                    help="with --quantize: the output layer too (its logits change; the greedy head's exact int8 screen "
                         "is dropped)")

@@ -153,6 +153,55 @@ def check_all(gemv):
     check_routed(gemv)
     if hasattr(gemv, "amx_linear"):
         check_amx(gemv)
+    if hasattr(gemv, "w8a8_linear"):
+        check_w8a8(gemv)
+
+
+def check_w8a8(gemv):
+    """W8A8 (AVX512_VNNI builds): `w8a8_linear` against F.linear on x rounded to int8 steps a row at a time
+    (`int8_activations`) and the dequantised weight, fp32 to its sums' order and bf16 to one rounding, 1 to 300 rows
+    (several row blocks of 64), sizes off the tiles (200 outputs, 130 inputs), with and without a bias, a row of
+    zeros; the tiles unpack to the int8 values; W8A8 experts (`expert_mlps`) equal to each expert's W8A8 linears and
+    activation in turn, an expert without rows and one of 70 (two row blocks), SwiGLU and GeLU."""
+    import torch.nn.functional as F
+
+    from export.serve import linears
+    from export.serve.linears import W8A8Weight, int8_activations, quantize_int8
+
+    torch.manual_seed(0)
+    w = torch.randn(200, 130) * 0.05
+    q, scale = quantize_int8(w)
+    W = W8A8Weight(q, scale)
+    W.q, W.scale = gemv.vnni_pack(q), torch.stack([scale, q.sum(1).float()])  # this build's tiles
+    assert torch.equal(W.values(), q)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for M in (1, 5, 64, 65, 300):
+            x = torch.randn(M, 130).to(dtype)
+            x[0] = 0.0
+            for bias in (None, torch.randn(200).to(dtype)):
+                y = gemv.w8a8_linear(x, W.q, W.scale, bias)
+                ref = F.linear(int8_activations(x), W.dequantized(torch.float32), None if bias is None else bias.float())
+                assert y.dtype == dtype and torch.allclose(y.float(), ref, atol=tol, rtol=tol)
+                assert (y[0].float() == (0 if bias is None else bias.float())).all()
+    C, Fh = 192, 128
+    for swiglu in (True, False):
+        counts, ws = [3, 0, 70, 1], []
+        for _ in counts:
+            w1 = W8A8Weight.of(torch.randn((2 if swiglu else 1) * Fh, C) * 0.05)
+            w2 = W8A8Weight.of(torch.randn(C, Fh) * 0.05)
+            for v in (w1, w2):
+                v.gemv = gemv
+            ws.append((w1, torch.randn(w1.shape[0]), w2, torch.randn(C)))
+        x = torch.randn(sum(counts), C)
+        w1s, b1s, w2s, b2s, s1s, s2s = linears._expert_tensors(ws)
+        y = gemv.expert_mlps(x, counts, w1s, b1s, w2s, b2s, swiglu, s1s, s2s)
+        ref, r = [], 0
+        for (w1, b1, w2, b2), n in zip(ws, counts):
+            h = gemv.w8a8_linear(x[r:r + n].contiguous(), w1.q, w1.scale, b1)
+            r += n
+            a = F.silu(h[:, :Fh]) * h[:, Fh:] if swiglu else F.gelu(h)
+            ref.append(gemv.w8a8_linear(a.contiguous(), w2.q, w2.scale, b2))
+        assert torch.allclose(y, torch.cat(ref), atol=1e-5, rtol=1e-5)
 
 
 def check_amx(gemv):

@@ -299,3 +299,79 @@ def test_gptq_lowers_the_output_error_of_round_to_nearest():
         assert torch.equal(q1[0], q[1]) and torch.equal(s1[0], scale[1])
     with pytest.raises(torch.linalg.LinAlgError):
         gptq(W[:1], torch.full((1, I, I), float("nan")), "int8")
+
+
+def w8a8_twin(quantised, plain) -> int:
+    """`plain` (an engine of the same package) given `quantised`'s W8A8 weights as the reference computes them:
+    F.linear on each row of the inputs rounded to int8 steps and the dequantised weight (`W8A8Weight` unpacked, no
+    kernel), its decode forwards in Python (no native decoder); returns how many. Its MoE layers must also run one
+    expert at a time (`python_experts`)."""
+    from export.serve.linears import FusedQKV, ServingLinear, W8A8Weight
+
+    def ref(w):
+        assert isinstance(w, W8A8Weight) and w.rows is None  # the kernel's tiles
+        return W8A8Weight(w.values().clone(), w.scales().clone(), pack=False)
+
+    count = 0
+    for mq, mp in zip(quantised.worker.model.modules(), plain.worker.model.modules()):
+        if isinstance(mq, ServingLinear) and isinstance(mq.served, W8A8Weight):
+            mp.served, mp.screen, count = ref(mq.served), None, count + 1
+        if isinstance(getattr(mq, "qkv", None), FusedQKV) and isinstance(mq.qkv.weight, W8A8Weight):
+            mp.qkv.weight, count = ref(mq.qkv.weight), count + 1
+    resident = plain.exchange.residency.resident
+    for key, (w1, b1, w2, b2) in quantised.exchange.residency.resident.items():
+        resident[key] = (ref(w1), b1, ref(w2), b2)
+        count += 1
+    plain.worker.decoder = None
+    return count
+
+
+def python_experts(monkeypatch):
+    """Every MoE layer's experts one at a time in Python (export/serve/placement/exchange.py's loop), not the kernel."""
+    from export.serve import linears
+
+    monkeypatch.setattr(linears, "grouped_experts", lambda *a: False)
+    monkeypatch.setattr(linears, "local_layer", lambda *a: False)
+
+
+def test_w8a8_serves_what_int8_inputs_through_the_dequantised_weights_give(package, quantized_packages, monkeypatch):
+    """--quantize w8a8 (int8 weights, each row of a linear's inputs rounded to int8 with its own scale: vLLM's dynamic
+    per-token W8A8), on a package quantised at load and on an int8 package's stored weights: every linear, fused
+    q/k/v and expert a W8A8Weight run by the kernel's int8 x int8 products (the native decoder and the grouped expert
+    kernel included; a prefill of 100 tokens through `w8a8_linear` at any rows); greedy tokens and log-probabilities
+    those of the reference (inputs rounded to int8 steps in fp32, F.linear on the dequantised weights, the experts
+    one at a time in Python), fp32, within a few int8 steps of an input. int4 packages refuse it naming the
+    scheme."""
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine, generate
+    from export.serve.linears import W8A8Weight, kernel
+    from export.serve.request import SamplingParams
+
+    if not hasattr(kernel(), "w8a8_linear"):
+        pytest.skip("this CPU's kernel has no AVX512_VNNI build")
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
+    for pkg, longest in ((package, 100), (quantized_packages / "int8", 50)):  # the stored one's context: 64
+        prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (5, 9, 14, longest)]
+        quantised = Engine.from_config(ServeConfig(package=pkg, quantize="w8a8", kv_cache_memory=0.05))
+        assert quantised.worker.decoder is not None
+        held = list(quantised.exchange.residency.resident.values())
+        assert held and all(type(w[0]) is W8A8Weight and type(w[2]) is W8A8Weight for w in held)
+        if pkg == package:  # (the stored package's layers are too small to be served: F.linear's)
+            assert type(quantised.worker.model.blocks[0].attn.qkv.weight) is W8A8Weight
+        got = generate(quantised, prompts, params)
+        assert quantised.stats["decode_steps"] >= 7
+        plain = Engine.from_config(ServeConfig(package=pkg, kv_cache_memory=0.05))
+        twins = w8a8_twin(quantised, plain)  # linears and experts
+        assert twins == 4 * 2 + 2 * 2 + 2 * 2 + 12 if pkg == package else twins > len(held)
+        with monkeypatch.context() as m:
+            python_experts(m)
+            want = generate(plain, prompts, params)
+        assert [r.generated for r in got] == [r.generated for r in want]
+        for a, b in zip(got, want):  # an input ~1e-7 apart upstream (attention's kernel and SDPA sum in other orders)
+            # can land on the other side of an int8 step, moving the outputs by that step: a looser tolerance
+            assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=3e-3)
+            for ta, tb in zip(a.top_logprobs, b.top_logprobs):
+                assert ta.keys() == tb.keys() and list(ta.values()) == pytest.approx(list(tb.values()), abs=3e-3)
+    with pytest.raises(ValueError, match="--quantize w8a8: this package holds int4 weights"):
+        Engine.from_config(ServeConfig(package=quantized_packages / "int4", quantize="w8a8", kv_cache_memory=0.05))

@@ -236,11 +236,12 @@ class Engine:
         stored = verified.manifest.get("quantization")  # export --quantize: the package's int8/int4 weights
         quantize, quantize_head = config.quantize, config.quantize_head
         if stored is not None:
-            if quantize not in (None, stored["scheme"]):
+            if quantize not in (None, stored["scheme"]) and (quantize, stored["scheme"]) != ("w8a8", "int8"):
                 raise ValueError(f"--quantize {quantize}: this package holds {stored['scheme']} weights (exported with "
-                                 f"--quantize {stored['scheme']}); drop --quantize, or serve a package exported "
-                                 f"without it")
-            quantize, quantize_head = (stored["scheme"], quantize_head or stored["head"]) if dp else (None, False)
+                                 f"--quantize {stored['scheme']}; an int8 one also serves --quantize w8a8); drop "
+                                 f"--quantize, or serve a package exported without it")
+            quantize, quantize_head = (quantize or stored["scheme"], quantize_head or stored["head"]) if dp \
+                else (None, False)  # an int8 package under --quantize w8a8: its weights, int8 inputs
         if not dp and config.quantize is not None and stored is None:
             raise ValueError(f"--quantize {config.quantize}: the data-parallel layout only, and this package's experts "
                              f"{list(verified.cfg.experts)} do not split evenly over {ranks.world} ranks")

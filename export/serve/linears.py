@@ -54,6 +54,7 @@ PACK_ROWS = 32  # the row count oneDNN's packed weight layout is chosen for (a d
 MORE_ONEDNN, MORE_CHUNKS, MORE_ATEN, MORE_PLAIN = 0, 1, 2, 3
 MORE_INT8 = 4  # csrc/gemv.cpp DecodeLinear: an Int8Weight (its int8 weight, and its scales where `packed` goes)
 MORE_INT4 = 5  # and an Int4Weight (its packed weight, its group scales)
+MORE_W8A8 = 6  # and a W8A8Weight (its tiles, its scales and rows' sums)
 ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 PREFETCH_ENV = "MOE_PIPELINE_PREFETCH"  # t0 | nta; unset: `prefetch_hint`'s choice for this CPU
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
@@ -458,7 +459,81 @@ class Int4Weight(QuantizedWeight):
         return self.gemv.int4_linear(x, self.q, self.scale, bias, self.group)
 
 
-QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}  # serve --quantize: the weight class of each scheme
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x with each row rounded to int8 steps, one scale a row (s = max |x| / 127, as vLLM's dynamic per-token W8A8 and
+    csrc/gemv.cpp `w8a8_linear`), in fp32: s * round(x / s)."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(xf / s).clamp(-127, 127) * s
+
+
+class W8A8Weight(QuantizedWeight):
+    """int8 weights with one fp32 scale per output row (as `Int8Weight`) whose inputs are rounded to int8 too, one
+    scale per row of x (vLLM's W8A8 with dynamic per-token activations, compressed-tensors' `int-quantized`): VPDPBUSD
+    multiplies 64 byte pairs an instruction, twice VDPBF16PS's, so past a few rows the products cost half as much
+    (csrc/gemv.cpp `w8a8_linear`, `expert_mlps`). `q` holds the values in the kernel's tiles (`vnni_pack`), `scale`
+    [2, out] the row scales and the rows' sums of q (the kernel's +128 offset of x comes off with them). CPUs whose
+    kernel has no AVX512_VNNI (and other devices) compute the same thing with F.linear on x rounded to int8 steps and
+    the dequantised weight."""
+
+    KERNEL, MORE = "w8a8_linear", MORE_W8A8
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, pack: bool = True):
+        if q.dtype != torch.int8 or q.dim() != 2 or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
+            raise ValueError(f"W8A8Weight: q int8 [out, in] and scale fp32 [out], not {q.dtype} {tuple(q.shape)} and "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+        self._shape = q.shape
+        gemv = kernel()
+        if pack and gemv is not None and hasattr(gemv, "vnni_pack") and q.device.type == "cpu":
+            super().__init__(gemv.vnni_pack(q.contiguous()), torch.stack([scale, q.sum(1, dtype=torch.int32).float()]))
+            self.rows = None
+        else:  # no VNNI kernel (or `pack` False: the reference): the plain values, for F.linear
+            super().__init__(q, scale)
+            self.rows = q
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "W8A8Weight":
+        return cls(*quantize_int8(w))
+
+    @classmethod
+    def of_int8(cls, w: "Int8Weight") -> "W8A8Weight":
+        return cls(w.q, w.scale)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    def values(self) -> torch.Tensor:
+        """The int8 values [out, in], unpacked from the tiles where they are packed."""
+        if self.rows is not None:
+            return self.rows
+        O, I = self._shape
+        I4 = -(-I // 4) * 4
+        tiles = self.q.view(-1, I4 // 4, 64, 4).permute(0, 2, 1, 3).reshape(-1, I4)
+        return tiles[:O, :I]
+
+    def scales(self) -> torch.Tensor:
+        """The row scales [out]."""
+        return self.scale[0] if self.rows is None else self.scale
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantized(self.values(), self.scales()).to(dtype)
+
+    def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.gemv.w8a8_linear(x, self.q, self.scale, bias)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if self.rows is None and x.device.type == "cpu" and rows > 0 and x.dtype in (torch.float32, torch.bfloat16):
+            y = self._kernel_linear(x.reshape(rows, x.shape[-1]).contiguous(), bias)  # any rows: a prefill's too
+            return y.view(*x.shape[:-1], self._shape[0])
+        y = F.linear(int8_activations(x), self.dequantized(torch.float32).to(x.device),
+                     None if bias is None else bias.float())
+        return y.to(x.dtype)
+
+
+QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": W8A8Weight}  # serve --quantize: each scheme's class
 
 
 def stored_weight(values: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
@@ -472,8 +547,15 @@ def stored_weight(values: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
 def quantized_weights(weights: list[torch.Tensor], scheme: str) -> list[QuantizedWeight]:
     """`weights` as `scheme`'s weights, all of one kind (an expert's fc1 and fc2: the expert kernels take one kind a
     layer): int4 where every one's rows fit its groups, else int8."""
-    kind = Int4Weight if scheme == "int4" and all(Int4Weight.fits(w.shape[1]) for w in weights) else Int8Weight
+    kind = Int4Weight if scheme == "int4" and all(Int4Weight.fits(w.shape[1]) for w in weights) else \
+        W8A8Weight if scheme == "w8a8" else Int8Weight
     return [kind.of(w) for w in weights]
+
+
+def as_scheme(w: QuantizedWeight, scheme: str) -> QuantizedWeight:
+    """A stored weight as `scheme` runs it: an int8 package's Int8Weight as a W8A8Weight under w8a8 (the same values
+    and scales), else itself."""
+    return W8A8Weight.of_int8(w) if scheme == "w8a8" and type(w) is Int8Weight else w
 
 
 class HeadScreen:
@@ -757,14 +839,15 @@ def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False,
         if isinstance(module, ServingLinear) and (head or module is not getattr(model, "lm_head", None)) \
                 and isinstance(module.served, ServingWeight):
             kept = stored.get(f"{name}.weight")
-            module.served = kept or quantized_weights([module.served.weight], scheme)[0]
+            module.served = as_scheme(kept, scheme) if kept else quantized_weights([module.served.weight], scheme)[0]
             module.screen = None
             count += 1
         qkv = getattr(module, "qkv", None)
         if isinstance(qkv, FusedQKV) and isinstance(qkv.weight, ServingWeight):
             parts = [stored.get(f"{name}.{p}.weight") for p in ("q_proj", "k_proj", "v_proj")]
             if all(parts) and len({type(p) for p in parts}) == 1:  # the package's, rows stacked as the fused weight's
-                qkv.weight = stored_weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+                qkv.weight = as_scheme(stored_weight(torch.cat([p.q for p in parts]),
+                                                     torch.cat([p.scale for p in parts])), scheme)
             else:
                 (qkv.weight,) = quantized_weights([qkv.weight.weight], scheme)
             count += 1

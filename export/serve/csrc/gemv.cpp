@@ -833,6 +833,219 @@ static void amx_weight_rows(const B16* w, int n, const B16* xp, int chunks, int6
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+// -- int8 x int8 products (AVX512_VNNI) ---------------------------------------------------------------------------
+//
+// VPDPBUSD adds 64 products of unsigned by signed bytes an instruction (VDPBF16PS: 32 bf16 pairs): the greedy head's
+// screen past a few rows (`screen_argmax_vnni`) and W8A8 linears and experts (`w8a8_linear`, `expert_mlps`), whose
+// inputs are rounded to int8 one scale a row (s = max |x| / 127) and stored + 128 as unsigned bytes; the sums less
+// 128 times the weight row's sum of q are exact int32.
+//
+// The int8 copy is kept in tiles of VNNI_TILE = 64 outputs (`vnni_pack`): for each 4 inputs, the 64 outputs' 4
+// bytes side by side, 256 bytes; a tile is one sequential stream. For each chunk of VNNI_CHUNK inputs of a tile (64
+// KB: read from memory by the first pass, from L2 by the others), passes of up to 6 rows of x hold 6 x 4
+// accumulators (16 outputs each) in registers: each 256 bytes of weight loaded serve the pass's rows, each 4 bytes
+// of x broadcast serve 64 outputs. On an AMD EPYC (Zen 4, 2 cores; VPDPBUSD and VDPBF16PS both one a cycle a core,
+// 3.67 G/s measured) 32 rows of the Qwen3-MoE head's int8 pass take ~6 ms, ~2.2-2.5 G VPDPBUSD a second a core,
+// where oneDNN's bf16 GEMM of the layer takes ~10.3 ms (half the multiply-adds an instruction).
+constexpr int64_t VNNI_TILE = 64, VNNI_CHUNK = 1024, VNNI_MAX_ROWS = 64, VNNI_PASS = 6;
+
+// q [O, I] int8 -> tiles of 64 outputs (O padded with zero rows) of I4 = I rounded up to 4 inputs (zeros):
+// byte t * I4 * 64 + (i / 4) * 256 + j * 4 + i % 4 = q[64 t + j, i].
+at::Tensor vnni_pack(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.device().is_cpu(),
+              "vnni_pack: q int8 [out, in], contiguous, on the CPU");
+  const int64_t O = q.size(0), I = q.size(1), I4 = (I + 3) / 4 * 4, T = (O + VNNI_TILE - 1) / VNNI_TILE;
+  at::Tensor out = at::zeros({T * I4 * VNNI_TILE}, q.options());
+  const int8_t* src = q.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t j = 0; j < VNNI_TILE && t * VNNI_TILE + j < O; ++j) {
+        const int8_t* row = src + (t * VNNI_TILE + j) * I;
+        int8_t* tile = dst + t * I4 * VNNI_TILE;
+        for (int64_t i = 0; i < I; ++i) tile[(i / 4) * 256 + j * 4 + i % 4] = row[i];
+      }
+  });
+  return out;
+}
+
+// R rows of x (unsigned bytes, rows I4 apart) times a tile's 4-input steps [s0, s1) into acc [R][64] int32. No
+// software prefetch: the hardware's follows a tile's one stream (with prefetchnta 2 KB ahead, as the bf16 kernels
+// read, 1 / 8 / 32 rows took 0.81 / 2.34 / 7.17 ms against 0.72 / 2.16 / 6.78 without; AMD EPYC, alternated).
+template <int R>
+static void vnni_rows(const uint8_t* xu, int64_t I4, const int8_t* tile, int64_t s0, int64_t s1, int32_t* acc) {
+  __m512i c[R * 4];
+#pragma GCC unroll 32
+  for (int k = 0; k < R * 4; ++k) c[k] = _mm512_loadu_si512(acc + 16 * k);
+  const int8_t* p = tile + s0 * 256;
+  const uint8_t* xp = xu + 4 * s0;
+  for (int64_t s = s0; s < s1; ++s, p += 256, xp += 4) {
+    const __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64), w2 = _mm512_loadu_si512(p + 128),
+                  w3 = _mm512_loadu_si512(p + 192);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, xp + r * I4, 4);
+      const __m512i b = _mm512_set1_epi32(four);
+      c[4 * r] = _mm512_dpbusd_epi32(c[4 * r], b, w0);
+      c[4 * r + 1] = _mm512_dpbusd_epi32(c[4 * r + 1], b, w1);
+      c[4 * r + 2] = _mm512_dpbusd_epi32(c[4 * r + 2], b, w2);
+      c[4 * r + 3] = _mm512_dpbusd_epi32(c[4 * r + 3], b, w3);
+    }
+  }
+#pragma GCC unroll 32
+  for (int k = 0; k < R * 4; ++k) _mm512_storeu_si512(acc + 16 * k, c[k]);
+}
+
+// every row of x (M <= VNNI_MAX_ROWS) times one tile: acc [M][64], exact int32 sums of (x + 128) q; the rows in
+// passes of even sizes up to VNNI_PASS (32 rows: 6, 6, 5, 5, 5, 5), each pass over a chunk of VNNI_CHUNK inputs
+static void vnni_tile(const uint8_t* xu, int64_t M, int64_t I4, const int8_t* tile, int32_t* acc) {
+  std::memset(acc, 0, sizeof(int32_t) * M * 64);
+  const int64_t S = I4 / 4, step = VNNI_CHUNK / 4, passes = (M + VNNI_PASS - 1) / VNNI_PASS;
+  for (int64_t s0 = 0; s0 < S; s0 += step) {
+    const int64_t s1 = std::min(S, s0 + step);
+    for (int64_t p = 0, r = 0; p < passes; ++p) {
+      const int64_t rows = M / passes + (p < M % passes);
+      const uint8_t* xr = xu + r * I4;
+      int32_t* ar = acc + r * 64;
+      r += rows;
+      switch (rows) {
+        case 1: vnni_rows<1>(xr, I4, tile, s0, s1, ar); break;
+        case 2: vnni_rows<2>(xr, I4, tile, s0, s1, ar); break;
+        case 3: vnni_rows<3>(xr, I4, tile, s0, s1, ar); break;
+        case 4: vnni_rows<4>(xr, I4, tile, s0, s1, ar); break;
+        case 5: vnni_rows<5>(xr, I4, tile, s0, s1, ar); break;
+        default: vnni_rows<6>(xr, I4, tile, s0, s1, ar); break;
+      }
+    }
+  }
+}
+
+// Rows of x [M, I] (fp32 or bf16) rounded to int8, one scale a row (vLLM's dynamic per-token W8A8: s = max |x| / 127,
+// q = round(x / s), ties to even) -> xu [M, I4] (q + 128; zeros past I stored as 128, q = 0) and xs [M] (s; 1 for a
+// row of zeros). False where a row is not finite.
+template <typename T>
+static bool int8_rows_of(const T* x, int64_t M, int64_t I, int64_t I4, uint8_t* xu, float* xs) {
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; ++m) {
+      const T* r = x + m * I;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < I; ++i) amax = std::max(amax, std::fabs(static_cast<float>(r[i])));
+      if (!std::isfinite(amax)) finite = false;
+      const float s = amax > 0.0f && std::isfinite(amax) ? amax / 127.0f : 1.0f;
+      uint8_t* u = xu + m * I4;
+      for (int64_t i = 0; i < I; ++i) {
+        const float v = std::nearbyint(static_cast<float>(r[i]) / s);
+        u[i] = static_cast<uint8_t>(static_cast<int>(std::max(-127.0f, std::min(127.0f, v))) + 128);
+      }
+      for (int64_t i = I; i < I4; ++i) u[i] = 128;
+      xs[m] = s;
+    }
+  });
+  return finite;
+}
+
+// A W8A8 weight as the kernels take it: `packed` its int8 values in vnni_pack's tiles, `scale` fp32 [2, O]: row 0
+// each output row's scale, row 1 the row's sum of its int8 values (exact in fp32: |sum| <= 127 I < 2^24)
+struct W8A8 {
+  const int8_t* packed;
+  const float* scale;
+  const float* colsum;
+  int64_t O, I4, T;
+};
+
+static W8A8 w8a8_of(const at::Tensor& packed, const at::Tensor& scale, int64_t I) {
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == 2 && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "w8a8: scale fp32 [2, out] (the row scales, then the rows' sums of q)");
+  const int64_t O = scale.size(1), I4 = (I + 3) / 4 * 4, T = (O + VNNI_TILE - 1) / VNNI_TILE;
+  TORCH_CHECK(I <= 65536, "w8a8: at most 65536 inputs (the int32 sums)");
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.numel() == T * I4 * VNNI_TILE && packed.device().is_cpu(),
+              "w8a8: the weight as vnni_pack packs an int8 [", O, ", ", I, "] one");
+  const float* sp = scale.data_ptr<float>();
+  return {packed.data_ptr<int8_t>(), sp, sp + O, O, I4, T};
+}
+
+// Tile t of w for rows [0, M) (any number: VNNI_MAX_ROWS at a time) of xu/xs -> out(m, o0, n, v): v 16 lanes of
+// outputs o0 .. o0 + n (n <= 16) of row m, float(sum) * scale[o] * xs[m] in fp32
+template <typename Out>
+static void w8a8_tile(const W8A8& w, int64_t t, const uint8_t* xu, const float* xs, int64_t M, int32_t* acc,
+                      const Out& out) {
+  const int8_t* tile = w.packed + t * w.I4 * VNNI_TILE;
+  const int64_t o0 = t * VNNI_TILE, n = std::min(VNNI_TILE, w.O - o0);
+  for (int64_t r = 0; r < M; r += VNNI_MAX_ROWS) {
+    const int64_t rows = std::min(VNNI_MAX_ROWS, M - r);
+    vnni_tile(xu + r * w.I4, rows, w.I4, tile, acc);
+    for (int64_t j = 0; j < n; j += 16) {
+      const int64_t k = std::min<int64_t>(16, n - j);
+      const __mmask16 mask = static_cast<__mmask16>(k >= 16 ? 0xFFFF : (1u << k) - 1);
+      const __m512i c128 = _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_maskz_loadu_ps(mask, w.colsum + o0 + j)), 7);
+      const __m512 sc = _mm512_maskz_loadu_ps(mask, w.scale + o0 + j);
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(acc + m * 64 + j), c128);
+        out(r + m, o0 + j, k, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc), _mm512_set1_ps(xs[r + m])));
+      }
+    }
+  }
+}
+
+// 16 floats (the first n) rounded to T and stored at p
+template <typename T>
+static inline void store_n(T* p, __m512 v, int64_t n) {
+  alignas(64) float f[16];
+  _mm512_store_ps(f, v);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(f[i]);
+}
+
+template <typename T>
+static void w8a8_linear_typed(const at::Tensor& x, const W8A8& w, const T* bias, T* y) {
+  const int64_t M = x.size(0), I = x.size(1);
+  std::vector<uint8_t> xu(M * w.I4);
+  std::vector<float> xs(M);
+  int8_rows_of(x.data_ptr<T>(), M, I, w.I4, xu.data(), xs.data());
+  shared_range(w.T, std::max<int64_t>(1, (int64_t(2) << 20) / (VNNI_TILE * w.I4) / std::max<int64_t>(1, M / 8)),
+               [&](int64_t b, int64_t e) {
+    std::vector<int32_t> acc(VNNI_MAX_ROWS * 64);
+    for (int64_t t = b; t < e; ++t)
+      w8a8_tile(w, t, xu.data(), xs.data(), M, acc.data(), [&](int64_t m, int64_t o, int64_t n, __m512 v) {
+        if (bias) {
+          alignas(64) float bf[16];
+          for (int64_t i = 0; i < n; ++i) bf[i] = static_cast<float>(bias[o + i]);
+          v = _mm512_add_ps(v, _mm512_load_ps(bf));
+        }
+        store_n(y + m * w.O + o, v, n);
+      });
+  });
+}
+
+// y = x @ w.T (+ bias) for a W8A8 weight (w8a8_of) and x [M, I] fp32 or bf16 (any rows), each row of x rounded to
+// int8 (one scale a row) as vLLM's dynamic per-token W8A8: y[m, o] = sum(xq[m] q[o]) * scale[o] * s[m] (+ bias[o]),
+// one rounding to x's dtype.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  RECORD_FUNCTION("moe_pipeline::w8a8_linear", std::vector<c10::IValue>({x, packed}));
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "w8a8_linear: x [rows, in] fp32 or bf16, contiguous, on the CPU");
+  const W8A8 w = w8a8_of(packed, scale, x.size(1));
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == w.O,
+                "w8a8_linear: a contiguous bias of x's dtype, one per output");
+  at::Tensor y = at::empty({x.size(0), w.O}, x.options());
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kFloat)
+    w8a8_linear_typed<float>(x, w, has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
+  else
+    w8a8_linear_typed<c10::BFloat16>(x, w, has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
+                                     y.data_ptr<c10::BFloat16>());
+  return y;
+}
+
+#endif
+
 // -- the routed experts of one MoE layer, in one call -------------------------------------------------------------
 //
 // Decode batches give each expert a few rows: called one expert at a time from Python, a layer of 16 experts cost
@@ -972,13 +1185,92 @@ static void swiglu_rows(const float (*g)[32], const float (*up)[32], const B16* 
 static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 static inline float gelu(float h) { return 0.5f * h * (1.0f + std::erf(h * 0.70710678118654752f)); }
 
+#if defined(__AVX512VNNI__)
+// expert_mlps for W8A8 experts (w1[e], w2[e] as vnni_pack packs them, s1[e] [2, (2)F] and s2[e] [2, C] as w8a8_of
+// takes them): each row of x rounded to int8 once, fc1 (gate and up) by tiles of 64 outputs, the activation rounded
+// as the passes of expert_mlps_typed round it, each row of it rounded to int8 in turn, then fc2. With swiglu, F is
+// a multiple of 64 (gate and up in tiles of their own).
+template <typename T>
+static void expert_mlps_w8a8(const at::Tensor& x, const std::vector<int64_t>& counts,
+                             const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                             const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2, bool swiglu,
+                             const std::vector<at::Tensor>& s1, const std::vector<at::Tensor>& s2, at::Tensor& y) {
+  const bool bias = !b1.empty();
+  const int64_t E = counts.size(), C = x.size(1), F = s1[0].size(1) / (swiglu ? 2 : 1);
+  const int64_t C4 = (C + 3) / 4 * 4, F4 = (F + 3) / 4 * 4;
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
+  const int64_t P = start[E];
+  std::vector<uint8_t> xu(P * C4), au(P * F4);
+  std::vector<float> xs(P), as(P);
+  int8_rows_of(x.data_ptr<T>(), P, C, C4, xu.data(), xs.data());
+  at::Tensor act = at::empty({P, F}, x.options());
+  T* ap = act.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  auto blocks = [](int64_t rows) { return (rows + VNNI_MAX_ROWS - 1) / VNNI_MAX_ROWS; };
+  const int64_t tf = (F + VNNI_TILE - 1) / VNNI_TILE, tc = (C + VNNI_TILE - 1) / VNNI_TILE;
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t t = 0; t < tf && counts[e]; ++t) tasks.push_back({e, t, t + 1, blocks(counts[e]) * VNNI_TILE});
+  // fc1 and the activation: tile t of gate (and of up: tile tf + t) into act[:, 64t : 64t + 64]
+  run_tasks(tasks, (swiglu ? 2 : 1) * C, [&](const Task& task) {
+    const int64_t e = task.expert, t = task.o0, r0 = start[e], M = counts[e];
+    const W8A8 w = w8a8_of(w1[e], s1[e], C);
+    const T* b = bias ? b1[e].data_ptr<T>() : nullptr;
+    std::vector<int32_t> acc(VNNI_MAX_ROWS * 64);
+    std::vector<float> g(M * VNNI_TILE), u(swiglu ? M * VNNI_TILE : 0);
+    const int64_t o0 = t * VNNI_TILE, n = std::min(VNNI_TILE, F - o0);
+    auto into = [&](float* dst, int64_t base) {  // dst [M][64]: the tile's outputs from `base`
+      return [dst, base, b](int64_t m, int64_t o, int64_t k, __m512 v) {
+        alignas(64) float f[16];
+        _mm512_store_ps(f, v);
+        for (int64_t i = 0; i < k; ++i) {  // the fc's output in T, with its bias, as F.linear rounds it
+          const float bo = b ? static_cast<float>(b[o + i]) : 0.0f;
+          dst[m * VNNI_TILE + (o + i - base)] = static_cast<float>(static_cast<T>(f[i] + bo));
+        }
+      };
+    };
+    w8a8_tile(w, t, xu.data() + r0 * C4, xs.data() + r0, M, acc.data(), into(g.data(), o0));
+    if (swiglu) w8a8_tile(w, tf + t, xu.data() + r0 * C4, xs.data() + r0, M, acc.data(), into(u.data(), F + o0));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t o = 0; o < n; ++o) {
+        const float gv = g[m * VNNI_TILE + o];
+        ap[(r0 + m) * F + o0 + o] = swiglu ? static_cast<T>(static_cast<float>(static_cast<T>(silu(gv))) *
+                                                             u[m * VNNI_TILE + o])
+                                           : static_cast<T>(gelu(gv));
+      }
+  });
+  int8_rows_of(ap, P, F, F4, au.data(), as.data());
+  tasks.clear();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t t = 0; t < tc && counts[e]; ++t) tasks.push_back({e, t, t + 1, blocks(counts[e]) * VNNI_TILE});
+  // fc2: tile t of each expert's outputs
+  run_tasks(tasks, F, [&](const Task& task) {
+    const int64_t e = task.expert, t = task.o0, r0 = start[e], M = counts[e];
+    const W8A8 w = w8a8_of(w2[e], s2[e], F);
+    const T* b = bias ? b2[e].data_ptr<T>() : nullptr;
+    std::vector<int32_t> acc(VNNI_MAX_ROWS * 64);
+    w8a8_tile(w, t, au.data() + r0 * F4, as.data() + r0, M, acc.data(), [&](int64_t m, int64_t o, int64_t k, __m512 v) {
+      alignas(64) float f[16];
+      _mm512_store_ps(f, v);
+      for (int64_t i = 0; i < k; ++i)
+        yp[(r0 + m) * C + o + i] = static_cast<T>(f[i] + (b ? static_cast<float>(b[o + i]) : 0.0f));
+    });
+  });
+}
+#endif
+
 template <typename T>
 static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& counts,
                               const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
                               const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2,
                               bool swiglu, const std::vector<at::Tensor>& s1, const std::vector<at::Tensor>& s2,
                               at::Tensor& y) {
-  // int8: w1, w2 int8 with one scale a row in s1, s2; int4: w1, w2 two values a byte, a scale a group (s1, s2 2-D)
+  // int8: w1, w2 int8 with one scale a row in s1, s2; int4: w1, w2 two values a byte, a scale a group (s1, s2 2-D);
+  // W8A8: w1, w2 packed in tiles (1-D), s1, s2 [2, rows]
+#if defined(__AVX512VNNI__)
+  if (!s1.empty() && w1[0].dim() == 1) return expert_mlps_w8a8<T>(x, counts, w1, b1, w2, b2, swiglu, s1, s2, y);
+#endif
   const bool bias = !b1.empty(), int4 = !s1.empty() && w1[0].scalar_type() == at::kByte;
   const bool int8 = !s1.empty() && !int4;
   const int64_t E = counts.size(), C = x.size(1), F = w2[0].size(1) * (int4 ? 2 : 1);  // experts, hidden, width
@@ -1150,13 +1442,32 @@ at::Tensor expert_mlps(const at::Tensor& x, const std::vector<int64_t>& counts, 
   TORCH_CHECK(s1.size() == s2.size() && (!quant || int64_t(s1.size()) == E),
               "expert_mlps: int8 and int4 weights take s1 and s2, their scales, per expert each (or neither)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "expert_mlps: x [rows, hidden], contiguous CPU");
-  const int64_t C = x.size(1), F = w2[0].size(1) * (int4 ? 2 : 1), packs = int4 ? 2 : 1;
+  const bool w8a8 = quant && w1[0].dim() == 1;
+  const int64_t C = x.size(1), packs = int4 ? 2 : 1;
+  const int64_t F = w8a8 ? s1[0].size(-1) / (swiglu ? 2 : 1) : w2[0].size(-1) * packs;
   int64_t rows = 0;
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "expert_mlps: fp32 or bf16, not ", dt);
   for (int64_t e = 0; e < E; ++e) {
     TORCH_CHECK(counts[e] >= 0, "expert_mlps: negative count");
     rows += counts[e];
+    if (w8a8) {  // W8A8 experts: their tiles and [2, rows] scales (w8a8_of checks both)
+#if defined(__AVX512VNNI__)
+      TORCH_CHECK(w1[e].dim() == 1 && w2[e].dim() == 1 && s1[e].dim() == 2 && s2[e].dim() == 2 &&
+                      s1[e].size(1) == (swiglu ? 2 : 1) * F && s2[e].size(1) == C && (!swiglu || F % VNNI_TILE == 0),
+                  "expert_mlps: expert ", e, ": W8A8 weights (tiles), scales [2, ", (swiglu ? 2 : 1) * F, "] and [2, ",
+                  C, "]; swiglu experts of a multiple of ", VNNI_TILE, " columns");
+      w8a8_of(w1[e], s1[e], C);
+      w8a8_of(w2[e], s2[e], F);
+      if (!b1.empty())
+        TORCH_CHECK(b1[e].numel() == s1[e].size(1) && b2[e].numel() == C && b1[e].is_contiguous() &&
+                        b2[e].is_contiguous() && b1[e].scalar_type() == dt && b2[e].scalar_type() == dt,
+                    "expert_mlps: biases of the weights' sizes and dtype");
+      continue;
+#else
+      TORCH_CHECK(false, "expert_mlps: W8A8 experts need this kernel's AVX512_VNNI build");
+#endif
+    }
     TORCH_CHECK(w1[e].dim() == 2 && w1[e].size(0) == (swiglu ? 2 : 1) * F && w1[e].size(1) * packs == C &&
                     w2[e].dim() == 2 && w2[e].size(0) == C && w2[e].size(1) * packs == F,
                 "expert_mlps: expert ", e, ": w1 ", w1[e].sizes(), ", w2 ", w2[e].sizes(), " for hidden ", C);
@@ -1903,87 +2214,6 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // (Cauchy-Schwarz: |d[o]|_2 with the sums' roundings), top = scale max |q[o]|, norm = scale |q[o]|_2. The candidates
 // are then those of `screened`, exactly as screen_argmax's: the same tokens.
 //
-// The int8 copy is kept in tiles of VNNI_TILE = 64 outputs (`vnni_pack`): for each 4 inputs, the 64 outputs' 4
-// bytes side by side, 256 bytes; a tile is one sequential stream. For each chunk of VNNI_CHUNK inputs of a tile (64
-// KB: read from memory by the first pass, from L2 by the others), passes of up to 6 rows of x hold 6 x 4
-// accumulators (16 outputs each) in registers: each 256 bytes of weight loaded serve the pass's rows, each 4 bytes
-// of x broadcast serve 64 outputs. On an AMD EPYC (Zen 4, 2 cores; VPDPBUSD and VDPBF16PS both one a cycle a core,
-// 3.67 G/s measured) 32 rows of the Qwen3-MoE head's int8 pass take ~6 ms, ~2.2-2.5 G VPDPBUSD a second a core,
-// where oneDNN's bf16 GEMM of the layer takes ~10.3 ms (half the multiply-adds an instruction).
-constexpr int64_t VNNI_TILE = 64, VNNI_CHUNK = 1024, VNNI_MAX_ROWS = 64, VNNI_PASS = 6;
-
-// q [O, I] int8 -> tiles of 64 outputs (O padded with zero rows) of I4 = I rounded up to 4 inputs (zeros):
-// byte t * I4 * 64 + (i / 4) * 256 + j * 4 + i % 4 = q[64 t + j, i].
-at::Tensor vnni_pack(const at::Tensor& q) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous() && q.device().is_cpu(),
-              "vnni_pack: q int8 [out, in], contiguous, on the CPU");
-  const int64_t O = q.size(0), I = q.size(1), I4 = (I + 3) / 4 * 4, T = (O + VNNI_TILE - 1) / VNNI_TILE;
-  at::Tensor out = at::zeros({T * I4 * VNNI_TILE}, q.options());
-  const int8_t* src = q.data_ptr<int8_t>();
-  int8_t* dst = out.data_ptr<int8_t>();
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      for (int64_t j = 0; j < VNNI_TILE && t * VNNI_TILE + j < O; ++j) {
-        const int8_t* row = src + (t * VNNI_TILE + j) * I;
-        int8_t* tile = dst + t * I4 * VNNI_TILE;
-        for (int64_t i = 0; i < I; ++i) tile[(i / 4) * 256 + j * 4 + i % 4] = row[i];
-      }
-  });
-  return out;
-}
-
-// R rows of x (unsigned bytes, rows I4 apart) times a tile's 4-input steps [s0, s1) into acc [R][64] int32. No
-// software prefetch: the hardware's follows a tile's one stream (with prefetchnta 2 KB ahead, as the bf16 kernels
-// read, 1 / 8 / 32 rows took 0.81 / 2.34 / 7.17 ms against 0.72 / 2.16 / 6.78 without; AMD EPYC, alternated).
-template <int R>
-static void vnni_rows(const uint8_t* xu, int64_t I4, const int8_t* tile, int64_t s0, int64_t s1, int32_t* acc) {
-  __m512i c[R * 4];
-#pragma GCC unroll 32
-  for (int k = 0; k < R * 4; ++k) c[k] = _mm512_loadu_si512(acc + 16 * k);
-  const int8_t* p = tile + s0 * 256;
-  const uint8_t* xp = xu + 4 * s0;
-  for (int64_t s = s0; s < s1; ++s, p += 256, xp += 4) {
-    const __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64), w2 = _mm512_loadu_si512(p + 128),
-                  w3 = _mm512_loadu_si512(p + 192);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, xp + r * I4, 4);
-      const __m512i b = _mm512_set1_epi32(four);
-      c[4 * r] = _mm512_dpbusd_epi32(c[4 * r], b, w0);
-      c[4 * r + 1] = _mm512_dpbusd_epi32(c[4 * r + 1], b, w1);
-      c[4 * r + 2] = _mm512_dpbusd_epi32(c[4 * r + 2], b, w2);
-      c[4 * r + 3] = _mm512_dpbusd_epi32(c[4 * r + 3], b, w3);
-    }
-  }
-#pragma GCC unroll 32
-  for (int k = 0; k < R * 4; ++k) _mm512_storeu_si512(acc + 16 * k, c[k]);
-}
-
-// every row of x (M <= VNNI_MAX_ROWS) times one tile: acc [M][64], exact int32 sums of (x + 128) q; the rows in
-// passes of even sizes up to VNNI_PASS (32 rows: 6, 6, 5, 5, 5, 5), each pass over a chunk of VNNI_CHUNK inputs
-static void vnni_tile(const uint8_t* xu, int64_t M, int64_t I4, const int8_t* tile, int32_t* acc) {
-  std::memset(acc, 0, sizeof(int32_t) * M * 64);
-  const int64_t S = I4 / 4, step = VNNI_CHUNK / 4, passes = (M + VNNI_PASS - 1) / VNNI_PASS;
-  for (int64_t s0 = 0; s0 < S; s0 += step) {
-    const int64_t s1 = std::min(S, s0 + step);
-    for (int64_t p = 0, r = 0; p < passes; ++p) {
-      const int64_t rows = M / passes + (p < M % passes);
-      const uint8_t* xr = xu + r * I4;
-      int32_t* ar = acc + r * 64;
-      r += rows;
-      switch (rows) {
-        case 1: vnni_rows<1>(xr, I4, tile, s0, s1, ar); break;
-        case 2: vnni_rows<2>(xr, I4, tile, s0, s1, ar); break;
-        case 3: vnni_rows<3>(xr, I4, tile, s0, s1, ar); break;
-        case 4: vnni_rows<4>(xr, I4, tile, s0, s1, ar); break;
-        case 5: vnni_rows<5>(xr, I4, tile, s0, s1, ar); break;
-        default: vnni_rows<6>(xr, I4, tile, s0, s1, ar); break;
-      }
-    }
-  }
-}
-
 // x [M <= VNNI_MAX_ROWS, I] and w [O, I] as `linear` takes them (no bias); packed: vnni_pack of the int8 copy q;
 // colsum int32 [O] (q's row sums); scale, err1, err2, top, norm fp32 [O] (above; export/serve/linears.py
 // `HeadScreen`); `most` as screen_argmax's -> [M] int64, or an empty tensor.
@@ -2382,17 +2612,23 @@ static int64_t bucket(int64_t rows) {
 // MORE_* codes): oneDNN on its packed copy (rows bucketed), the kernel MAX_ROWS rows at a time (bf16 without oneDNN's),
 // or at::linear (a small weight); PLAIN: an nn.Linear the serving runtime left as it is (F.linear at every row count).
 struct DecodeLinear {
-  // INT8: w int8, packed its row scales; INT4: w two int4 a byte, packed its group scales [out, groups]
-  enum More : int64_t { ONEDNN = 0, CHUNKS = 1, ATEN = 2, PLAIN = 3, INT8 = 4, INT4 = 5 };
+  // INT8: w int8, packed its row scales; INT4: w two int4 a byte, packed its group scales [out, groups]; W8A8: w
+  // its int8 tiles (vnni_pack), packed its scales and rows' sums [2, out]
+  enum More : int64_t { ONEDNN = 0, CHUNKS = 1, ATEN = 2, PLAIN = 3, INT8 = 4, INT4 = 5, W8A8 = 6 };
   at::Tensor w, amx, packed;
   c10::optional<at::Tensor> b;
   int64_t more = ATEN;
+
+  int64_t outputs() const { return more == W8A8 ? packed.size(1) : w.size(0); }
 
   at::Tensor operator()(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
     if (more == PLAIN) return at::linear(x, w, b);
     if (more == INT8) return int8_linear(x, w, packed, b);
     if (more == INT4) return int4_linear(x, w, packed, b, x.size(1) / packed.size(1));
+#if defined(__AVX512VNNI__)
+    if (more == W8A8) return w8a8_linear(x, w, packed, b);
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx.defined() && rows > 1 && rows <= AMX_MAX_ROWS) return amx_linear(x, amx, w.size(0), b);
 #endif
@@ -2441,7 +2677,7 @@ static DecodeLinear decode_linear(const py::tuple& t) {  // (weight, amx or None
   TORCH_CHECK(t.size() == 5, "DecodeModel: a linear is (weight, amx or None, packed, more, bias or None)");
   DecodeLinear l{t[0].cast<at::Tensor>(), t[1].cast<c10::optional<at::Tensor>>().value_or(at::Tensor()),
                  t[2].cast<at::Tensor>(), t[4].cast<c10::optional<at::Tensor>>(), t[3].cast<int64_t>()};
-  TORCH_CHECK(l.more >= DecodeLinear::ONEDNN && l.more <= DecodeLinear::INT4, "DecodeModel: `more` is 0 to 5");
+  TORCH_CHECK(l.more >= DecodeLinear::ONEDNN && l.more <= DecodeLinear::W8A8, "DecodeModel: `more` is 0 to 6");
   return l;
 }
 
@@ -2457,7 +2693,7 @@ class DecodeModel {
                      at::Tensor V) {
     DecodeLayer L;
     L.n1 = decode_norm(ln1), L.qkv = decode_linear(qkv), L.out = decode_linear(out), L.n2 = decode_norm(ln2);
-    TORCH_CHECK(L.qkv.w.size(0) == qs_ + 2 * kvs_, "DecodeModel.add_attention: a q/k/v weight of ", qs_ + 2 * kvs_,
+    TORCH_CHECK(L.qkv.outputs() == qs_ + 2 * kvs_, "DecodeModel.add_attention: a q/k/v weight of ", qs_ + 2 * kvs_,
                 " outputs");
     L.q_norm = q_norm, L.k_norm = k_norm, L.qk_eps = qk_eps, L.K = K, L.V = V;
     layers_.push_back(std::move(L));
@@ -2765,6 +3001,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screen_argmax_vnni", &screen_argmax_vnni,
         "screen_argmax for up to VNNI_MAX_ROWS rows, its int8 pass on x rounded to int8 too (VPDPBUSD)", nogil);
   m.attr("VNNI_MAX_ROWS") = VNNI_MAX_ROWS;
+  m.def("w8a8_linear", &w8a8_linear,
+        "y = x @ w.T (+ bias) for a W8A8 weight (vnni_pack's tiles, scales and rows' sums [2, out]), x rounded to int8 "
+        "a row at a time", nogil);
 #endif
   py::class_<DecodeModel>(m, "DecodeModel", py::module_local(),  // one per ISA build in a process
                           "a whole decode forward of a model's layers in one call")

@@ -53,7 +53,12 @@ class ExpertStore:
         from pipeline.weights import SAFETENSORS_DTYPES, read_header, weight_files
 
         self.src, self.cfg, self.dtype, self.device = Path(src), cfg, dtype, torch.device(device)
-        self.quantize = quantize  # "int8" or "int4": each expert quantised as it loads (linears.quantized_weights)
+        # "int8", "int4" or "w8a8": each expert quantised as it loads (linears.quantized_weights); on an int8 package,
+        # "w8a8" runs its stored weights with int8 inputs (linears.as_scheme)
+        self.quantize = quantize
+        if quantize == "w8a8" and cfg.activation == "swiglu" and cfg.expert_hidden % 64:
+            raise ValueError(f"--quantize w8a8: the W8A8 expert kernel takes SwiGLU experts of a multiple of 64 "
+                             f"columns (its tiles); these have {cfg.expert_hidden}: serve them with --quantize int8")
         self.where = weight_files(self.src, files)
         self._files, self._facts, self._maps, self._views = {}, {}, {}, {}
         self._stream = None  # on a GPU: the stream experts are copied on (`_to_gpu`)
@@ -121,13 +126,13 @@ class ExpertStore:
         return out
 
     def _stored(self, keys: list[str]) -> tuple:
-        from export.serve.linears import stored_weight
+        from export.serve.linears import as_scheme, stored_weight
 
         stored, out = iter(self._stored_keys(keys)), []
         for k in keys:
             if k.endswith(".weight"):
                 values, scale = self._views[next(stored)], self._views[next(stored)]
-                out.append(stored_weight(values.clone(), scale.clone()))
+                out.append(as_scheme(stored_weight(values.clone(), scale.clone()), self.quantize or ""))
             else:
                 out.append(self._views[next(stored)].to(dtype=self.dtype, copy=True))
         w1, b1, w2, b2 = out if self.cfg.mlp_bias else (out[0], None, out[1], None)
@@ -168,7 +173,7 @@ class ExpertStore:
 
             if self.quantize == "int4" and fits_int4(h) and fits_int4(f):
                 return (up * h + f * h) // 2 + (up * h + f * h) // INT4_GROUP * 4 + biases
-            return up * h + f * h + (up + h) * 4 + biases
+            return up * h + f * h + (up + h) * (8 if self.quantize == "w8a8" else 4) + biases  # w8a8: + rows' sums
         return (up * h + f * h) * torch.finfo(self.dtype).bits // 8 + biases
 
 
