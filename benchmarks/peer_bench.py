@@ -22,7 +22,8 @@ it out), and each figure is the median over the rounds:
     seed per run so that no prompt is in a prefix cache). Output tokens are counted as generated, --output-len a
     request for every server (the client's own count re-tokenizes a stream that carries no `usage`, llama.cpp's, and
     finds ~4% more); TPOT per request is (latency - TTFT) / (--output-len - 1).
-With --quantize int8 the three serve the same int8 weights where they can: ours an `export --quantize int8` package,
+With --quantize int8 the three serve the same int8 weights where they can: ours an `export --quantize int8` package
+(--quantize w8a8: that package served with `serve --quantize w8a8`, its linears' inputs rounded to int8 as vLLM's are),
 vLLM the W8A8 compressed-tensors checkpoint of those values and scales (`export --format hf --quantize w8a8`; vLLM's
 x86 CPU backend runs quantised MoE only as W8A8, through zentorch on AMD Zen or AMX on Intel), llama.cpp its Q8_0 (its
 own blocks of 32); the agreement table then compares our greedy tokens with vLLM's on the same quantised weights.
@@ -522,11 +523,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="runs of each server at each concurrency, in turn")
     ap.add_argument("--ours-args", default="", help="extra arguments for `moe-pipeline serve`, e.g. '--dtype bf16'")
-    ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                    help="quantised weights: ours an `export --quantize` package (round to nearest), llama.cpp a Q8_0 "
-                         "(int8) or Q4_0 (int4) GGUF, vLLM with int8 the W8A8 compressed-tensors checkpoint of the same "
-                         "int8 weights (`export --format hf --quantize w8a8`; its x86 CPU backend runs quantised MoE "
-                         "only so); with int4 vLLM stays bf16 (no x86 int4 MoE there)")
+    ap.add_argument("--quantize", choices=["int8", "w8a8", "int4"], default=None,
+                    help="quantised weights: ours an `export --quantize` package (round to nearest; w8a8: the int8 "
+                         "one served with --quantize w8a8, its inputs rounded to int8 as vLLM's are), llama.cpp a "
+                         "Q8_0 (int8, w8a8) or Q4_0 (int4) GGUF, vLLM with int8 and w8a8 the W8A8 compressed-tensors "
+                         "checkpoint of the same int8 weights (`export --format hf --quantize w8a8`; its x86 CPU "
+                         "backend runs quantised MoE only so); with int4 vLLM stays bf16 (no x86 int4 MoE there)")
     args = ap.parse_args(argv)
     for key in ("out", "work", "checkpoint", "package"):  # the children run in the repository root
         setattr(args, key, getattr(args, key) and getattr(args, key).resolve())
@@ -563,16 +565,18 @@ def main(argv: list[str] | None = None) -> dict:
     servers = [s for s in only if isinstance(results[s], dict)]
     derived = derived_dir(ckpt, args.work)
     if "ours" in servers:
-        pkg = args.package or our_package(ckpt, derived, args.out / "convert.log", args.quantize)
-    vllm_model = our_w8a8(ckpt, derived) if "vllm" in servers and args.quantize == "int8" else ckpt
+        pkg = args.package or our_package(ckpt, derived, args.out / "convert.log",
+                                          "int8" if args.quantize == "w8a8" else args.quantize)
+    vllm_model = our_w8a8(ckpt, derived) if "vllm" in servers and args.quantize in ("int8", "w8a8") else ckpt
+    ours_args = shlex.split(args.ours_args) + (["--quantize", "w8a8"] if args.quantize == "w8a8" else [])
     if "llama" in servers:
         gguf_file = gguf(ckpt, derived, args.out / "convert.log",
-                         {None: "bf16", "int8": "q8_0", "int4": "q4_0"}[args.quantize])
+                         {None: "bf16", "int8": "q8_0", "w8a8": "q8_0", "int4": "q4_0"}[args.quantize])
 
     with contextlib.ExitStack() as stack:
         up = {}
         for s in servers:  # each up, warmed, its agreement prompts, then paused while the others start
-            ctx = (serve_ours(pkg, cpu["cores"], shlex.split(args.ours_args), args.out / "ours.log") if s == "ours" else
+            ctx = (serve_ours(pkg, cpu["cores"], ours_args, args.out / "ours.log") if s == "ours" else
                    serve_vllm(vllm_model, cpu["cores"], args.out / "vllm.log") if s == "vllm" else
                    serve_llama(gguf_file, cpu["cores"], args.out / "llama.log"))
             try:
