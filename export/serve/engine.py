@@ -242,6 +242,9 @@ class Engine:
                                  f"--quantize, or serve a package exported without it")
             quantize, quantize_head = (quantize or stored["scheme"], quantize_head or stored["head"]) if dp \
                 else (None, False)  # an int8 package under --quantize w8a8: its weights, int8 inputs
+        if quantize == "w8a8" and not hasattr(linears.kernel(), "w8a8_linear"):
+            raise ValueError("--quantize w8a8: its int8 x int8 kernels need a CPU with AVX512_VNNI (and the GEMV "
+                             "kernel built); serve --quantize int8 (weight-only) instead")
         if not dp and config.quantize is not None and stored is None:
             raise ValueError(f"--quantize {config.quantize}: the data-parallel layout only, and this package's experts "
                              f"{list(verified.cfg.experts)} do not split evenly over {ranks.world} ranks")
