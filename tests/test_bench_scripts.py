@@ -75,6 +75,26 @@ def test_int8_kernels_times_both_layers_side_by_side(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_head_screen_times_the_screens_against_the_whole_layer(tmp_path):
+    """benchmarks/head_screen.py on a small random head: each row count's calls timed, both screens' tokens checked
+    against the few-row kernel's (the script stops otherwise), candidates counted, the JSON and the plot written."""
+    import head_screen
+
+    from export.serve import linears
+
+    if linears.kernel() is None:
+        pytest.skip("no kernel on this machine")
+    assert head_screen.main(["--random", "3000", "200", "--rows", "1", "9", "--repeats", "1", "--out",
+                             str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "head_screen.json").read_text())
+    assert r["shape"] == [3000, 200] and [x["rows"] for x in r["results"]] == [1, 9]
+    one, nine = r["results"]
+    assert one["ms"]["whole"] > 0 and one["ms"]["bf16 x int8"] > 0 and one["candidates"]["bf16 x int8"] >= 1
+    vnni = hasattr(linears.kernel(), "screen_argmax_vnni")
+    assert ("int8 x int8" in nine["ms"]) == vnni and "bf16 x int8" not in nine["ms"]  # past its 8 rows
+    assert (tmp_path / "head_screen.png").stat().st_size > 0
+
+
 def test_int8_kernels_decodes_a_package_both_ways(tmp_path):
     """benchmarks/int8_kernels.py --package: the package served as it is and with --quantize int8 and int4, alternated,
     each run's tokens/s and their medians, the paired ratio, the tokens compared."""

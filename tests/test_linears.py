@@ -161,7 +161,7 @@ def check_w8a8(gemv):
     """W8A8 (AVX512_VNNI builds): `w8a8_linear` against F.linear on x rounded to int8 steps a row at a time
     (`int8_activations`) and the dequantised weight, fp32 to its sums' order and bf16 to one rounding, 1 to 300 rows
     (several row blocks of 64), sizes off the tiles (200 outputs, 130 inputs), with and without a bias, a row of
-    zeros; the tiles unpack to the int8 values; W8A8 experts (`expert_mlps`) equal to each expert's W8A8 linears and
+    zeros, a row with a NaN (all NaN out); the tiles unpack to the int8 values; W8A8 experts (`expert_mlps`) equal to each expert's W8A8 linears and
     activation in turn, an expert without rows and one of 70 (two row blocks), SwiGLU and GeLU."""
     import torch.nn.functional as F
 
@@ -178,11 +178,16 @@ def check_w8a8(gemv):
         for M in (1, 5, 64, 65, 300):
             x = torch.randn(M, 130).to(dtype)
             x[0] = 0.0
+            if M > 1:
+                x[1, 3] = float("nan")  # a row that is not finite gives NaN, as F.linear would
             for bias in (None, torch.randn(200).to(dtype)):
                 y = gemv.w8a8_linear(x, W.q, W.scale, bias)
                 ref = F.linear(int8_activations(x), W.dequantized(torch.float32), None if bias is None else bias.float())
-                assert y.dtype == dtype and torch.allclose(y.float(), ref, atol=tol, rtol=tol)
+                ok = torch.ones(M, dtype=torch.bool)
+                ok[1:2] = M == 1
+                assert y.dtype == dtype and torch.allclose(y[ok].float(), ref[ok], atol=tol, rtol=tol)
                 assert (y[0].float() == (0 if bias is None else bias.float())).all()
+                assert M == 1 or y[1].isnan().all()
     C, Fh = 192, 128
     for swiglu in (True, False):
         counts, ws = [3, 0, 70, 1], []

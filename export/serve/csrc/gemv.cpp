@@ -924,17 +924,20 @@ static void vnni_tile(const uint8_t* xu, int64_t M, int64_t I4, const int8_t* ti
 
 // Rows of x [M, I] (fp32 or bf16) rounded to int8, one scale a row (vLLM's dynamic per-token W8A8: s = max |x| / 127,
 // q = round(x / s), ties to even) -> xu [M, I4] (q + 128; zeros past I stored as 128, q = 0) and xs [M] (s; 1 for a
-// row of zeros). False where a row is not finite.
+// row of zeros; NaN for a row that is not finite, so that its outputs are NaN as F.linear's would be).
 template <typename T>
-static bool int8_rows_of(const T* x, int64_t M, int64_t I, int64_t I4, uint8_t* xu, float* xs) {
-  std::atomic<bool> finite{true};
+static void int8_rows_of(const T* x, int64_t M, int64_t I, int64_t I4, uint8_t* xu, float* xs) {
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t m = r0; m < r1; ++m) {
       const T* r = x + m * I;
       float amax = 0.0f;
-      for (int64_t i = 0; i < I; ++i) amax = std::max(amax, std::fabs(static_cast<float>(r[i])));
-      if (!std::isfinite(amax)) finite = false;
-      const float s = amax > 0.0f && std::isfinite(amax) ? amax / 127.0f : 1.0f;
+      bool finite = true;
+      for (int64_t i = 0; i < I; ++i) {
+        const float v = static_cast<float>(r[i]);
+        finite = finite && std::isfinite(v);
+        amax = std::max(amax, std::fabs(v));
+      }
+      const float s = !finite ? std::numeric_limits<float>::quiet_NaN() : amax > 0.0f ? amax / 127.0f : 1.0f;
       uint8_t* u = xu + m * I4;
       for (int64_t i = 0; i < I; ++i) {
         const float v = std::nearbyint(static_cast<float>(r[i]) / s);
@@ -944,7 +947,6 @@ static bool int8_rows_of(const T* x, int64_t M, int64_t I, int64_t I4, uint8_t* 
       xs[m] = s;
     }
   });
-  return finite;
 }
 
 // A W8A8 weight as the kernels take it: `packed` its int8 values in vnni_pack's tiles, `scale` fp32 [2, O]: row 0
