@@ -82,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     served = ServingWeight(w, pack=True)
     screen = HeadScreen(served)
     vnni = screen.vnni
-    if vnni:  # the bf16 x int8 screen's row-major copy, unpacked from the tiles
-        I4 = -(-I // 4) * 4
-        q = screen.packed.view(-1, I4 // 4, 64, 4).permute(0, 2, 1, 3).reshape(-1, I4)[:O, :I].contiguous()
-    else:
-        q = screen.q
+    q = screen.int8.values().contiguous() if vnni else screen.q  # the bf16 x int8 screen's row-major copy
     print(f"head: {source}, {O} x {I} bf16; int8 x int8 screen: {'yes' if vnni else 'no (no AVX512_VNNI build)'}",
           flush=True)
     torch.manual_seed(1)
@@ -101,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         if M <= k.MAX_ROWS:
             ways["bf16 x int8"] = lambda: k.screen_argmax(x, w, q, screen.scale, screen.err, O)
         if vnni and M <= k.VNNI_MAX_ROWS:
-            ways["int8 x int8"] = lambda: k.screen_argmax_vnni(x, w, screen.packed, screen.colsum, screen.scale,
-                                                                screen.err, screen.err2, screen.top, screen.norm, O)
+            ways["int8 x int8"] = lambda: k.screen_argmax_vnni(x, w, screen.int8.q, screen.int8.scale, screen.err,
+                                                                screen.err2, screen.top, screen.norm, O)
         row = {"rows": M, "ms": {}, "candidates": {}}
         for name, fn in ways.items():
             if name != "whole":
@@ -121,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda most: k.screen_argmax(x, w, q, screen.scale, screen.err, most), O)
         if "int8 x int8" in ways:
             row["candidates"]["int8 x int8"] = candidates(lambda most: k.screen_argmax_vnni(
-                x, w, screen.packed, screen.colsum, screen.scale, screen.err, screen.err2, screen.top, screen.norm,
-                most), O)
+                x, w, screen.int8.q, screen.int8.scale, screen.err, screen.err2, screen.top, screen.norm, most), O)
         results.append(row)
         cells = ", ".join(f"{n} {v:.2f} ms" + (f" ({row['ms']['whole'] / v:.2f}x)" if n != "whole" else "")
                           for n, v in row["ms"].items())

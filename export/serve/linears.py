@@ -397,6 +397,13 @@ class QuantizedWeight:
         return y.view(*x.shape[:-1], self.q.shape[0])
 
 
+def _check_int8(name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """ValueError unless q is int8 [out, in] and scale fp32 [out] (one scale per output row)."""
+    if q.dtype != torch.int8 or q.dim() != 2 or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
+        raise ValueError(f"{name}: q int8 [out, in] and scale fp32 [out], not {q.dtype} {tuple(q.shape)} and "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+
+
 class Int8Weight(QuantizedWeight):
     """int8 with one fp32 scale per output row (`quantize_int8`: w ~ scale[:, None] * q), read at 1 byte a weight by
     csrc/gemv.cpp (`int8_linear`; as an expert, `expert_mlps` and the routed layers)."""
@@ -404,9 +411,7 @@ class Int8Weight(QuantizedWeight):
     KERNEL, MORE = "int8_linear", MORE_INT8
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
-        if q.dtype != torch.int8 or q.dim() != 2 or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
-            raise ValueError(f"Int8Weight: q int8 [out, in] and scale fp32 [out], not {q.dtype} {tuple(q.shape)} and "
-                             f"{scale.dtype} {tuple(scale.shape)}")
+        _check_int8(type(self).__name__, q, scale)
         super().__init__(q, scale)
 
     @classmethod
@@ -480,9 +485,7 @@ class W8A8Weight(QuantizedWeight):
     KERNEL, MORE = "w8a8_linear", MORE_W8A8
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, pack: bool = True):
-        if q.dtype != torch.int8 or q.dim() != 2 or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
-            raise ValueError(f"W8A8Weight: q int8 [out, in] and scale fp32 [out], not {q.dtype} {tuple(q.shape)} and "
-                             f"{scale.dtype} {tuple(scale.shape)}")
+        _check_int8(type(self).__name__, q, scale)
         self._shape = q.shape
         gemv = kernel()
         if pack and gemv is not None and hasattr(gemv, "vnni_pack") and q.device.type == "cpu":
@@ -572,7 +575,7 @@ class HeadScreen:
     recomputes, as the few-row kernel does, every row whose interval can reach the best one's (a handful on a trained
     model: its logits are peaked). With AVX512_VNNI (the AVX512_BF16 and AMX builds) the rows of x are rounded to
     int8 too (one scale a row) and multiplied by VPDPBUSD, 1 to VNNI_MAX_ROWS (64) rows a call: err2, top and norm
-    bound what that rounding adds (`screen_argmax_vnni`), and q is kept only in that kernel's tiles (`packed`). On
+    bound what that rounding adds (`screen_argmax_vnni`), and q is kept only as a `W8A8Weight` (`int8`). On
     the Qwen3-MoE head (AMD EPYC, 2 cores) 8 / 16 / 32 rows took 2.3 / 3.4 / 6.5 ms where the whole layer took 5.9 /
     6.6 / 10.7 (oneDNN past 8 rows) and the bf16 x int8 screen 3.6 at 8. Past 8 rows the tokens are the few-row
     kernel's (8 rows a pass), where the unscreened layer runs oneDNN's GEMM: both are fp32 sums of the same bf16
@@ -620,9 +623,8 @@ class HeadScreen:
                 s64 = scale.double()
                 self.top[lo:lo + self.CHUNK] = torch.nextafter((s64 * q.abs().amax(1) * (1 + 1e-6)).float(), up)
                 self.norm[lo:lo + self.CHUNK] = torch.nextafter((s64 * q.norm(dim=1) * (1 + 1e-6)).float(), up)
-        if self.vnni:  # the int8 copy in the VNNI kernel's tiles only
-            self.packed = self.gemv.vnni_pack(self.q)
-            self.colsum = self.q.sum(1, dtype=torch.int32)
+        if self.vnni:  # the int8 copy as a W8A8 weight holds it (the kernel's tiles, scales and rows' sums) only
+            self.int8 = W8A8Weight(self.q, self.scale)
             del self.q
         self.rows = self.gemv.VNNI_MAX_ROWS if self.vnni else self.gemv.MAX_ROWS  # most rows a call screens
         self.tried: dict[int, list[int]] = {}  # row count -> [calls, fallbacks]
@@ -652,8 +654,8 @@ class HeadScreen:
         self.calls += 1
         tried[0] += 1
         if self.vnni:
-            out = self.gemv.screen_argmax_vnni(x.contiguous(), self.served.weight, self.packed, self.colsum,
-                                               self.scale, self.err, self.err2, self.top, self.norm, self.most)
+            out = self.gemv.screen_argmax_vnni(x.contiguous(), self.served.weight, self.int8.q, self.int8.scale,
+                                               self.err, self.err2, self.top, self.norm, self.most)
         else:
             out = self.gemv.screen_argmax(x.contiguous(), self.served.weight, self.q, self.scale, self.err, self.most)
         if out.numel() == 0:

@@ -357,24 +357,30 @@ constexpr int DP_SUMS = 4;
 #else
 constexpr int DP_SUMS = 2;
 #endif
+// One row's sum of U independent sums of 32 pairs (the weight prefetched ahead where `Ahead`): row1_dp's, and the
+// screens' re-check of one candidate as a pass of `linear` sums it (`dp_row_of`)
+template <int U, bool Ahead>
+static inline float dp_row(const B16* wr, const B16* x, int64_t I) {
+  __m512 acc[U];
+  for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 * U <= I; i += 32 * U)
+    for (int u = 0; u < U; ++u) {
+      if (Ahead) ahead(wr + i + 32 * u);
+      acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(wr + i + 32 * u),
+                                (__m512bh)_mm512_loadu_si512(x + i + 32 * u));
+    }
+  for (; i + 32 <= I; i += 32)
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(wr + i), (__m512bh)_mm512_loadu_si512(x + i));
+  for (int u = 1; u < U; ++u) acc[0] = _mm512_add_ps(acc[0], acc[u]);
+  float s = _mm512_reduce_add_ps(acc[0]);
+  for (; i < I; ++i) s += static_cast<float>(wr[i]) * static_cast<float>(x[i]);
+  return s;
+}
+
 static void row1_dp(const B16* w, const B16* x, const B16* bias, B16* y, int64_t I, int64_t o0, int64_t o1) {
-  constexpr int U = DP_SUMS;
   for (int64_t o = o0; o < o1; ++o) {
-    const B16* wr = w + o * I;
-    __m512 acc[U];
-    for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 * U <= I; i += 32 * U)
-      for (int u = 0; u < U; ++u) {
-        ahead(wr + i + 32 * u);
-        acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(wr + i + 32 * u),
-                                  (__m512bh)_mm512_loadu_si512(x + i + 32 * u));
-      }
-    for (; i + 32 <= I; i += 32)
-      acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(wr + i), (__m512bh)_mm512_loadu_si512(x + i));
-    for (int u = 1; u < U; ++u) acc[0] = _mm512_add_ps(acc[0], acc[u]);
-    float s = _mm512_reduce_add_ps(acc[0]);
-    for (; i < I; ++i) s += static_cast<float>(wr[i]) * static_cast<float>(x[i]);
+    const float s = dp_row<DP_SUMS, true>(w + o * I, x, I);
     y[o] = static_cast<B16>(bias ? s + static_cast<float>(bias[o]) : s);
   }
 }
@@ -2007,27 +2013,10 @@ static void rows_i8_dp_any(int64_t M, const int8_t* q, const B16* x, int64_t I, 
 #if defined(__AVX512BF16__)
 // One row's sum as rows_dp<M> (row1_dp for one row) computes it for each of its rows: U sums of 32 pairs, U by the
 // pass's row count; the same instructions in the same order, so the same bits as that row in a `linear` of M rows.
-template <int U>
-static float dp_row(const B16* wr, const B16* x, int64_t I) {
-  __m512 acc[U];
-  for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 * U <= I; i += 32 * U)
-    for (int u = 0; u < U; ++u)
-      acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(wr + i + 32 * u),
-                                (__m512bh)_mm512_loadu_si512(x + i + 32 * u));
-  for (; i + 32 <= I; i += 32)
-    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(wr + i), (__m512bh)_mm512_loadu_si512(x + i));
-  for (int u = 1; u < U; ++u) acc[0] = _mm512_add_ps(acc[0], acc[u]);
-  float s = _mm512_reduce_add_ps(acc[0]);
-  for (; i < I; ++i) s += static_cast<float>(wr[i]) * static_cast<float>(x[i]);
-  return s;
-}
-
 static float dp_row_of(int64_t M, const B16* wr, const B16* x, int64_t I) {  // as a row of a pass of M rows
-  if (M <= 2) return dp_row<DP_SUMS>(wr, x, I);
-  if (M <= 4) return dp_row<2>(wr, x, I);
-  return dp_row<1>(wr, x, I);
+  if (M <= 2) return dp_row<DP_SUMS, false>(wr, x, I);
+  if (M <= 4) return dp_row<2, false>(wr, x, I);
+  return dp_row<1, false>(wr, x, I);
 }
 #endif
 
@@ -2216,79 +2205,56 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // (Cauchy-Schwarz: |d[o]|_2 with the sums' roundings), top = scale max |q[o]|, norm = scale |q[o]|_2. The candidates
 // are then those of `screened`, exactly as screen_argmax's: the same tokens.
 //
-// x [M <= VNNI_MAX_ROWS, I] and w [O, I] as `linear` takes them (no bias); packed: vnni_pack of the int8 copy q;
-// colsum int32 [O] (q's row sums); scale, err1, err2, top, norm fp32 [O] (above; export/serve/linears.py
-// `HeadScreen`); `most` as screen_argmax's -> [M] int64, or an empty tensor.
+// x [M <= VNNI_MAX_ROWS, I] and w [O, I] as `linear` takes them (no bias); packed, scale: the int8 copy as a W8A8
+// weight holds it (`w8a8_of`: vnni_pack's tiles, the row scales and sums [2, O]); err1, err2, top, norm fp32 [O]
+// (above; export/serve/linears.py `HeadScreen`); `most` as screen_argmax's -> [M] int64, or an empty tensor.
 at::Tensor screen_argmax_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
-                              const at::Tensor& colsum, const at::Tensor& scale, const at::Tensor& err1,
-                              const at::Tensor& err2, const at::Tensor& top, const at::Tensor& norm, int64_t most) {
+                              const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
+                              const at::Tensor& top, const at::Tensor& norm, int64_t most) {
   RECORD_FUNCTION("moe_pipeline::screen_argmax_vnni", std::vector<c10::IValue>({x, packed}));
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 &&
                   x.size(0) <= VNNI_MAX_ROWS && x.scalar_type() == w.scalar_type() &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
                   w.is_contiguous() && x.device().is_cpu() && w.device().is_cpu(),
               "screen_argmax_vnni: x [M <= ", VNNI_MAX_ROWS, ", in] and w [out, in] as linear takes them");
-  const int64_t M = x.size(0), I = w.size(1), O = w.size(0), I4 = (I + 3) / 4 * 4;
-  const int64_t T = (O + VNNI_TILE - 1) / VNNI_TILE;
-  TORCH_CHECK(I <= 65536, "screen_argmax_vnni: at most 65536 inputs (the int32 sums)");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == T * I4 * VNNI_TILE &&
-                  colsum.scalar_type() == at::kInt && colsum.numel() == O && colsum.is_contiguous(),
-              "screen_argmax_vnni: packed as vnni_pack packs q [out, in], colsum int32 [out]");
-  for (const at::Tensor* a : {&scale, &err1, &err2, &top, &norm})
+  const int64_t M = x.size(0), I = w.size(1), O = w.size(0);
+  const W8A8 q = w8a8_of(packed, scale, I);  // the int8 copy as a W8A8 weight's tiles and [2, out] scales
+  TORCH_CHECK(q.O == O, "screen_argmax_vnni: the int8 copy has ", q.O, " outputs, w ", O);
+  for (const at::Tensor* a : {&err1, &err2, &top, &norm})
     TORCH_CHECK(a->scalar_type() == at::kFloat && a->numel() == O && a->is_contiguous(),
-                "screen_argmax_vnni: scale, err1, err2, top, norm fp32 [out]");
+                "screen_argmax_vnni: err1, err2, top, norm fp32 [out]");
   const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
-  // each row rounded to int8 (one scale a row), stored + 128 as unsigned bytes, rows I4 apart (zeros past I: q's
-  // padding is zero too); the row's |x|_1, |x|_2, |e|_1, |e|_2 in double, rounded up
+  // each row rounded to int8 as W8A8's linears round it; then the row's |x|_1, |x|_2, |e|_1, |e|_2 in double
+  // (e = x - s xq, exact there), rounded up
+  std::vector<uint8_t> xu(M * q.I4);
+  std::vector<float> xs(M), n1(M), n2(M), e1(M), e2(M);
+  if (x.scalar_type() == at::kFloat)
+    int8_rows_of(x.data_ptr<float>(), M, I, q.I4, xu.data(), xs.data());
+  else
+    int8_rows_of(x.data_ptr<c10::BFloat16>(), M, I, q.I4, xu.data(), xs.data());
   const at::Tensor xf_t = x.to(at::kFloat);
   const float* xf = xf_t.data_ptr<float>();
-  std::vector<uint8_t> xu(M * I4, 128);
-  std::vector<float> xs(M), n1(M), n2(M), e1(M), e2(M);
   auto up = [](double v) {
     return std::nextafter(static_cast<float>(v * (1.0 + 1e-9)), std::numeric_limits<float>::infinity()) *
            (1.0f + 0x1p-20f);
   };
   for (int64_t m = 0; m < M; ++m) {
-    const float* r = xf + m * I;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < I; ++i) amax = std::max(amax, std::fabs(r[i]));
-    if (!std::isfinite(amax)) return none;
-    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    if (!std::isfinite(xs[m])) return none;
     double a1 = 0, a2 = 0, b1 = 0, b2 = 0;
     for (int64_t i = 0; i < I; ++i) {
-      const float v = std::nearbyint(r[i] / s);
-      const int qv = static_cast<int>(std::max(-127.0f, std::min(127.0f, v)));
-      xu[m * I4 + i] = static_cast<uint8_t>(qv + 128);
-      const double d = static_cast<double>(r[i]) - static_cast<double>(s) * qv;  // exact in double
-      a1 += std::fabs(static_cast<double>(r[i]));
-      a2 += static_cast<double>(r[i]) * r[i];
-      b1 += std::fabs(d);
-      b2 += d * d;
+      const double v = xf[m * I + i], d = v - static_cast<double>(xs[m]) * (int(xu[m * q.I4 + i]) - 128);
+      a1 += std::fabs(v), a2 += v * v, b1 += std::fabs(d), b2 += d * d;
     }
-    xs[m] = s;
     n1[m] = up(a1), n2[m] = up(std::sqrt(a2)), e1[m] = up(b1), e2[m] = up(std::sqrt(b2));
     if (!std::isfinite(n1[m]) || !std::isfinite(n2[m])) return none;
   }
   std::vector<float> y(M * O);
-  const int8_t* pk = packed.data_ptr<int8_t>();
-  const int32_t* cs = colsum.data_ptr<int32_t>();
-  const float* sp = scale.data_ptr<float>();
-  shared_range(T, std::max<int64_t>(1, (int64_t(2) << 20) / (VNNI_TILE * I4)), [&](int64_t b, int64_t e) {
+  shared_range(q.T, std::max<int64_t>(1, (int64_t(2) << 20) / (VNNI_TILE * q.I4)), [&](int64_t b, int64_t e) {
     std::vector<int32_t> acc(VNNI_MAX_ROWS * 64);
-    for (int64_t t = b; t < e; ++t) {
-      vnni_tile(xu.data(), M, I4, pk + t * I4 * VNNI_TILE, acc.data());
-      const int64_t o0 = t * VNNI_TILE, n = std::min(VNNI_TILE, O - o0);
-      for (int64_t j = 0; j < n; j += 16) {  // y = (sum - 128 colsum) * scale * s, 16 outputs at a time
-        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
-        const __m512i c128 = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(k, cs + o0 + j), 7);
-        const __m512 sc = _mm512_maskz_loadu_ps(k, sp + o0 + j);
-        for (int64_t m = 0; m < M; ++m) {
-          const __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(acc.data() + m * 64 + j), c128);
-          _mm512_mask_storeu_ps(y.data() + m * O + o0 + j, k,
-                                _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc), _mm512_set1_ps(xs[m])));
-        }
-      }
-    }
+    for (int64_t t = b; t < e; ++t)
+      w8a8_tile(q, t, xu.data(), xs.data(), M, acc.data(), [&](int64_t m, int64_t o, int64_t n, __m512 v) {
+        _mm512_mask_storeu_ps(y.data() + m * O + o, static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1), v);
+      });
   });
   const float *p1 = err1.data_ptr<float>(), *p2 = err2.data_ptr<float>(), *pt = top.data_ptr<float>(),
               *pn = norm.data_ptr<float>();
