@@ -8,7 +8,7 @@
 
 Rank 0 runs the engine loop in its main thread (`EngineLoop`: admit, prefill, one shared decode
 step, retire, repeat; PyTorch's CPU kernels ran ~40% slower from a secondary thread here) and
-uvicorn in a second thread (export/serve/http.py); the other ranks run every forward rank 0
+uvicorn (on uvloop and httptools) in a second thread (export/serve/http.py); the other ranks run every forward rank 0
 sends (`Engine.follow`). SIGTERM (or Ctrl-C): uvicorn stops accepting, in-flight requests
 finish, the engine drains, the other ranks are told to stop, exit 0. A dead rank or engine
 fails every pending request and exits 1.
