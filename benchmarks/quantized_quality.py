@@ -10,6 +10,8 @@ in bf16 otherwise. Each package is loaded as `moe-pipeline eval` and `serve` on 
 dequantised: export/inference.py `load_package`) and scored on the whole held-out split: the mean loss per token
 (nats) and its change against bf16 (targets, issue 29: int8 within +0.5%, int4 within +3%), and the top-1 routing
 agreement with bf16 (every MoE layer's first choice of every held-out token: targets >= 98% int8, >= 95% int4).
+The w8a8 rows score the int8 packages as `serve --quantize w8a8` computes: each quantised linear's input rounded to
+int8 too, one scale a row (vLLM's dynamic per-token W8A8), in fp32 against the dequantised weights.
 With --tasks, `moe-pipeline eval` runs the bundled zero-shot tasks on every package (lm-eval's scores). Prints a
 table with the CPU, writes quantized_quality.json and quantized_quality.png under --out (default RUN/quality).
 """
@@ -36,8 +38,9 @@ def export(run: Path, out: Path, scheme: str | None, method: str, blocks: int) -
     return export_package(run / "student", out, dtype="bf16", force=True, quantize=q, progress=True)
 
 
-def score(pkg: Path, val, micro: int) -> tuple[float, "torch.Tensor"]:
-    """(held-out loss of the whole split, every router's first choice of every held-out token)."""
+def score(pkg: Path, val, micro: int, w8a8: bool = False) -> tuple[float, "torch.Tensor"]:
+    """(held-out loss of the whole split, every router's first choice of every held-out token). `w8a8`: an int8
+    package scored as `serve --quantize w8a8` computes, each quantised linear's input rounded to int8, one scale a row."""
     import torch
 
     from distill.measure import top1_routes
@@ -46,10 +49,32 @@ def score(pkg: Path, val, micro: int) -> tuple[float, "torch.Tensor"]:
     from pipeline.train import evaluate
 
     model, _ = load_package(pkg)
+    if w8a8:
+        int8_inputs_(model)
     one = Ranks(rank=0, world=1, local_rank=0, local_world=1)
     with top1_routes() as routes, torch.no_grad():
         loss = evaluate(model, val, None, micro, one)
     return loss, torch.cat(routes)
+
+
+def int8_inputs_(model) -> int:
+    """Every linear layer an int8 package stores quantised (`weight_kinds`) computes, from here on, F.linear in fp32 of
+    its input rounded to int8 steps (one scale a row: export/serve/linears.py `int8_activations`) and its dequantised
+    weight, as `W8A8Weight`'s reference path does; returns how many."""
+    import torch.nn.functional as F
+
+    from export.serve.linears import int8_activations
+    from pipeline.quantize import weight_kinds
+
+    def w8a8(module, args, out):
+        bias = None if module.bias is None else module.bias.float()
+        return F.linear(int8_activations(args[0]), module.weight.float(), bias).to(out.dtype)
+
+    modules = dict(model.named_modules())
+    names = weight_kinds(model, "int8")
+    for name in names:
+        modules[name[:-len(".weight")]].register_forward_hook(w8a8)
+    return len(names)
 
 
 def main(argv=None) -> int:
@@ -76,13 +101,17 @@ def main(argv=None) -> int:
     cfg = read_model_config(args.run / "student")
     prepared = data_lib.prepare_data(recipe.data, cache_root())
     val = data_lib.PackedTokens(prepared.val, cfg.seq_len, prepared.eod_id, name="val")
-    variants = [("bf16", None, "-")] + [(f"{s} {m}", s, m) for s in ("int8", "int4") for m in args.methods]
-    rows, base_routes = [], None
+    variants = [("bf16", None, "-")] + [(f"{s} {m}", s, m) for s in ("int8", "int4", "w8a8") for m in args.methods]
+    rows, base_routes, packages = [], None, {}
     for name, scheme, method in variants:
         t0 = time.perf_counter()
-        pkg = export(args.run, out / name.replace(" ", "-"), scheme, method, args.calibration_blocks)
+        stored = "int8" if scheme == "w8a8" else scheme  # w8a8: the int8 package, its linears' inputs rounded too
+        if (stored, method) not in packages:
+            packages[stored, method] = export(args.run, out / ("bf16" if stored is None else f"{stored}-{method}"),
+                                              stored, method, args.calibration_blocks)
+        pkg = packages[stored, method]
         seconds = time.perf_counter() - t0
-        loss, routes = score(pkg, val, recipe.student.train.micro_batch_size)
+        loss, routes = score(pkg, val, recipe.student.train.micro_batch_size, w8a8=scheme == "w8a8")
         if base_routes is None:
             base_routes = routes
         manifest = json.loads((pkg / "manifest.json").read_text())
@@ -96,12 +125,16 @@ def main(argv=None) -> int:
     for r in rows:
         r["loss_vs_bf16_pct"] = 100 * (r["val_loss"] / base - 1)
     if args.tasks:
-        cmd = [sys.executable, "-m", "pipeline.cli", "eval", *[r["package"] for r in rows], "--out", str(out / "eval")]
+        # the w8a8 rows' packages are the int8 ones: `eval` runs a package as stored (no task scores for them)
+        cmd = [sys.executable, "-m", "pipeline.cli", "eval", *[r["package"] for r in rows if r["scheme"] != "w8a8"],
+               "--out", str(out / "eval")]
         if args.limit:
             cmd += ["--limit", str(args.limit)]
         subprocess.run(cmd, check=True, cwd=ROOT)
         results = json.loads((out / "eval" / "results.json").read_text())
         for r in rows:
+            if r["scheme"] == "w8a8":
+                continue
             entry = next((v for k, v in results.items() if not k.startswith("_")
                           and Path(v.get("model", {}).get("path", "")).resolve() == Path(r["package"]).resolve()), None)
             r["tasks"] = {t: {m: v for m, v in ms.items() if isinstance(v, (int, float)) and "stderr" not in m}
@@ -117,7 +150,7 @@ def main(argv=None) -> int:
         for r in rows:
             cells = []
             for t in tasks:
-                ms = r["tasks"].get(t, {})
+                ms = r.get("tasks", {}).get(t, {})
                 key = next((m for m in ("acc_norm,none", "acc,none", "bits_per_byte,none", "perplexity,none")
                             if m in ms), None)
                 cells.append(f"{ms[key]:18.4f}" if key else f"{'-':>18}")

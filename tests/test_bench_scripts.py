@@ -223,14 +223,16 @@ def test_the_benchmarks_clean_child_environment_drops_every_launcher_variable(mo
 
 def test_quantized_quality_scores_each_package_against_bf16(small_run, tmp_path):
     """benchmarks/quantized_quality.py on the session's finished run, round to nearest only: the bf16, int8 and int4
-    packages exported, each scored on the whole held-out split (loss, its change against bf16, the top-1 routing
+    packages exported (and the int8 one scored again with its inputs rounded to int8, as w8a8), each scored on the whole held-out split (loss, its change against bf16, the top-1 routing
     agreement with bf16: 1 for bf16 itself), smaller packages for fewer bits, the JSON and the plot written."""
     import quantized_quality
 
     assert quantized_quality.main([str(small_run), "--methods", "rtn", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "quantized_quality.json").read_text())["rows"]
-    assert [r["name"] for r in rows] == ["bf16", "int8 rtn", "int4 rtn"]
+    assert [r["name"] for r in rows] == ["bf16", "int8 rtn", "int4 rtn", "w8a8 rtn"]
     assert rows[0]["loss_vs_bf16_pct"] == 0 and rows[0]["top1_routing_agreement"] == 1.0
     assert all(0.5 < r["top1_routing_agreement"] <= 1 and abs(r["loss_vs_bf16_pct"]) < 20 for r in rows)
     assert rows[0]["weights_bytes"] > rows[1]["weights_bytes"] > rows[2]["weights_bytes"]
+    # w8a8: the int8 package again, its linears' inputs rounded to int8 too: another loss from the same weights
+    assert rows[3]["package"] == rows[1]["package"] and rows[3]["val_loss"] != rows[1]["val_loss"]
     assert (tmp_path / "quantized_quality.png").stat().st_size > 0
