@@ -12,7 +12,9 @@ For every (model, task) cell `lm_eval.simple_evaluate` runs the task zero-shot o
 (`eval.adapter.MoEPipelineLM`, its own progress bars off: the job shows one bar over all cells)
 and the cell's result is written at once to `OUT/cells/<model>/<task>.json` (lm-eval's result
 schema for that one task, plus wall time), so a killed job restarted with the same arguments
-skips what is done. Tasks: any lm-eval task or group name, the `--include-path` folders' YAMLs,
+skips what is done. A cell also records what it was made from (`job`: the model's fingerprint,
+`eval.models.fingerprint`, --limit and --dtype): one made from other weights or settings is run
+again, with a line saying what changed. Tasks: any lm-eval task or group name, the `--include-path` folders' YAMLs,
 and the bundled offline tasks (`eval.tasks`, always on the search path). A task whose data cannot
 be loaded (offline and not cached, say) is reported in one line naming it and why, and the other
 tasks still run.
@@ -49,6 +51,30 @@ def slug(name: str) -> str:
 def cell_path(out: Path, model: str, task: str) -> Path:
     """Where a cell's result lives: OUT/cells/<model>/<task>.json."""
     return out / "cells" / slug(model) / f"{slug(task)}.json"
+
+
+def cell_job(path: Path, limit: float | None, dtype: str | None) -> dict:
+    """What a cell's scores depend on beyond its task: the model's weights (`fingerprint`), --limit and --dtype."""
+    from eval.models import fingerprint
+
+    return {"model": fingerprint(path), "limit": limit, "dtype": dtype}
+
+
+def stale(cell: Cell, job: dict) -> str | None:
+    """Why the cell on disk cannot stand for `job` ("" when it is missing), or None when it can."""
+    if not cell.path.is_file():
+        return ""
+    try:
+        stored = json.loads(cell.path.read_text()).get("job")
+    except (OSError, ValueError):
+        return "its file is unreadable"
+    if stored == job:
+        return None
+    if not isinstance(stored, dict):
+        return "it does not say what it was made from (an older version wrote it)"
+    what = {"model": "the model's weights changed", "limit": f"--limit was {stored.get('limit')}",
+            "dtype": f"--dtype was {stored.get('dtype')}"}
+    return ", ".join(why for k, why in what.items() if stored.get(k) != job[k])
 
 
 def task_manager(include_path: list[str] | None):
@@ -134,9 +160,14 @@ def run_eval(models: list[str], tasks: list[str] | None, out: Path, batch_size: 
         for task, why in failed.items():
             print(f"[eval] {task}: skipped: {why}", flush=True)
     cells = [Cell(name, task, cell_path(out, name, task)) for name in names for task in ok_tasks]
-    pending = [c for c in cells if not c.path.is_file()]  # decided before any rank writes
+    jobs = {name: cell_job(ref.path, limit, dtype) for ref, name in zip(refs, names)}
+    why = {id(c): stale(c, jobs[c.model]) for c in cells}
+    pending = [c for c in cells if why[id(c)] is not None]  # decided before any rank writes
     dist.barrier()
     if ranks.rank == 0:
+        for c in pending:
+            if why[id(c)]:
+                print(f"[eval] {c.model} on {c.task}: the stored cell is run again: {why[id(c)]}", flush=True)
         print(f"[eval] {len(names)} model(s) x {len(ok_tasks)} task(s): {len(cells) - len(pending)} done before, "
               f"{len(pending)} to run -> {out}", flush=True)
     bar = tqdm(total=len(cells), initial=len(cells) - len(pending), desc="eval cells", unit="cell",
@@ -172,15 +203,16 @@ def run_eval(models: list[str], tasks: list[str] | None, out: Path, batch_size: 
                 continue
             if ranks.rank == 0:
                 result["model"] = {"name": name, "stage": ref.stage, "run": ref.run, **lm.get_model_info()}
+                result["job"] = jobs[name]
                 cell.path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(cell.path, json.dumps(result, indent=1) + "\n")
-                write_reports(out, collect(out, names, ok_tasks), names, refs, ok_tasks, failed)
+                write_reports(out, collect(out, names, ok_tasks, jobs), names, refs, ok_tasks, failed)
             bar.update(1)
         del lm
     bar.close()
     summary = {}
     if ranks.rank == 0:
-        summary = write_reports(out, collect(out, names, ok_tasks), names, refs, ok_tasks, failed)
+        summary = write_reports(out, collect(out, names, ok_tasks, jobs), names, refs, ok_tasks, failed)
         print(f"[eval] results: {out / 'results.md'}, {out / 'results.json'}, chart {out / 'results.png'}", flush=True)
     dist.barrier()
     return summary
@@ -197,12 +229,14 @@ def _unique(names: list[str]) -> list[str]:
 
 # -- the cells on disk --------------------------------------------------------------------------
 
-def collect(out: Path, names: list[str], tasks: list[str]) -> dict:
-    """{model: {task: cell dict}} for the cells on disk."""
+def collect(out: Path, names: list[str], tasks: list[str], jobs: dict[str, dict] | None = None) -> dict:
+    """{model: {task: cell dict}} for the cells on disk (with `jobs`, {model: cell_job}: those made for it alone)."""
     table: dict[str, dict[str, dict]] = {}
     for name in names:
         for task in tasks:
             path = cell_path(out, name, task)
             if path.is_file():
-                table.setdefault(name, {})[task] = json.loads(path.read_text())
+                cell = json.loads(path.read_text())
+                if jobs is None or cell.get("job") == jobs[name]:
+                    table.setdefault(name, {})[task] = cell
     return table

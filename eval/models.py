@@ -83,6 +83,23 @@ def load_model(path: Path, ranks: dist.Ranks | None = None, ep_size: int | None 
     return model, tokenizer
 
 
+def fingerprint(path: Path) -> str:
+    """What a model directory's scores depend on, in 16 hex digits: a package's manifest checksums (its files'
+    sha256), else the name, size and modification time of its config and weight files (a stage retrained in place,
+    or another model moved to the same path, gives another fingerprint)."""
+    import hashlib
+    import json
+
+    path = Path(path)
+    if is_package(path):
+        blob = json.dumps(sorted((n, f.get("sha256"), f.get("size")) for n, f in read_manifest(path)["files"].items()))
+    else:
+        files = sorted(f for f in path.iterdir() if f.is_file() and (
+            f.name in (CONFIG, "source.json") or f.name.endswith((".safetensors", ".safetensors.index.json"))))
+        blob = json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def describe(path: Path) -> dict:
     """Facts about a model directory for result files: its config and, when present, its DONE.json."""
     out = {"path": str(Path(path).resolve()), "config": read_json(Path(path) / CONFIG)}

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,7 @@ def test_markdown_table_png_and_the_students_retention(job):
 
 
 @pytest.mark.slow
-def test_a_rerun_resumes_from_the_stored_cells(job, small_run, custom_tasks):
+def test_a_rerun_resumes_from_the_stored_cells(job, small_run, custom_tasks, tmp_path):
     out, _ = job
     cell_removed = out / "cells" / "small__teacher" / "my_yes_no.json"
     cell_removed.unlink()  # as if the job had been killed before this cell
@@ -99,6 +100,20 @@ def test_a_rerun_resumes_from_the_stored_cells(job, small_run, custom_tasks):
     cli("eval", str(small_run), "--tasks", "tiny_lastword,tiny_nextline,tiny_heldout_ppl,my_yes_no",
         "--include-path", str(custom_tasks), "--limit", "8", "--batch-size", "8", "--out", str(out))
     assert {cell: cell.stat().st_mtime_ns for cell in before} == before and cell_removed.is_file()
+    assert json.loads(cell_removed.read_text())["job"]["limit"] == 8
+    # another --limit (on a copy: the job's own results stay for the other tests): the stored cells of that task are
+    # not its results; they run again, saying why, and the rest stay
+    shutil.copytree(out, tmp_path / "job", copy_function=shutil.copy2)
+    out = tmp_path / "job"
+    before = {cell: cell.stat().st_mtime_ns for cell in (out / "cells").glob("*/*.json")}
+    proc = cli("eval", str(small_run), "--tasks", "tiny_lastword", "--limit", "4", "--batch-size", "8", "--out", str(out))
+    again = sorted((out / "cells").glob("*/tiny_lastword.json"))
+    assert len(again) == 2 and "the stored cell is run again: --limit was 8.0" in proc.stdout
+    for cell in again:
+        assert cell.stat().st_mtime_ns != before[cell]
+        stored = json.loads(cell.read_text())
+        assert stored["job"]["limit"] == 4 and stored["n-samples"]["tiny_lastword"]["effective"] == 4
+    assert all(cell.stat().st_mtime_ns == t for cell, t in before.items() if cell.name != "tiny_lastword.json")
 
 
 ON_RANK_1 = """import os
