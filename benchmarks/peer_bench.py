@@ -142,12 +142,10 @@ def teacher_stage(ckpt: Path, work: Path):
     """The checkpoint imported as a finished teacher stage of a temporary run directory under `work` (removed after)."""
     import torch
 
-    from pipeline import data as data_lib
-    from pipeline.artifacts import CONFIG, DONE, RECIPE_FILE, TOKENIZER
-    from pipeline.build import load_hf_teacher
-    from pipeline.hf_import import model_config, read_hf_config
+    from pipeline.artifacts import RECIPE_FILE
+    from pipeline.hf_import import read_hf_config
     from pipeline.recipe import dump_recipe, load_recipe
-    from pipeline.weights import save_weights
+    from pipeline.teacher import hf_checkpoint_stage
 
     hf = read_hf_config(ckpt)
     recipe = load_recipe(ROOT / "recipes" / RECIPES[hf["model_type"]],  # provenance only; student: to validate
@@ -156,13 +154,8 @@ def teacher_stage(ckpt: Path, work: Path):
     run = work / ".ours-build" / MODEL_NAME  # a run directory with one finished stage
     stage = run / "teacher"
     shutil.rmtree(run.parent, ignore_errors=True)
-    stage.mkdir(parents=True)
     try:
-        save_weights(load_hf_teacher(ckpt, dtype=torch.bfloat16), stage, {"stage": "teacher", "recipe": recipe.name})
-        cfg = model_config(read_hf_config(ckpt), ckpt / "config.json")
-        (stage / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
-        data_lib.save_tokenizer(data_lib.load_tokenizer(ckpt), stage / TOKENIZER)
-        (stage / DONE).write_text(json.dumps({"stage": "teacher", "steps": 0, "loaded_from": str(ckpt.resolve())}))
+        hf_checkpoint_stage(ckpt, stage, torch.bfloat16, {"recipe": recipe.name})
         (run / RECIPE_FILE).write_text(dump_recipe(recipe))
         yield stage
     finally:

@@ -199,6 +199,23 @@ def import_hf_teacher(recipe: Recipe, src: Path, cfg: ModelConfig, work: Path, v
     return model, summary
 
 
+def hf_checkpoint_stage(ckpt: Path, stage: Path, dtype, info: dict | None = None) -> Path:
+    """A Hugging Face checkpoint written as a finished teacher stage directory, unscored and on one process: its
+    weights as our model's in `dtype` (model.safetensors, with `info` in its metadata), its model config, its tokenizer
+    and DONE.json (the checkpoint's path). What the tests and the peer benchmark export from; `moe-pipeline teacher`
+    with `teacher.load` instead scores the checkpoint and reads it in place (`import_hf_teacher`). Returns `stage`."""
+    from pipeline.artifacts import DONE
+    from pipeline.hf_import import model_config, read_hf_config
+
+    ckpt, stage = Path(ckpt), Path(stage)
+    stage.mkdir(parents=True, exist_ok=True)
+    save_weights(load_hf_teacher(ckpt, dtype=dtype), stage, {"stage": STAGE, **(info or {})})
+    (stage / CONFIG).write_text(json.dumps(model_config(read_hf_config(ckpt), ckpt / CONFIG).to_dict(), indent=1))
+    data_lib.save_tokenizer(data_lib.load_tokenizer(ckpt), stage / TOKENIZER)
+    (stage / DONE).write_text(json.dumps({"stage": STAGE, "steps": 0, "loaded_from": str(ckpt.resolve())}))
+    return stage
+
+
 def load_teacher(recipe: Recipe, src: Path, work: Path, val: data_lib.PackedTokens, ranks: Ranks):
     """A teacher made by `moe-pipeline teacher` (`teacher.load`): scored on the held-out split, its weight files
     linked (or copied) into the stage. Returns (model, summary)."""

@@ -83,21 +83,10 @@ def make_checkpoints(root: Path, families=FAMILIES) -> dict[str, Path | str]:
 def imported_stage(root: Path, family: str, **kw) -> tuple[Path, Path]:
     """A random `family` checkpoint (make_checkpoints' tokenizer; `kw` overrides its config) imported as a finished
     teacher stage, as benchmarks/peer_bench.py imports its checkpoint: (checkpoint dir, stage dir)."""
-    import json
-
-    from pipeline import data as data_lib
-    from pipeline.artifacts import CONFIG, DONE, TOKENIZER
-    from pipeline.build import load_hf_teacher
-    from pipeline.hf_import import model_config, read_hf_config
-    from pipeline.weights import save_weights
+    from pipeline.teacher import hf_checkpoint_stage
 
     root = Path(root)
     ckpt = make_checkpoints(root, families=(family,))[family]
     family_model(family, vocab_size=VOCAB, eos_token_id=0, bos_token_id=0, pad_token_id=0, **kw).save_pretrained(ckpt)
-    stage = root / "run" / "teacher"
-    stage.mkdir(parents=True)
-    save_weights(load_hf_teacher(ckpt, dtype=torch.float32), stage, {"stage": "teacher"})
-    (stage / CONFIG).write_text(json.dumps(model_config(read_hf_config(ckpt), ckpt / "config.json").to_dict()))
-    data_lib.save_tokenizer(data_lib.load_tokenizer(ckpt), stage / TOKENIZER)
-    (stage / DONE).write_text(json.dumps({"stage": "teacher", "steps": 0}))
-    return ckpt, stage
+    (root / "run").mkdir(parents=True)
+    return ckpt, hf_checkpoint_stage(ckpt, root / "run" / "teacher", torch.float32)

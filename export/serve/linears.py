@@ -378,6 +378,11 @@ class QuantizedWeight:
     KERNEL = ""  # the csrc/gemv.cpp op that runs it
     MORE = -1  # its code for the native decoder's linears (csrc/gemv.cpp DecodeLinear)
 
+    @staticmethod
+    def held_bytes(out: int, inputs: int) -> int:
+        """Bytes a weight of [out, inputs] holds in this form: its values and scales."""
+        raise NotImplementedError
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         self.q, self.scale = q.contiguous(), scale.contiguous()
         self.gemv = kernel()
@@ -414,6 +419,10 @@ class Int8Weight(QuantizedWeight):
         _check_int8(type(self).__name__, q, scale)
         super().__init__(q, scale)
 
+    @staticmethod
+    def held_bytes(out: int, inputs: int) -> int:
+        return out * inputs + 4 * out
+
     @classmethod
     def of(cls, w: torch.Tensor) -> "Int8Weight":
         return cls(*quantize_int8(w))
@@ -447,6 +456,10 @@ class Int4Weight(QuantizedWeight):
         self.group = group
 
     fits = staticmethod(fits_int4)
+
+    @staticmethod
+    def held_bytes(out: int, inputs: int, group: int = INT4_GROUP) -> int:
+        return out * inputs // 2 + 4 * out * (inputs // group)
 
     @classmethod
     def of(cls, w: torch.Tensor, group: int = INT4_GROUP) -> "Int4Weight":
@@ -503,6 +516,10 @@ class W8A8Weight(QuantizedWeight):
     def of_int8(cls, w: "Int8Weight") -> "W8A8Weight":
         return cls(w.q, w.scale)
 
+    @staticmethod
+    def held_bytes(out: int, inputs: int) -> int:
+        return out * inputs + 8 * out  # the scales and the rows' sums (the tiles' padding left out)
+
     @property
     def shape(self) -> torch.Size:
         return self._shape
@@ -547,11 +564,16 @@ def stored_weight(values: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
     return Int8Weight(values, scale)
 
 
-def quantized_weights(weights: list[torch.Tensor], scheme: str) -> list[QuantizedWeight]:
-    """`weights` as `scheme`'s weights, all of one kind (an expert's fc1 and fc2: the expert kernels take one kind a
-    layer): int4 where every one's rows fit its groups, else int8."""
-    kind = Int4Weight if scheme == "int4" and all(Int4Weight.fits(w.shape[1]) for w in weights) else \
+def quantized_kind(scheme: str, inputs: list[int]) -> type[QuantizedWeight]:
+    """The form `scheme` gives weights of these input widths, all of one kind (an expert's fc1 and fc2: the expert
+    kernels take one kind a layer): int4 where every one's rows fit its groups, else int8 (w8a8: W8A8Weight)."""
+    return Int4Weight if scheme == "int4" and all(Int4Weight.fits(i) for i in inputs) else \
         W8A8Weight if scheme == "w8a8" else Int8Weight
+
+
+def quantized_weights(weights: list[torch.Tensor], scheme: str) -> list[QuantizedWeight]:
+    """`weights` in the form `quantized_kind` gives them."""
+    kind = quantized_kind(scheme, [w.shape[1] for w in weights])
     return [kind.of(w) for w in weights]
 
 

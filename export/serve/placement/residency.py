@@ -168,12 +168,11 @@ class ExpertStore:
             keys = self._stored_keys([self.key(0, 0, p) for p in parts])
             return sum(self._views[k].numel() * self._views[k].element_size() for k in keys if not k.endswith("bias")) \
                 + biases
-        if self.quantize is not None:  # quantised as it loads (linears.quantized_weights): values and fp32 scales
-            from pipeline.quantize import INT4_GROUP, fits_int4
+        if self.quantize is not None:  # quantised as it loads (linears.quantized_weights)
+            from export.serve.linears import quantized_kind
 
-            if self.quantize == "int4" and fits_int4(h) and fits_int4(f):
-                return (up * h + f * h) // 2 + (up * h + f * h) // INT4_GROUP * 4 + biases
-            return up * h + f * h + (up + h) * (8 if self.quantize == "w8a8" else 4) + biases  # w8a8: + rows' sums
+            kind = quantized_kind(self.quantize, [h, f])
+            return kind.held_bytes(up, h) + kind.held_bytes(h, f) + biases
         return (up * h + f * h) * torch.finfo(self.dtype).bits // 8 + biases
 
 
