@@ -58,22 +58,19 @@ def score(pkg: Path, val, micro: int, w8a8: bool = False) -> tuple[float, "torch
 
 
 def int8_inputs_(model) -> int:
-    """Every linear layer an int8 package stores quantised (`weight_kinds`) computes, from here on, F.linear in fp32 of
-    its input rounded to int8 steps (one scale a row: export/serve/linears.py `int8_activations`) and its dequantised
-    weight, as `W8A8Weight`'s reference path does; returns how many."""
-    import torch.nn.functional as F
+    """Every linear layer an int8 package stores quantised (`weight_kinds`) computes, from here on, what a W8A8 linear
+    computes on its dequantised weight (export/serve/linears.py `w8a8_reference`: its input rounded to int8 steps, one
+    scale a row, F.linear in fp32); returns how many."""
+    import functools
 
-    from export.serve.linears import int8_activations
+    from export.serve.linears import w8a8_reference
     from pipeline.quantize import weight_kinds
-
-    def w8a8(module, args, out):
-        bias = None if module.bias is None else module.bias.float()
-        return F.linear(int8_activations(args[0]), module.weight.float(), bias).to(out.dtype)
 
     modules = dict(model.named_modules())
     names = weight_kinds(model, "int8")
     for name in names:
-        modules[name[:-len(".weight")]].register_forward_hook(w8a8)
+        module = modules[name[:-len(".weight")]]
+        module.forward = functools.partial(lambda m, x: w8a8_reference(x, m.weight, m.bias), module)
     return len(names)
 
 

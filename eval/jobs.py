@@ -161,13 +161,13 @@ def run_eval(models: list[str], tasks: list[str] | None, out: Path, batch_size: 
             print(f"[eval] {task}: skipped: {why}", flush=True)
     cells = [Cell(name, task, cell_path(out, name, task)) for name in names for task in ok_tasks]
     jobs = {name: cell_job(ref.path, limit, dtype) for ref, name in zip(refs, names)}
-    why = {id(c): stale(c, jobs[c.model]) for c in cells}
-    pending = [c for c in cells if why[id(c)] is not None]  # decided before any rank writes
+    why = [stale(c, jobs[c.model]) for c in cells]
+    pending = [c for c, w in zip(cells, why) if w is not None]  # decided before any rank writes
     dist.barrier()
     if ranks.rank == 0:
-        for c in pending:
-            if why[id(c)]:
-                print(f"[eval] {c.model} on {c.task}: the stored cell is run again: {why[id(c)]}", flush=True)
+        for c, w in zip(cells, why):
+            if w:
+                print(f"[eval] {c.model} on {c.task}: the stored cell is run again: {w}", flush=True)
         print(f"[eval] {len(names)} model(s) x {len(ok_tasks)} task(s): {len(cells) - len(pending)} done before, "
               f"{len(pending)} to run -> {out}", flush=True)
     bar = tqdm(total=len(cells), initial=len(cells) - len(pending), desc="eval cells", unit="cell",

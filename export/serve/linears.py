@@ -548,9 +548,14 @@ class W8A8Weight(QuantizedWeight):
         if self.rows is None and x.device.type == "cpu" and rows > 0 and x.dtype in (torch.float32, torch.bfloat16):
             y = self._kernel_linear(x.reshape(rows, x.shape[-1]).contiguous(), bias)  # any rows: a prefill's too
             return y.view(*x.shape[:-1], self._shape[0])
-        y = F.linear(int8_activations(x), self.dequantized(torch.float32).to(x.device),
-                     None if bias is None else bias.float())
-        return y.to(x.dtype)
+        return w8a8_reference(x, self.dequantized(torch.float32).to(x.device), bias)
+
+
+def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What a W8A8 linear computes, in PyTorch: F.linear in fp32 of x rounded to int8 steps (`int8_activations`) and
+    the dequantised `weight`, in x's dtype (the kernel's reference; CPUs without AVX512_VNNI run it)."""
+    y = F.linear(int8_activations(x), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
 
 
 QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight, "w8a8": W8A8Weight}  # serve --quantize: each scheme's class
