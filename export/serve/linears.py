@@ -13,7 +13,7 @@ rows (batch-1 and small-batch decode) `csrc/gemv.cpp` reads the weight once at t
 where oneDNN reaches ~31 and MKL ~21, under a competing process ~28 against ~21. On a CPU with AMX (Intel Sapphire Rapids on) the
 second copy of a bf16 weight is packed for the kernel's `amx_linear` instead, which streams it once for 2-256 rows
 (VDPBF16PS and oneDNN's AMX GEMM both fell to a half or less of the memory's speed at 8-32 rows there). Measured by
-benchmarks/decode_bandwidth.py (batch-1 decode against the read-bandwidth bound). A weight under 1M elements
+benchmarks/decode_bandwidth.py (batch-1 decode against the read-bandwidth bound). A weight under 512K elements
 (the tiny recipe's) goes to F.linear for more rows: as fast as oneDNN at that size, and oneDNN compiles and keeps
 a primitive for every row count it meets (a soak's RSS grew 5-7%); for larger ones oneDNN sees row counts rounded
 up to 8 sizes per octave (`bucket`).
@@ -46,7 +46,10 @@ from pipeline.quantize import (INT4_GROUP, dequantized, fits_int4, int8_rows, pa
                                unpack_int4)
 
 SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.linear's call is cheapest)
-ONEDNN_FROM = 1 << 20  # below this, more than 4 rows go to F.linear: as fast there, and no primitive cache to grow
+# below this, more rows go to F.linear: as fast there, and no primitive cache to grow. 1 << 19: the Qwen3-MoE of the
+# peer benchmark has experts' down projections of 768 x 1024 (786K), which F.linear (aten::mm) ran at ~290 GFLOPS in
+# a prefill where oneDNN runs ~400 (16 prompts of 128 tokens: 4,252 / 4,173 against 4,016 / 3,989 tok/s at 1 << 20)
+ONEDNN_FROM = 1 << 19
 PACK_ROWS = 32  # the row count oneDNN's packed weight layout is chosen for (a decode batch's)
 # how a ServingWeight runs more rows than the few-row kernel takes (`ServingWeight.more`; csrc/gemv.cpp `DecodeLinear`
 # takes the same codes): oneDNN on its packed copy, the kernel MAX_ROWS rows at a time, F.linear; and an nn.Linear left
