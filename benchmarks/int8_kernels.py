@@ -14,15 +14,20 @@ past 256 MB taken in turn), as a decode step reads its layers. More than 8 rows:
 timings of 20 calls. Then one MoE layer's experts (16 of 1024 -> 768 -> 1024, SwiGLU, top-2) through `expert_mlps`
 at --tokens tokens, bf16 experts against int8 ones (`Int8Weight`). Prints ms and GB/s of each and the speedup (the
 target for a decode step: int8 >= 1.6x bf16, issue 29), with the CPU. With --package: batch-1 greedy decode of that
-package served as it is against `serve --quantize int8` and `--quantize int4`, each also with `--quantize-head`
-(`decode`). Writes int8_kernels.json and int8_kernels.png
-under --out.
+package served as it is, as it is without the head's int8 screen, and with `serve --quantize int8` and `--quantize
+int4`, each also with `--quantize-head`, against the bound of the bytes each reads a token (`decode`; --decode-only:
+just that). Writes int8_kernels.json and int8_kernels.png under --out.
+
+    .venv/bin/python benchmarks/int8_kernels.py --package PKG --decode-only --repeats 5   # issue 29's batch-1 table
+    W=.peers/work/checkpoint-c512223380; .venv/bin/python benchmarks/int8_kernels.py --package $W/ours-package \
+        --decode-only --peer-gguf $W                 # and llama.cpp's BF16, Q8_0, Q4_0 of the same weights beside it
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,6 +38,10 @@ from common import ROOT, cpu_info, cpu_line  # noqa: E402
 
 VARIANTS = (("package", None, False), ("int8", "int8", False), ("int4", "int4", False),
             ("int8+head", "int8", True), ("int4+head", "int4", True))  # --package: serve --quantize [--quantize-head]
+UNSCREENED = "package, no screen"  # --package served with MOE_PIPELINE_HEAD_SCREEN=0 (`decode`)
+# --peer-gguf DIR: the GGUFs of benchmarks/peer_bench.py's work folder, decoded by llama-bench beside ours (`decode`)
+PEER_GGUF = {"BF16": "model-bf16.gguf", "Q8_0": "model-q8_0.gguf", "Q4_0": "ours-q4_0.gguf"}
+LLAMA_BENCH = ROOT / ".peers" / "llama.cpp" / "build" / "bin" / "llama-bench"
 SHAPES = {"lm_head": (50304, 1024), "qkv": (1536, 1024), "o_proj": (1024, 1024), "expert gate_up": (1536, 1024),
           "expert down": (1024, 768)}
 
@@ -131,38 +140,118 @@ def run_experts(experts: int, top_k: int, hidden: int, width: int, tokens: list[
     return out
 
 
-def decode(pkg: Path, threads: int, new_tokens: int, repeats: int) -> dict:
-    """Batch-1 greedy decode of `pkg` served as it is, with `--quantize int8` and with `--quantize int4`, the engines
-    in this process, their runs alternated `repeats` times (this VM's memory speed drifts within minutes): tokens/s of
-    each (decode steps only, as benchmarks/decode_bandwidth.py times them), medians, the paired ratios, and how many
-    tokens agree with the package's."""
+def read_bytes(engine, quantize: str | None, head: bool) -> float:
+    """Bytes of weights one greedy batch-1 step of `engine` reads (common.active_bytes' categories): the linears
+    (attention, dense and residual MLPs, top_k experts) at 1 byte a weight in int8 and 0.5 + 4 / 128 in int4 (its
+    group scales; int8's row scales left out, under 0.5%), the output layer in the package's dtype, or at 1 byte a
+    weight read through its int8 screen (`HeadScreen`; the few exact rows it re-reads left out), or as quantised with
+    --quantize-head; the rest (norms, gates, an embedding row) as stored."""
+    from common import active_bytes
+
+    dtype = engine.model.wte.weight.dtype
+    act = active_bytes(engine.model.cfg, dtype)
+    per_weight = {None: dtype.itemsize, "int8": 1.0, "w8a8": 1.0, "int4": 0.5 + 4 / 128}[quantize]
+    linear = sum(act[c] for c in ("attention", "dense_mlp", "residual_mlp", "experts"))
+    lm_head = act["lm_head"] / dtype.itemsize * (per_weight if head else 1.0 if getattr(
+        engine.model.lm_head, "screen", None) is not None else dtype.itemsize)
+    return act["total"] - act["lm_head"] - linear + linear / dtype.itemsize * per_weight + lm_head
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int, new_tokens: int) -> float:
+    """llama.cpp's own batch-1 decode tokens/s of `gguf` (llama-bench: `new_tokens` generated, no prompt, one run)."""
+    import subprocess
+
+    out = subprocess.run([str(binary), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", str(threads), "-r", "1",
+                          "-o", "json"], capture_output=True, text=True, check=True, timeout=600)
+    (row,) = json.loads(out.stdout)
+    return float(row["avg_ts"])
+
+
+def decode(pkg: Path, threads: int, new_tokens: int, repeats: int, bandwidth_gib: float = 1.0,
+           peer: dict[str, Path] | None = None, peer_binary: Path | None = None) -> dict:
+    """Batch-1 greedy decode of `pkg` served as it is (its greedy head read through the int8 screen), as it is with
+    the screen off (MOE_PIPELINE_HEAD_SCREEN=0: every weight read in the package's dtype, the baseline the issue's
+    "int8 halves bf16's bytes" assumes), with `--quantize int8` and `--quantize int4`, each also with
+    `--quantize-head`, and with `--quantize w8a8` where the kernel has it; the engines in this process, their runs alternated `repeats` times (this VM's memory speed
+    drifts within minutes), the read bandwidth (common.read_bandwidth, a `bandwidth_gib` buffer) sampled before each
+    round and after the last: tokens/s of each (decode steps only, as benchmarks/decode_bandwidth.py times them),
+    medians, the paired ratios against both baselines, the bytes a step reads (`read_bytes`) and the bound they give
+    at the best bandwidth sample, and how many tokens agree with the package's. `peer`: {"BF16": gguf, "Q8_0": gguf,
+    ...} of the same weights, each decoded by llama.cpp's llama-bench (`peer_binary`) in every round after ours: the
+    anchor's own quantised-to-BF16 ratios on this machine at the same moments."""
     import torch
 
+    from common import best_bandwidth, read_bandwidth
     from decode_bandwidth import decode_run
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine
+    from export.serve.linears import SCREEN_ENV
 
-    engines = {}
-    for name, quantize, head in VARIANTS:
-        engines[name] = Engine.from_config(ServeConfig(package=pkg, max_batch=1, quantize=quantize,
-                                                       quantize_head=head))
+    from export.serve.linears import kernel
+
+    engines, read = {}, {}
+    w8a8 = (("w8a8", "w8a8", False),) if hasattr(kernel(), "w8a8_linear") else ()  # AVX512_VNNI builds
+    for name, quantize, head in VARIANTS[:1] + ((UNSCREENED, None, False),) + VARIANTS[1:] + w8a8:
+        before = os.environ.get(SCREEN_ENV)
+        if name == UNSCREENED:
+            os.environ[SCREEN_ENV] = "0"
+        try:
+            engines[name] = Engine.from_config(ServeConfig(package=pkg, max_batch=1, quantize=quantize,
+                                                           quantize_head=head))
+        finally:
+            if before is None:
+                os.environ.pop(SCREEN_ENV, None)
+            else:
+                os.environ[SCREEN_ENV] = before
         engines[name].eos = None
+        read[name] = read_bytes(engines[name], quantize, head)
     torch.set_num_threads(threads)  # after dist.init, which sizes the pool for the local ranks
     prompt = list(range(1000, 1016))
     runs = {name: [] for name in engines}
     for name, engine in engines.items():
         decode_run(engine, prompt, 8)  # warm-up
+    samples, peer_runs = [], {}
     for _ in range(repeats):
+        samples.append(read_bandwidth(threads, bandwidth_gib, 2))
         for name, engine in engines.items():
             runs[name].append(decode_run(engine, prompt, new_tokens))
-    a = runs["package"]
+        for name, gguf in (peer or {}).items():
+            peer_runs.setdefault(name, []).append(llama_bench(peer_binary, gguf, threads, new_tokens))
+    samples.append(read_bandwidth(threads, bandwidth_gib, 2))
+    bandwidth = best_bandwidth(samples)["bytes_per_s"]
+    a, plain = runs["package"], runs[UNSCREENED]
+    tok_s = {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()}
     return {"package": str(pkg), "dtype": str(engines["package"].model.wte.weight.dtype).removeprefix("torch."),
-            "new_tokens": new_tokens, "tok_s": {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()},
-            "runs_tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
+            "new_tokens": new_tokens, "tok_s": tok_s, "runs_tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
             "paired": {k: statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(a, runs[k])) for k in runs if k != "package"},
+            "paired_unscreened": {k: statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(plain, runs[k]))
+                                  for k in runs if k != UNSCREENED},
+            "read_bytes": read, "bandwidth_bytes_per_s": bandwidth,
+            "bound_tok_s": {k: bandwidth / read[k] for k in runs},
+            "of_bound": {k: tok_s[k] / (bandwidth / read[k]) for k in runs},
             "same_tokens": {k: sum(x == y for x, y in zip(a[0]["tokens"], runs[k][0]["tokens"])) for k in runs
                             if k != "package"},
-            "tokens": len(a[0]["tokens"])}
+            "tokens": len(a[0]["tokens"]),
+            "peer": {"tok_s": {k: statistics.median(v) for k, v in peer_runs.items()}, "runs_tok_s": peer_runs,
+                     "paired": {k: statistics.median(y / x for x, y in zip(peer_runs["BF16"], v)) for k, v in
+                                peer_runs.items() if k != "BF16"} if "BF16" in peer_runs else {}} if peer else None}
+
+
+def decode_table(served: dict) -> str:
+    """`decode`'s results, a variant a line: tok/s, MB a token, its bound and the share reached, the paired ratios."""
+    lines = [f"{'batch-1 decode':22s} {'tok/s':>7s} {'MB/token':>8s} {'bound':>7s} {'of bound':>8s} "
+             f"{'/ package':>9s} {'/ no screen':>11s} {'same tokens':>11s}"]
+    for k, t in served["tok_s"].items():
+        lines.append(f"{k:22s} {t:7.1f} {served['read_bytes'][k] / 1e6:8.1f} {served['bound_tok_s'][k]:7.1f} "
+                     f"{served['of_bound'][k]:8.0%} {served['paired'].get(k, 1.0):8.2f}x "
+                     f"{served['paired_unscreened'].get(k, 1.0):10.2f}x "
+                     f"{served['same_tokens'].get(k, served['tokens']):5d} of {served['tokens']}")
+    peer = served.get("peer")
+    for k, t in (peer["tok_s"] if peer else {}).items():
+        lines.append(f"{'llama.cpp ' + k:22s} {t:7.1f} {'':8s} {'':7s} {'':8s} {'':9s} "
+                     f"{peer['paired'].get(k, 1.0):10.2f}x  (its own / BF16)")
+    return "\n".join(lines) + f"\n(read bandwidth, best sample: {served['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; " \
+        "ratios: medians of each round's paired ratio)"
 
 
 def table(results: list[dict]) -> str:
@@ -209,6 +298,28 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_decode(served: dict, path: Path) -> None:
+    """`decode`'s tokens/s of each variant beside the bound of the bytes it reads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(served["tok_s"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    at = range(len(names))
+    ax.bar([i - 0.2 for i in at], [served["tok_s"][k] for k in names], 0.4, label="measured (median)")
+    ax.bar([i + 0.2 for i in at], [served["bound_tok_s"][k] for k in names], 0.4, label="bytes-per-token bound",
+           color="lightgrey")
+    ax.set_xticks(list(at), names, rotation=20, fontsize=8)
+    ax.set_ylabel("batch-1 decode tokens/s")
+    ax.set_title(f"{Path(served['package']).name}: batch-1 greedy decode, {served['dtype']} package")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
@@ -219,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--package", type=Path, default=None,
                    help="also: batch-1 decode of this package served as it is and with --quantize int8")
     p.add_argument("--new-tokens", type=int, default=128, help="with --package: tokens a decode run")
+    p.add_argument("--decode-only", action="store_true", help="with --package: only its decode, no kernel timings")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="with --package: the read-bandwidth buffer, GiB")
+    p.add_argument("--peer-gguf", type=Path, default=None,
+                   help="with --package: peer_bench's folder of the same weights' GGUFs, decoded by llama-bench too")
+    p.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH, help="llama.cpp's llama-bench (with --peer-gguf)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "int8_kernels")
     args = p.parse_args(argv)
     import torch
@@ -227,24 +343,32 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     cpu = cpu_info()
     print(f"[int8] {cpu_line(cpu)}; {torch.get_num_threads()} threads", flush=True)
-    results = run(SHAPES, args.rows, args.repeats, args.cold_mb * 1e6)
-    print(table(results))
-    experts = run_experts(16, 2, 1024, 768, args.tokens, args.repeats, args.cold_mb * 1e6)
-    print(experts_table(experts))
+    if args.decode_only and args.package is None:
+        p.error("--decode-only needs --package")
+    results = [] if args.decode_only else run(SHAPES, args.rows, args.repeats, args.cold_mb * 1e6)
+    experts = [] if args.decode_only else run_experts(16, 2, 1024, 768, args.tokens, args.repeats, args.cold_mb * 1e6)
+    if results:
+        print(table(results))
+        print(experts_table(experts))
     served = None
     if args.package is not None:
-        served = decode(args.package, torch.get_num_threads(), args.new_tokens, args.repeats)
-        t = served["tok_s"]
-        print(f"batch-1 decode of {args.package} ({served['dtype']}): {t['package']:.1f} tok/s as it is" + "".join(
-            f"; --quantize {k.removesuffix('+head')}{' --quantize-head' if k.endswith('+head') else ''} {t[k]:.1f}: "
-            f"{t[k] / t['package']:.2f}x (paired {served['paired'][k]:.2f}x), "
-            f"{served['same_tokens'][k]} of {served['tokens']} greedy tokens the same" for k in served["paired"]))
+        peer = {k: args.peer_gguf / f for k, f in PEER_GGUF.items()} if args.peer_gguf else None
+        if peer and not all(f.is_file() for f in peer.values()) or peer and not args.llama_bench.is_file():
+            p.error(f"--peer-gguf: {args.peer_gguf} needs {', '.join(PEER_GGUF.values())} (benchmarks/peer_bench.py "
+                    f"--quantize int8 and int4 write them) and {args.llama_bench} (scripts/peers_setup.sh)")
+        served = decode(args.package, torch.get_num_threads(), args.new_tokens, args.repeats, args.bandwidth_gib,
+                        peer, args.llama_bench)
+        print(decode_table(served))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "int8_kernels.json").write_text(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(),
                                                             "results": results, "experts": experts,
                                                             "decode": served}, indent=1))
-    plot(results, args.out / "int8_kernels.png")
-    print(f"[int8] wrote {args.out / 'int8_kernels.json'} and int8_kernels.png")
+    if results:
+        plot(results, args.out / "int8_kernels.png")
+    if served is not None:
+        plot_decode(served, args.out / "int8_decode.png")
+    print(f"[int8] wrote {args.out / 'int8_kernels.json'}" + (" and int8_kernels.png" if results else "") +
+          (" and int8_decode.png" if served else ""))
     return 0
 
 

@@ -56,6 +56,9 @@ if [ "$WHICH" = all ] || [ "$WHICH" = llama ]; then
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
     cmake --build .peers/llama.cpp/build --target llama-server -j "$(nproc)"
   fi
+  if [ ! -x .peers/llama.cpp/build/bin/llama-bench ]; then  # benchmarks/int8_kernels.py --peer-gguf: its own decode
+    cmake --build .peers/llama.cpp/build --target llama-bench -j "$(nproc)"
+  fi
   # its converter (convert_hf_to_gguf.py) reads our checkpoints with transformers >= 5 and gguf-py from the tree:
   # run it with the vLLM venv if present, else with the project's .venv (peer_bench.py chooses)
 fi

@@ -98,18 +98,38 @@ def test_head_screen_times_the_screens_against_the_whole_layer(tmp_path):
 def test_int8_kernels_decodes_a_package_both_ways(tmp_path):
     """benchmarks/int8_kernels.py --package: the package served as it is and with --quantize int8 and int4, alternated,
     each run's tokens/s and their medians, the paired ratio, the tokens compared."""
+    import common
     from common import random_package
+
+    from export.serve.linears import kernel
 
     pkg = random_package(tmp_path / "pkg", layers=4, overrides=["model.hidden=128", "model.heads=4",
                                                                 "model.experts=[4, 8]", "data.seq_len=128"], dtype="fp32")
     threads = torch.get_num_threads()
     try:
-        res = int8_kernels.decode(pkg, threads=1, new_tokens=6, repeats=2)
+        res = int8_kernels.decode(pkg, threads=1, new_tokens=6, repeats=2, bandwidth_gib=0.02)
     finally:
         torch.set_num_threads(threads)
     assert res["tokens"] == 6 and res["dtype"] == "float32" and all(0 <= n <= 6 for n in res["same_tokens"].values())
     assert all(len(v) == 2 and min(v) > 0 for v in res["runs_tok_s"].values())
-    assert min(res["paired"].values()) > 0 and set(res["tok_s"]) == {"package", "int8", "int4", "int8+head", "int4+head"}
+    w8a8 = {"w8a8"} if hasattr(kernel(), "w8a8_linear") else set()
+    assert min(res["paired"].values()) > 0 and set(res["tok_s"]) == {"package", int8_kernels.UNSCREENED, "int8", "int4",
+                                                                      "int8+head", "int4+head", *w8a8}
+    # the bytes a token reads: the screen reads the head at 1 byte a weight of 4, int8 and int4 the linears at 1 and
+    # 0.53; the unscreened package's are common.active_bytes' total
+    from export.package import model_config_of
+
+    b, act = res["read_bytes"], common.active_bytes(model_config_of(pkg), torch.float32)
+    assert b[int8_kernels.UNSCREENED] == act["total"]
+    assert b["package"] == act["total"] - act["lm_head"] * 3 / 4
+    assert b[int8_kernels.UNSCREENED] > b["package"] > b["int8"] > b["int4"] > b["int4+head"]
+    assert b["int8+head"] == b["int8"]  # the head in int8 either way
+    if w8a8:
+        assert b["w8a8"] == b["int8"]
+    assert res["bound_tok_s"]["int4"] == pytest.approx(res["bandwidth_bytes_per_s"] / b["int4"])
+    assert "of bound" in int8_kernels.decode_table(res)
+    int8_kernels.plot_decode(res, tmp_path / "d.png")
+    assert (tmp_path / "d.png").stat().st_size > 0
 
 
 def test_active_bytes_count_top_k_experts_the_whole_tied_head_and_fp32_gates():
