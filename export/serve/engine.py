@@ -58,7 +58,8 @@ class ExpertLoad:
     with expert slicing loads each of them)."""
 
     def __init__(self, cfg: ModelConfig, world: int, layout: Layout | None = None):
-        self.tokens = [torch.zeros(e, dtype=torch.long) for e in cfg.experts]
+        self._total = torch.zeros(sum(cfg.experts), dtype=torch.long)  # every layer's, one after another
+        self.tokens = list(self._total.split(list(cfg.experts)))  # views of it, one a layer
         self.last: list[list[int]] = []  # the last forward's counts
         self.holders = []  # [layer][expert] -> the ranks that hold it
         for i, experts in enumerate(cfg.experts):
@@ -70,11 +71,18 @@ class ExpertLoad:
 
     def add(self, counts: list[torch.Tensor], rank_loads: list[list[float]] | None = None) -> None:
         # every layer's counts in one copy from the device (one host sync a forward, not one a layer)
-        flat = torch.cat([c.reshape(-1) for c in counts]).to("cpu", torch.long) if counts else torch.zeros(0)
-        parts = flat.split([c.numel() for c in counts])
-        self.last = [p.tolist() for p in parts]
-        for total, p in zip(self.tokens, parts):
-            total += p
+        flat = torch.cat([c.reshape(-1) for c in counts]).to("cpu", torch.long) if counts else \
+            torch.zeros(0, dtype=torch.long)
+        values, at = flat.tolist(), 0
+        self.last = []
+        for c in counts:
+            self.last.append(values[at:at + c.numel()])
+            at += c.numel()
+        if flat.numel() == self._total.numel():  # every layer's counts: one add (a decode step's, each step)
+            self._total += flat
+        else:
+            for total, p in zip(self.tokens, flat.split([c.numel() for c in counts])):
+                total += p
         if rank_loads is not None:
             if self.measured is None:
                 self.measured = [[0] * self.world for _ in rank_loads]

@@ -198,7 +198,8 @@ class PagedCache(Cache):
         if self._packed:
             return self._packed_pos  # [1, T]
         if T not in self._pos:
-            pos = self._offsets(T)
+            pos = torch.tensor(self._start, dtype=torch.long, device=self.device)[:, None] if T == 1 else \
+                self._offsets(T)  # a decode step's: each row's next position (one op where _offsets takes three)
             self._pos[T] = pos.clamp_max(self.max_len - 1) if self._padded else pos  # padding stays in range
         return self._pos[T]
 

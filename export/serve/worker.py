@@ -93,6 +93,8 @@ class Worker:
         packed = len(set(counts)) > 1 and self.cache.packs
         if packed:
             tokens = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.long)[None]  # [1, N]
+        elif min(counts, default=T) == T:  # rows of one length (a decode step's): one tensor, not one a row
+            tokens = torch.tensor([row.tokens for row in rows], dtype=torch.long).view(len(rows), T)
         else:
             tokens = torch.zeros(len(rows), T, dtype=torch.long)
             for b, row in enumerate(rows):
