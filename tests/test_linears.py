@@ -155,6 +155,8 @@ def check_all(gemv):
         check_amx(gemv)
     if hasattr(gemv, "w8a8_linear"):
         check_w8a8(gemv)
+    if hasattr(gemv, "screen_argmax_i4"):
+        check_int4_screen(gemv)
 
 
 def check_w8a8(gemv):
@@ -500,6 +502,68 @@ def check_screen(kernel):
             assert screen.argmax(torch.zeros(3, I, dtype=dtype)) is None
         calls = screen.calls
         assert screen.argmax(torch.zeros(3, I, dtype=dtype)) is None and screen.calls == calls
+
+
+def check_int4_screen(kernel):
+    """Int4HeadScreen (csrc/gemv.cpp `screen_argmax_i4`, AVX512_VNNI builds): each row's token is argmax_rows of
+    int4_linear's logits on the same weights, to the index, for 1-8 rows, fp32 and bf16 x, groups of 128 and 256, a
+    row count off the vector width; exact ties (duplicated rows: the first index wins) and near ties (one group's
+    scale a step apart) at the top; a cluster x rounded to int8 cannot order (one input far above the others, which
+    round to 0) sorted out by the bound; flat logits and a non-finite input declined (None)."""
+    from export.serve.linears import Int4HeadScreen, Int4Weight
+
+    torch.manual_seed(0)
+
+    def exact(x, w):
+        return kernel.argmax_rows(kernel.int4_linear(x.contiguous(), w.q, w.scale, None, w.group)).tolist()
+
+    for O, I, group in ((3001, 256, 128), (517, 512, 256)):
+        w = Int4Weight.of(torch.randn(O, I) * 0.05, group)
+        w.gemv = kernel  # this build, whichever the process loaded
+        w.q[O // 2], w.scale[O // 2] = w.q[10], w.scale[10]  # an exact tie with an earlier row
+        w.q[400], w.scale[400] = w.q[10], w.scale[10] * (1 + 2 ** -20)  # and a near one
+        w.q[O - 1], w.scale[O - 1] = w.q[7], w.scale[7]  # a tie at the last row (the scan's scalar tail)
+        screen = Int4HeadScreen(w)
+        deq = w.dequantized()
+        for dtype in (torch.float32, torch.bfloat16):
+            for M in range(1, 9):
+                x = torch.randn(M, I) + deq[torch.randint(0, O, (M,))] * 40  # peaked at a random output
+                x[0] = deq[10] * 40 + torch.randn(I) * 0.01  # row 10 and its ties on top
+                if M > 1:
+                    x[1] = deq[7] * 40
+                x = x.to(dtype)
+                want = exact(x, w)
+                assert screen.argmax(x) == want and want[0] in (10, 400)
+                if M > 1:
+                    assert want[1] == 7
+        assert screen.fallbacks == 0 and screen.calls == 16
+        assert screen.argmax(torch.zeros(2, I)) is None  # every logit 0: all candidates
+        x = torch.randn(1, I)
+        x[0, 5] = float("inf")
+        assert screen.argmax(x) is None
+        assert screen.argmax(torch.randn(kernel.MAX_ROWS + 1, I)) is None  # past the kernel's rows
+    # inputs x rounded to int8 cannot see: x[0] = 100, the rest positive below half a step (100 / 127 / 2). Rows
+    # 200-259 on top by input 0, which puts every third one (input 0's weight 3) first; the invisible inputs' weights
+    # (7, 0, -7 for input 0's 1, 2, 3) turn the order round: row 200 wins, which only the bound keeps a candidate
+    from pipeline.quantize import pack_int4
+
+    O, I = 1000, 128
+    k = torch.randint(-7, 8, (O, I))
+    k[:, 0] = -4
+    j = torch.arange(60)
+    k[200:260, 0] = 1 + j % 3
+    k[200:260, 1:] = (7 - 7 * (j % 3))[:, None]
+    w = Int4Weight(pack_int4(k.to(torch.int8)), torch.full((O, 1), 0.25))
+    w.gemv = kernel
+    outlier = Int4HeadScreen(w)
+    outlier.most = O
+    for M in (1, 5, 8):
+        xs = torch.rand(M, I) * 0.38
+        xs[:, 0] = 100.0
+        for dtype in (torch.float32, torch.bfloat16):
+            want = exact(xs.to(dtype), w)
+            assert outlier.argmax(xs.to(dtype)) == want == [200] * M
+    assert outlier.fallbacks == 0
 
 
 def test_only_an_output_layer_that_fits_gets_a_screen(monkeypatch):

@@ -111,6 +111,38 @@ def test_the_output_layer_quantised_too(package):
         assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
 
 
+def test_an_int4_output_layer_screens_its_greedy_rows(package, monkeypatch):
+    """--quantize int4 --quantize-head: the greedy rows go through the int4 head's screen (export/serve/linears.py
+    `Int4HeadScreen`: int4 x int8, the candidates then exact), with the same tokens as the same engine reading its whole
+    int4 output layer (MOE_PIPELINE_HEAD_SCREEN=0), one prompt and four decoded together; rows that ask for
+    log-probabilities read the whole layer."""
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine, generate
+    from export.serve.linears import SCREEN_ENV, Int4HeadScreen, Int4Weight, kernel
+    from export.serve.request import SamplingParams
+
+    if not hasattr(kernel(), "screen_argmax_i4"):
+        pytest.skip("the int4 screen needs an AVX512_VNNI build of the kernel")
+    screened = Engine.from_config(ServeConfig(package=package, quantize="int4", quantize_head=True,
+                                              kv_cache_memory=0.05))
+    monkeypatch.setenv(SCREEN_ENV, "0")
+    whole = Engine.from_config(ServeConfig(package=package, quantize="int4", quantize_head=True, kv_cache_memory=0.05))
+    head = screened.worker.model.lm_head
+    assert isinstance(head.served, Int4Weight) and isinstance(head.screen, Int4HeadScreen)
+    assert whole.worker.model.lm_head.screen is None
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 8000, (n,), generator=g).tolist() for n in (3, 6, 11, 17)]
+    for batch in ([prompts[0]], prompts):
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        assert [r.generated for r in generate(screened, batch, params)] == \
+            [r.generated for r in generate(whole, batch, params)]
+    assert head.screen.calls - head.screen.fallbacks >= 11  # answered by the screen
+    calls = head.screen.calls
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
+    got, want = generate(screened, prompts, params), generate(whole, prompts, params)
+    assert [r.generated for r in got] == [r.generated for r in want] and head.screen.calls == calls
+
+
 def test_quantize_is_refused_where_it_cannot_run(package):
     """--quantize on a sliced layout (tensor slicing) is refused naming the flag and what to do."""
     from export.serve.config import ServeConfig, ServeConfigError

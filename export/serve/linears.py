@@ -591,7 +591,33 @@ def as_scheme(w: QuantizedWeight, scheme: str) -> QuantizedWeight:
     return W8A8Weight.of_int8(w) if scheme == "w8a8" and type(w) is Int8Weight else w
 
 
-class HeadScreen:
+class _Tries:
+    """A screen's calls and fallbacks: a row count whose calls keep falling back (candidates past `most`: flat
+    logits) stops trying after GIVE_UP of them (more than half of its calls)."""
+
+    GIVE_UP = 8
+
+    def _start(self) -> None:
+        self.tried: dict[int, list[int]] = {}  # row count -> [calls, fallbacks]
+        self.calls = self.fallbacks = 0  # screened calls, and those that read the whole layer after all
+
+    def _try(self, n: int) -> bool:
+        tried = self.tried.setdefault(n, [0, 0])
+        if tried[1] >= self.GIVE_UP and 2 * tried[1] > tried[0]:
+            return False
+        self.calls += 1
+        tried[0] += 1
+        return True
+
+    def _result(self, n: int, out: torch.Tensor) -> list[int] | None:
+        if out.numel() == 0:
+            self.fallbacks += 1
+            self.tried[n][1] += 1
+            return None
+        return out.tolist()
+
+
+class HeadScreen(_Tries):
     """The greedy rows' argmax of an output layer, read from an int8 copy of its weight (half of bf16's bytes, a
     quarter of fp32's) and exact (csrc/gemv.cpp `screen_argmax`, `screen_argmax_vnni`): the same token as the
     argmax_rows of the layer's logits as the few-row kernel writes them (passes of up to MAX_ROWS rows), to the bit,
@@ -621,7 +647,6 @@ class HeadScreen:
     # union for every row): the peer benchmark's random Qwen3-MoE gives 2,100-2,900 candidates for 32 rows (its
     # logits are flat; 1/16 of its outputs is 3,144), re-checked in ~0.3 ms where a fallback costs the whole layer
     MOST_PER_ROW = 1 / 4
-    GIVE_UP = 8  # calls of one row count that fell back (more than half of them): that row count skips the screen
 
     def __init__(self, served: ServingWeight):
         w = served.weight
@@ -657,9 +682,8 @@ class HeadScreen:
             self.int8 = W8A8Weight(self.q, self.scale)
             del self.q
         self.rows = self.gemv.VNNI_MAX_ROWS if self.vnni else self.gemv.MAX_ROWS  # most rows a call screens
-        self.tried: dict[int, list[int]] = {}  # row count -> [calls, fallbacks]
         self.most = max(1, int(O * (self.MOST_PER_ROW if self.vnni and w.dtype == torch.bfloat16 else self.MOST)))
-        self.calls = self.fallbacks = 0  # screened calls, and those that read the whole layer after all
+        self._start()
 
     @classmethod
     def of(cls, served: ServingWeight, bias: torch.Tensor | None) -> "HeadScreen | None":
@@ -678,21 +702,63 @@ class HeadScreen:
         if not 0 < n <= self.rows or x.dtype != self.served.weight.dtype or (
                 self.served.amx is not None and n > 1):
             return None
-        tried = self.tried.setdefault(n, [0, 0])
-        if tried[1] >= self.GIVE_UP and 2 * tried[1] > tried[0]:
+        if not self._try(n):
             return None  # this many rows' candidates keep passing `most` (flat logits): the whole layer at once
-        self.calls += 1
-        tried[0] += 1
         if self.vnni:
             out = self.gemv.screen_argmax_vnni(x.contiguous(), self.served.weight, self.int8.q, self.int8.scale,
                                                self.err, self.err2, self.top, self.norm, self.most)
         else:
             out = self.gemv.screen_argmax(x.contiguous(), self.served.weight, self.q, self.scale, self.err, self.most)
-        if out.numel() == 0:
-            self.fallbacks += 1
-            tried[1] += 1
+        return self._result(n, out)
+
+
+class Int4HeadScreen(_Tries):
+    """HeadScreen for an output layer held in int4 (`--quantize-head` with `--quantize int4`): each greedy row's
+    token as argmax_rows of the layer's own logits (`int4_linear`), to the bit, through csrc/gemv.cpp
+    `screen_argmax_i4`: x rounded to int8, the int4 weights read as they are by VPDPBUSD (64 products an instruction,
+    where `int4_linear`'s VDPBF16PS does 32 after widening each nibble to bf16: compute-bound at one row), then the
+    candidates its bound cannot rule out computed again by `int4_linear`. Per output row it holds the dequantised
+    row's largest |w| (`top`), its L2 norm and the fp32 roundings' bound (`round`: both sides' sums, per unit of |x|_1
+    + |e|_1). Not for: a bias, groups that are not a multiple of 128, CPUs without AVX512_VNNI (the kernel has no
+    `screen_argmax_i4`), MOE_PIPELINE_HEAD_SCREEN=0."""
+
+    CHUNK, MOST = HeadScreen.CHUNK, HeadScreen.MOST
+
+    def __init__(self, weight: "Int4Weight"):
+        O, I = weight.shape
+        self.weight, self.gemv = weight, weight.gemv
+        self.top, self.norm, self.round = (torch.empty(O, dtype=torch.float32) for _ in range(3))
+        # both sides' fp32 roundings: int4_linear's sums of I products and G groups, the screen's G group terms, its
+        # offset and 16 lanes, each term at most (7 + 8 + 8) max scale |x_i| or |s xq_i| (s |xq|_1 <= |x|_1 + |e|_1)
+        rounding = 2 * 23 * (I + I // weight.group + 32) * 2.0 ** -24
+        up = torch.tensor(float("inf"))
+        self.finite = bool(torch.isfinite(weight.scale).all())
+        for lo in range(0, O, self.CHUNK):
+            w = dequantized(unpack_int4(weight.q[lo:lo + self.CHUNK]), weight.scale[lo:lo + self.CHUNK],
+                            weight.group).double()  # q * scale is exact in fp32
+            self.top[lo:lo + self.CHUNK] = torch.nextafter((w.abs().amax(1) * (1 + 1e-6)).float(), up)
+            self.norm[lo:lo + self.CHUNK] = torch.nextafter((w.norm(dim=1) * (1 + 1e-6)).float(), up)
+            biggest = weight.scale[lo:lo + self.CHUNK].double().abs().amax(1)
+            self.round[lo:lo + self.CHUNK] = torch.nextafter((biggest * rounding * (1 + 1e-6)).float(), up)
+        self.most = max(1, int(O * self.MOST))
+        self._start()
+
+    @classmethod
+    def of(cls, weight: "QuantizedWeight", bias: torch.Tensor | None) -> "Int4HeadScreen | None":
+        if (os.environ.get(SCREEN_ENV, "1") == "0" or bias is not None or not isinstance(weight, Int4Weight)
+                or not hasattr(weight.gemv, "screen_argmax_i4") or weight.group % 128 or weight.q.device.type != "cpu"):
             return None
-        return out.tolist()
+        screen = cls(weight)
+        return screen if screen.finite else None
+
+    def argmax(self, x: torch.Tensor) -> list[int] | None:
+        """Each row's token of hidden states x [n, C] (fp32 or bf16), as argmax_rows(the layer(x)); None where the
+        screen does not apply (then the caller runs the whole layer)."""
+        n = x.shape[0]
+        if not 0 < n <= self.gemv.MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or not self._try(n):
+            return None
+        return self._result(n, self.gemv.screen_argmax_i4(x.contiguous(), self.weight.q, self.weight.scale, self.top,
+                                                          self.norm, self.round, self.weight.group, self.most))
 
 
 class FusedQKV:
@@ -865,7 +931,8 @@ def serving_norms(model: nn.Module) -> int:
 def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False,
                      stored: dict[str, QuantizedWeight] | None = None) -> int:
     """After `serving_linears`: every served linear but the output layer (the model's `lm_head`, whose greedy rows the
-    screen reads in int8 already; with `head`, it too, and its screen goes: the logits are the quantised layer's) and
+    screen reads in int8 already; with `head`, it too, and its int8 screen goes: the logits are the quantised layer's,
+    read in int4 by `Int4HeadScreen` where that applies) and
     every fused q/k/v weight as `scheme`'s weight, in place; returns how many. `stored`: {weight name: weight} of a
     quantised package (`stored_weight`), taken as they are; the rest `quantized_weights` (weight-only, round to
     nearest; int8 one scale per output channel, int4 one per 128 inputs of a row). The routers, norms and embeddings
@@ -877,7 +944,9 @@ def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False,
                 and isinstance(module.served, ServingWeight):
             kept = stored.get(f"{name}.weight")
             module.served = as_scheme(kept, scheme) if kept else quantized_weights([module.served.weight], scheme)[0]
-            module.screen = None
+            # the output layer in int4: its greedy rows through the int4 screen (the logits are its own)
+            module.screen = Int4HeadScreen.of(module.served, module.bias) \
+                if module is getattr(model, "lm_head", None) else None
             count += 1
         qkv = getattr(module, "qkv", None)
         if isinstance(qkv, FusedQKV) and isinstance(qkv.weight, ServingWeight):
