@@ -306,12 +306,16 @@ def plot_decode(served: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(served["tok_s"])
-    fig, ax = plt.subplots(figsize=(8, 4))
+    peer = (served.get("peer") or {}).get("tok_s", {})
+    fig, ax = plt.subplots(figsize=(9, 4))
     at = range(len(names))
-    ax.bar([i - 0.2 for i in at], [served["tok_s"][k] for k in names], 0.4, label="measured (median)")
+    ax.bar([i - 0.2 for i in at], [served["tok_s"][k] for k in names], 0.4, label="ours, measured (median)")
     ax.bar([i + 0.2 for i in at], [served["bound_tok_s"][k] for k in names], 0.4, label="bytes-per-token bound",
            color="lightgrey")
-    ax.set_xticks(list(at), names, rotation=20, fontsize=8)
+    there = range(len(names), len(names) + len(peer))
+    if peer:
+        ax.bar(list(there), list(peer.values()), 0.4, color="C1", label="llama.cpp (llama-bench, median)")
+    ax.set_xticks([*at, *there], names + [f"llama.cpp {k}" for k in peer], rotation=20, fontsize=8)
     ax.set_ylabel("batch-1 decode tokens/s")
     ax.set_title(f"{Path(served['package']).name}: batch-1 greedy decode, {served['dtype']} package")
     ax.legend(fontsize=8)
