@@ -156,7 +156,7 @@ def check_all(gemv):
     if hasattr(gemv, "w8a8_linear"):
         check_w8a8(gemv)
     if hasattr(gemv, "screen_argmax_i4"):
-        check_int4_screen(gemv)
+        check_quantized_screen(gemv)
 
 
 def check_w8a8(gemv):
@@ -504,26 +504,34 @@ def check_screen(kernel):
         assert screen.argmax(torch.zeros(3, I, dtype=dtype)) is None and screen.calls == calls
 
 
-def check_int4_screen(kernel):
-    """Int4HeadScreen (csrc/gemv.cpp `screen_argmax_i4`, AVX512_VNNI builds): each row's token is argmax_rows of
-    int4_linear's logits on the same weights, to the index, for 1-8 rows, fp32 and bf16 x, groups of 128 and 256, a
-    row count off the vector width; exact ties (duplicated rows: the first index wins) and near ties (one group's
-    scale a step apart) at the top; a cluster x rounded to int8 cannot order (one input far above the others, which
-    round to 0) sorted out by the bound; flat logits and a non-finite input declined (None)."""
-    from export.serve.linears import Int4HeadScreen, Int4Weight
+def check_quantized_screen(kernel):
+    """QuantizedHeadScreen (csrc/gemv.cpp `screen_argmax_i4`, `screen_argmax_i8`, AVX512_VNNI builds): each row's token
+    is argmax_rows of int4_linear's or int8_linear's logits on the same weights, to the index, for 1-8 rows, fp32 and
+    bf16 x, int4 groups of 128 and 256, int8 rows off the 64-byte load, a row count off the vector width; exact ties
+    (duplicated rows: the first index wins) and near ties (a row's scale a step apart) at the top; a winner only the
+    inputs x rounds to zero can pick, kept by the bound; flat logits and a non-finite input declined (None)."""
+    from export.serve.linears import Int4Weight, Int8Weight, QuantizedHeadScreen
+    from pipeline.quantize import pack_int4
 
     torch.manual_seed(0)
 
     def exact(x, w):
-        return kernel.argmax_rows(kernel.int4_linear(x.contiguous(), w.q, w.scale, None, w.group)).tolist()
+        x = x.contiguous()
+        if isinstance(w, Int4Weight):
+            return kernel.argmax_rows(kernel.int4_linear(x, w.q, w.scale, None, w.group)).tolist()
+        return kernel.argmax_rows(kernel.int8_linear(x, w.q, w.scale, None)).tolist()
 
-    for O, I, group in ((3001, 256, 128), (517, 512, 256)):
-        w = Int4Weight.of(torch.randn(O, I) * 0.05, group)
+    def copy_row(w, to, frm, factor=1.0):
+        w.q[to], w.scale[to] = w.q[frm], w.scale[frm] * factor
+
+    for w in (Int4Weight.of(torch.randn(3001, 256) * 0.05, 128), Int4Weight.of(torch.randn(517, 512) * 0.05, 256),
+              Int8Weight.of(torch.randn(3001, 200) * 0.05), Int8Weight.of(torch.randn(700, 512) * 0.05)):
+        O, I = w.shape
         w.gemv = kernel  # this build, whichever the process loaded
-        w.q[O // 2], w.scale[O // 2] = w.q[10], w.scale[10]  # an exact tie with an earlier row
-        w.q[400], w.scale[400] = w.q[10], w.scale[10] * (1 + 2 ** -20)  # and a near one
-        w.q[O - 1], w.scale[O - 1] = w.q[7], w.scale[7]  # a tie at the last row (the scan's scalar tail)
-        screen = Int4HeadScreen(w)
+        copy_row(w, O // 2, 10)  # an exact tie with an earlier row
+        copy_row(w, 400, 10, 1 + 2 ** -20)  # and a near one
+        copy_row(w, O - 1, 7)  # a tie at the last row (the scan's scalar tail)
+        screen = QuantizedHeadScreen(w)
         deq = w.dequantized()
         for dtype in (torch.float32, torch.bfloat16):
             for M in range(1, 9):
@@ -545,25 +553,24 @@ def check_int4_screen(kernel):
     # inputs x rounded to int8 cannot see: x[0] = 100, the rest positive below half a step (100 / 127 / 2). Rows
     # 200-259 on top by input 0, which puts every third one (input 0's weight 3) first; the invisible inputs' weights
     # (7, 0, -7 for input 0's 1, 2, 3) turn the order round: row 200 wins, which only the bound keeps a candidate
-    from pipeline.quantize import pack_int4
-
     O, I = 1000, 128
     k = torch.randint(-7, 8, (O, I))
     k[:, 0] = -4
     j = torch.arange(60)
     k[200:260, 0] = 1 + j % 3
     k[200:260, 1:] = (7 - 7 * (j % 3))[:, None]
-    w = Int4Weight(pack_int4(k.to(torch.int8)), torch.full((O, 1), 0.25))
-    w.gemv = kernel
-    outlier = Int4HeadScreen(w)
-    outlier.most = O
-    for M in (1, 5, 8):
-        xs = torch.rand(M, I) * 0.38
-        xs[:, 0] = 100.0
-        for dtype in (torch.float32, torch.bfloat16):
-            want = exact(xs.to(dtype), w)
-            assert outlier.argmax(xs.to(dtype)) == want == [200] * M
-    assert outlier.fallbacks == 0
+    for w in (Int4Weight(pack_int4(k.to(torch.int8)), torch.full((O, 1), 0.25)),
+              Int8Weight(k.to(torch.int8), torch.full((O,), 0.25))):
+        w.gemv = kernel
+        outlier = QuantizedHeadScreen(w)
+        outlier.most = O
+        for M in (1, 5, 8):
+            xs = torch.rand(M, I) * 0.38
+            xs[:, 0] = 100.0
+            for dtype in (torch.float32, torch.bfloat16):
+                want = exact(xs.to(dtype), w)
+                assert outlier.argmax(xs.to(dtype)) == want == [200] * M
+        assert outlier.fallbacks == 0
 
 
 def test_only_an_output_layer_that_fits_gets_a_screen(monkeypatch):

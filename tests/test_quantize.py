@@ -89,8 +89,9 @@ def test_quantised_at_load_serves_what_its_dequantised_weights_give(package, sch
 
 
 def test_the_output_layer_quantised_too(package):
-    """--quantize-head: the output layer int8 as well (its screen dropped: the logits are the quantised layer's); tokens
-    and log-probabilities those of the same engine on the dequantised weights, head included."""
+    """--quantize-head: the output layer int8 as well (the package head's screen dropped: the logits are the quantised
+    layer's, its greedy rows through its own screen where the kernel has one); tokens and log-probabilities those of
+    the same engine on the dequantised weights, head included."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate
     from export.serve.linears import Int8Weight
@@ -100,7 +101,8 @@ def test_the_output_layer_quantised_too(package):
                                                kv_cache_memory=0.05))
     plain = Engine.from_config(ServeConfig(package=package, kv_cache_memory=0.05))
     head = quantised.worker.model.lm_head
-    assert isinstance(head.served, Int8Weight) and head.screen is None
+    assert isinstance(head.served, Int8Weight) and (head.screen is not None) == hasattr(head.served.gemv,
+                                                                                        "screen_argmax_i8")
     assert quantised.worker.model.wte.weight.dtype == torch.float32  # a tied head's embedding stays
     assert dequantised_twin(quantised, plain) == 4 * 2 + 2 * 2 + 2 * 2 + 12 + 1
     prompts = [[101, 202, 303, 404], [7, 77, 777]]
@@ -111,24 +113,25 @@ def test_the_output_layer_quantised_too(package):
         assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
 
 
-def test_an_int4_output_layer_screens_its_greedy_rows(package, monkeypatch):
-    """--quantize int4 --quantize-head: the greedy rows go through the int4 head's screen (export/serve/linears.py
-    `Int4HeadScreen`: int4 x int8, the candidates then exact), with the same tokens as the same engine reading its whole
-    int4 output layer (MOE_PIPELINE_HEAD_SCREEN=0), one prompt and four decoded together; rows that ask for
-    log-probabilities read the whole layer."""
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantised_output_layer_screens_its_greedy_rows(package, monkeypatch, scheme):
+    """--quantize int8|int4 --quantize-head: the greedy rows go through the quantised head's screen
+    (export/serve/linears.py `QuantizedHeadScreen`: its stored weights x int8, the candidates then exact), with the
+    same tokens as the same engine reading its whole output layer (MOE_PIPELINE_HEAD_SCREEN=0), one prompt and four
+    decoded together; rows that ask for log-probabilities read the whole layer."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate
-    from export.serve.linears import SCREEN_ENV, Int4HeadScreen, Int4Weight, kernel
+    from export.serve.linears import QUANTIZED, SCREEN_ENV, QuantizedHeadScreen, kernel
     from export.serve.request import SamplingParams
 
     if not hasattr(kernel(), "screen_argmax_i4"):
-        pytest.skip("the int4 screen needs an AVX512_VNNI build of the kernel")
-    screened = Engine.from_config(ServeConfig(package=package, quantize="int4", quantize_head=True,
+        pytest.skip("the quantised heads' screens need an AVX512_VNNI build of the kernel")
+    screened = Engine.from_config(ServeConfig(package=package, quantize=scheme, quantize_head=True,
                                               kv_cache_memory=0.05))
     monkeypatch.setenv(SCREEN_ENV, "0")
-    whole = Engine.from_config(ServeConfig(package=package, quantize="int4", quantize_head=True, kv_cache_memory=0.05))
+    whole = Engine.from_config(ServeConfig(package=package, quantize=scheme, quantize_head=True, kv_cache_memory=0.05))
     head = screened.worker.model.lm_head
-    assert isinstance(head.served, Int4Weight) and isinstance(head.screen, Int4HeadScreen)
+    assert type(head.served) is QUANTIZED[scheme] and isinstance(head.screen, QuantizedHeadScreen)
     assert whole.worker.model.lm_head.screen is None
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 8000, (n,), generator=g).tolist() for n in (3, 6, 11, 17)]

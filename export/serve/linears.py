@@ -712,41 +712,50 @@ class HeadScreen(_Tries):
         return self._result(n, out)
 
 
-class Int4HeadScreen(_Tries):
-    """HeadScreen for an output layer held in int4 (`--quantize-head` with `--quantize int4`): each greedy row's
-    token as argmax_rows of the layer's own logits (`int4_linear`), to the bit, through csrc/gemv.cpp
-    `screen_argmax_i4`: x rounded to int8, the int4 weights read as they are by VPDPBUSD (64 products an instruction,
-    where `int4_linear`'s VDPBF16PS does 32 after widening each nibble to bf16: compute-bound at one row), then the
-    candidates its bound cannot rule out computed again by `int4_linear`. Per output row it holds the dequantised
-    row's largest |w| (`top`), its L2 norm and the fp32 roundings' bound (`round`: both sides' sums, per unit of |x|_1
-    + |e|_1). Not for: a bias, groups that are not a multiple of 128, CPUs without AVX512_VNNI (the kernel has no
-    `screen_argmax_i4`), MOE_PIPELINE_HEAD_SCREEN=0."""
+class QuantizedHeadScreen(_Tries):
+    """HeadScreen for an output layer held quantised (`--quantize-head`): each greedy row's token as argmax_rows of the
+    layer's own logits (`int4_linear`, `int8_linear`), to the bit, through csrc/gemv.cpp `screen_argmax_i4` or
+    `screen_argmax_i8`: x rounded to int8 and the stored weights read as they are by VPDPBUSD (64 products an
+    instruction, where the layers' one-row passes do 32 by VDPBF16PS after widening each weight to bf16: compute-bound
+    there), then the candidates its bound cannot rule out computed again by the layer's kernel. Per output row it
+    holds the dequantised row's largest |w| (`top`), its L2 norm and the fp32 roundings' bound (`round`: both sides'
+    sums, per unit of |x|_1 + |e|_1). Not for: a bias, int4 groups that are not a multiple of 128, CPUs without
+    AVX512_VNNI (the kernel has neither op), MOE_PIPELINE_HEAD_SCREEN=0."""
 
     CHUNK, MOST = HeadScreen.CHUNK, HeadScreen.MOST
 
-    def __init__(self, weight: "Int4Weight"):
+    def __init__(self, weight: "Int4Weight | Int8Weight"):
         O, I = weight.shape
         self.weight, self.gemv = weight, weight.gemv
+        self.int4 = isinstance(weight, Int4Weight)
         self.top, self.norm, self.round = (torch.empty(O, dtype=torch.float32) for _ in range(3))
-        # both sides' fp32 roundings: int4_linear's sums of I products and G groups, the screen's G group terms, its
-        # offset and 16 lanes, each term at most (7 + 8 + 8) max scale |x_i| or |s xq_i| (s |xq|_1 <= |x|_1 + |e|_1)
-        rounding = 2 * 23 * (I + I // weight.group + 32) * 2.0 ** -24
+        # both sides' fp32 roundings: the layer's sums of I products (and int4's G groups); int4's screen adds its G
+        # group terms, its offset and 16 lanes, each term at most (7 + 8 + 8) max scale |x_i| or |s xq_i| (s |xq|_1 <=
+        # |x|_1 + |e|_1); int8's sums are exact integers, then two products (and one conversion past 2^24)
+        group = weight.group if self.int4 else I
+        rounding = 2 * (23 if self.int4 else 128) * (I + I // group + 32) * 2.0 ** -24
         up = torch.tensor(float("inf"))
         self.finite = bool(torch.isfinite(weight.scale).all())
+        self.rowsum = None if self.int4 else weight.q.sum(1, dtype=torch.int32)
         for lo in range(0, O, self.CHUNK):
-            w = dequantized(unpack_int4(weight.q[lo:lo + self.CHUNK]), weight.scale[lo:lo + self.CHUNK],
-                            weight.group).double()  # q * scale is exact in fp32
+            scale = weight.scale[lo:lo + self.CHUNK]
+            if self.int4:
+                w = dequantized(unpack_int4(weight.q[lo:lo + self.CHUNK]), scale, weight.group).double()
+            else:
+                w = dequantized(weight.q[lo:lo + self.CHUNK], scale).double()  # q * scale is exact in fp32
             self.top[lo:lo + self.CHUNK] = torch.nextafter((w.abs().amax(1) * (1 + 1e-6)).float(), up)
             self.norm[lo:lo + self.CHUNK] = torch.nextafter((w.norm(dim=1) * (1 + 1e-6)).float(), up)
-            biggest = weight.scale[lo:lo + self.CHUNK].double().abs().amax(1)
+            biggest = scale.double().abs().reshape(scale.shape[0], -1).amax(1)
             self.round[lo:lo + self.CHUNK] = torch.nextafter((biggest * rounding * (1 + 1e-6)).float(), up)
         self.most = max(1, int(O * self.MOST))
         self._start()
 
     @classmethod
-    def of(cls, weight: "QuantizedWeight", bias: torch.Tensor | None) -> "Int4HeadScreen | None":
-        if (os.environ.get(SCREEN_ENV, "1") == "0" or bias is not None or not isinstance(weight, Int4Weight)
-                or not hasattr(weight.gemv, "screen_argmax_i4") or weight.group % 128 or weight.q.device.type != "cpu"):
+    def of(cls, weight: "QuantizedWeight", bias: torch.Tensor | None) -> "QuantizedHeadScreen | None":
+        op = "screen_argmax_i4" if isinstance(weight, Int4Weight) else "screen_argmax_i8"
+        if (os.environ.get(SCREEN_ENV, "1") == "0" or bias is not None or type(weight) not in (Int4Weight, Int8Weight)
+                or not hasattr(weight.gemv, op) or (op == "screen_argmax_i4" and weight.group % 128)
+                or weight.q.device.type != "cpu"):
             return None
         screen = cls(weight)
         return screen if screen.finite else None
@@ -757,8 +766,14 @@ class Int4HeadScreen(_Tries):
         n = x.shape[0]
         if not 0 < n <= self.gemv.MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or not self._try(n):
             return None
-        return self._result(n, self.gemv.screen_argmax_i4(x.contiguous(), self.weight.q, self.weight.scale, self.top,
-                                                          self.norm, self.round, self.weight.group, self.most))
+        w = self.weight
+        if self.int4:
+            out = self.gemv.screen_argmax_i4(x.contiguous(), w.q, w.scale, self.top, self.norm, self.round, w.group,
+                                             self.most)
+        else:
+            out = self.gemv.screen_argmax_i8(x.contiguous(), w.q, w.scale, self.rowsum, self.top, self.norm,
+                                             self.round, self.most)
+        return self._result(n, out)
 
 
 class FusedQKV:
@@ -931,8 +946,8 @@ def serving_norms(model: nn.Module) -> int:
 def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False,
                      stored: dict[str, QuantizedWeight] | None = None) -> int:
     """After `serving_linears`: every served linear but the output layer (the model's `lm_head`, whose greedy rows the
-    screen reads in int8 already; with `head`, it too, and its int8 screen goes: the logits are the quantised layer's,
-    read in int4 by `Int4HeadScreen` where that applies) and
+    screen reads in int8 already; with `head`, it too, and its screen goes: the logits are the quantised layer's,
+    its greedy rows read through `QuantizedHeadScreen` where that applies) and
     every fused q/k/v weight as `scheme`'s weight, in place; returns how many. `stored`: {weight name: weight} of a
     quantised package (`stored_weight`), taken as they are; the rest `quantized_weights` (weight-only, round to
     nearest; int8 one scale per output channel, int4 one per 128 inputs of a row). The routers, norms and embeddings
@@ -944,8 +959,8 @@ def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False,
                 and isinstance(module.served, ServingWeight):
             kept = stored.get(f"{name}.weight")
             module.served = as_scheme(kept, scheme) if kept else quantized_weights([module.served.weight], scheme)[0]
-            # the output layer in int4: its greedy rows through the int4 screen (the logits are its own)
-            module.screen = Int4HeadScreen.of(module.served, module.bias) \
+            # the output layer quantised: its greedy rows through its own screen (the logits are its own)
+            module.screen = QuantizedHeadScreen.of(module.served, module.bias) \
                 if module is getattr(model, "lm_head", None) else None
             count += 1
         qkv = getattr(module, "qkv", None)

@@ -2276,8 +2276,25 @@ at::Tensor screen_argmax_vnni(const at::Tensor& x, const at::Tensor& w, const at
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, int64_t group);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias);
 
-// -- an int4 output layer screened in int4 x int8 (AVX512_VNNI) -----------------------------------------------------
+// -- a quantised output layer screened in int4 or int8 x int8 (AVX512_VNNI) -----------------------------------------
+//
+// Under --quantize-head int4 the greedy head's logits are int4_linear's, whose one-row pass is compute-bound
+// (VDPBF16PS: 32 products an instruction, each nibble made bf16 first; ~29 GB/s of int4 on the Qwen3-MoE head where
+// int8 reads ~35). Here each row of x is rounded to int8 (one scale a row, as screen_argmax_vnni's) and VPDPBUSD adds
+// 64 products of the weights' nibbles as they are stored (q + 8, unsigned) by signed bytes of x an instruction: per
+// group of 128 inputs (one 64-byte load: the low nibbles are inputs 0-31 and 64-95, the high ones 32-63 and 96-127,
+// x permuted to match once a call) sum (q + 8) xq, exact in int32, less 8 sum xq, times the group's scale; the row's
+// groups summed, times the row's s. The weights are exact here: |exact - y| <= min(top[o] |e|_1, norm[o] |e|_2) for
+// the inputs' rounding e = x - s xq (top = max |w[o]|, norm = |w[o]|_2 of the dequantised row), plus both sides' fp32
+// roundings, at most round[o] (|x|_1 + |e|_1) (the caller's bound: export/serve/linears.py `QuantizedHeadScreen`).
+// The candidates as screen_argmax's; then int4_linear itself on the union of their rows: the whole layer's bits.
+// An int8 head (`screen_argmax_i8`) alike, its weights' bytes as they are against x + 128.
+//
+// x [M <= MAX_ROWS, I] fp32 or bf16; q uint8 [O, I / 2] and scale fp32 [O, I / group] as int4_linear takes them
+// (group a multiple of 128); top, norm, round fp32 [O]; `most` as screen_argmax's -> [M] int64, or an empty tensor.
 
 // screen_argmax_i4's pass over output rows [o0, o1) for M rows of x: xw the rows rounded to int8 in the loads' order,
 // sx each group's sum of them, xs each row's scale -> y [M, O] (fp32)
@@ -2314,101 +2331,74 @@ static void rows_i4_vnni(const uint8_t* q, const float* scale, const int8_t* xw,
     }
   }
 }
-//
-// Under --quantize-head int4 the greedy head's logits are int4_linear's, whose one-row pass is compute-bound
-// (VDPBF16PS: 32 products an instruction, each nibble made bf16 first; ~29 GB/s of int4 on the Qwen3-MoE head where
-// int8 reads ~35). Here each row of x is rounded to int8 (one scale a row, as screen_argmax_vnni's) and VPDPBUSD adds
-// 64 products of the weights' nibbles as they are stored (q + 8, unsigned) by signed bytes of x an instruction: per
-// group of 128 inputs (one 64-byte load: the low nibbles are inputs 0-31 and 64-95, the high ones 32-63 and 96-127,
-// x permuted to match once a call) sum (q + 8) xq, exact in int32, less 8 sum xq, times the group's scale; the row's
-// groups summed, times the row's s. The weights are exact here: |exact - y| <= min(top[o] |e|_1, norm[o] |e|_2) for
-// the inputs' rounding e = x - s xq (top = max |w[o]|, norm = |w[o]|_2 of the dequantised row), plus both sides' fp32
-// roundings, at most round[o] (|x|_1 + |e|_1) (the caller's bound: export/serve/linears.py `Int4HeadScreen`). The
-// candidates as screen_argmax's; then int4_linear itself on the union of their rows: the whole layer's bits.
-//
-// x [M <= MAX_ROWS, I] fp32 or bf16; q uint8 [O, I / 2] and scale fp32 [O, I / group] as int4_linear takes them
-// (group a multiple of 128); top, norm, round fp32 [O]; `most` as screen_argmax's -> [M] int64, or an empty tensor.
-at::Tensor screen_argmax_i4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& top,
-                            const at::Tensor& norm, const at::Tensor& round, int64_t group, int64_t most) {
-  RECORD_FUNCTION("moe_pipeline::screen_argmax_i4", std::vector<c10::IValue>({x, q}));
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS && q.size(1) * 2 == x.size(1) &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
-                  x.device().is_cpu(),
-              "screen_argmax_i4: x [M <= ", MAX_ROWS, ", in] fp32 or bf16 and q [out, in / 2]");
-  const int64_t M = x.size(0), I = x.size(1), O = q.size(0);
-  TORCH_CHECK(group > 0 && group % 128 == 0 && I % group == 0, "screen_argmax_i4: groups of a multiple of 128 inputs "
-              "that divide the row (", I, "), not ", group);
-  const int64_t G = I / group, B = I / 128;  // groups, and 128-input blocks, a row
-  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && scale.scalar_type() == at::kFloat &&
-                  scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == O && scale.size(1) == G &&
-                  q.device().is_cpu() && scale.device().is_cpu(),
-              "screen_argmax_i4: q uint8 [out, in / 2] and scale fp32 [out, in / group]");
-  for (const at::Tensor* a : {&top, &norm, &round})
-    TORCH_CHECK(a->scalar_type() == at::kFloat && a->numel() == O && a->is_contiguous(),
-                "screen_argmax_i4: top, norm, round fp32 [out]");
-  const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
+// Rows of x [M, I] (fp32 or bf16) rounded to int8 for the quantised heads' screens: q [M, I] (s = max |x| / 127,
+// ties to even), s [M], and in double, rounded up: |x|_1, and |e|_1, |e|_2 of e = x - s q. `ok` false for a row that
+// is not finite.
+struct RoundedRows {
+  std::vector<int8_t> q;
+  std::vector<float> s, n1, e1, e2;
+  bool ok = true;
+};
+
+static RoundedRows rounded_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), I = x.size(1);
   const at::Tensor xf_t = x.to(at::kFloat).contiguous();
   const float* xf = xf_t.data_ptr<float>();
-  // each row rounded to int8 (s = max |x| / 127, ties to even), permuted to the loads' order (xw), each group's sum of
-  // its int8 values (sx); |x|_1, |e|_1, |e|_2 in double, rounded up
-  std::vector<int8_t> xw(M * I);
-  std::vector<int32_t> sx(M * G, 0);
-  std::vector<float> xs(M), n1(M), e1(M), e2(M);
+  RoundedRows r{std::vector<int8_t>(M * I), std::vector<float>(M), std::vector<float>(M), std::vector<float>(M),
+                std::vector<float>(M)};
   auto up = [](double v) {
     return std::nextafter(static_cast<float>(v * (1.0 + 1e-9)), std::numeric_limits<float>::infinity()) *
            (1.0f + 0x1p-20f);
   };
   for (int64_t m = 0; m < M; ++m) {
-    const float* r = xf + m * I;
+    const float* row = xf + m * I;
     float amax = 0.0f;
-    for (int64_t i = 0; i < I; ++i) amax = std::max(amax, std::fabs(r[i]));
-    if (!std::isfinite(amax)) return none;
+    for (int64_t i = 0; i < I; ++i) amax = std::max(amax, std::fabs(row[i]));
+    if (!std::isfinite(amax)) {
+      r.ok = false;
+      return r;
+    }
     const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
     double a1 = 0, b1 = 0, b2 = 0;
     for (int64_t i = 0; i < I; ++i) {
-      const int v = static_cast<int>(std::max(-127.0f, std::min(127.0f, std::nearbyint(r[i] / s))));
-      const int64_t blk = i / 128, j = i % 128;  // block position -> its place in the loads' order
-      const int64_t at = blk * 128 + (j < 32 ? j : j < 64 ? 64 + (j - 32) : j < 96 ? 32 + (j - 64) : j);
-      xw[m * I + at] = static_cast<int8_t>(v);
-      sx[m * G + i / group] += v;
-      const double d = static_cast<double>(r[i]) - static_cast<double>(s) * v;
-      a1 += std::fabs(static_cast<double>(r[i])), b1 += std::fabs(d), b2 += d * d;
+      const int v = static_cast<int>(std::max(-127.0f, std::min(127.0f, std::nearbyint(row[i] / s))));
+      r.q[m * I + i] = static_cast<int8_t>(v);
+      const double d = static_cast<double>(row[i]) - static_cast<double>(s) * v;
+      a1 += std::fabs(static_cast<double>(row[i])), b1 += std::fabs(d), b2 += d * d;
     }
-    xs[m] = s, n1[m] = up(a1), e1[m] = up(b1), e2[m] = up(std::sqrt(b2));
-    if (!std::isfinite(n1[m])) return none;
+    r.s[m] = s, r.n1[m] = up(a1), r.e1[m] = up(b1), r.e2[m] = up(std::sqrt(b2));
+    if (!std::isfinite(r.n1[m])) r.ok = false;
   }
-  std::vector<float> y(M * O);
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  shared_range((O + GROUP - 1) / GROUP, grain(I / 2, 1), [&](int64_t b0, int64_t b1) {
-    for_rows(M, [&](auto m) {
-      rows_i4_vnni<decltype(m)::value>(qp, sp, xw.data(), sx.data(), xs.data(), I, group, b0 * GROUP,
-                                       std::min(O, b1 * GROUP), y.data(), O);
-    });
-  });
+  return r;
+}
+
+// The quantised heads' screens' second half: approximate sums y [M, O] from x rounded to int8 (`rows`), each output
+// row's top, norm, round [O] (see screen_argmax_i4) -> the candidates (`screen_candidates`), then exact(rows [K]) ->
+// the layer's own logits [M, K] of those rows (fp32 or bf16), each row's argmax among its candidates (ties to the
+// lowest index, as argmax_rows), or an empty tensor.
+template <typename Exact>
+static at::Tensor screened_quantised(const at::Tensor& x, const RoundedRows& rows, const float* y, int64_t O,
+                                     const at::Tensor& top, const at::Tensor& norm, const at::Tensor& round,
+                                     int64_t most, Exact exact) {
+  const int64_t M = x.size(0);
+  const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
   const float *pt = top.data_ptr<float>(), *pn = norm.data_ptr<float>(), *pr = round.data_ptr<float>();
   std::vector<std::vector<int64_t>> cands(M);
-  if (!screen_candidates(M, y.data(), O, most, [&](int64_t m) {
-        const vf b1 = vset(e1[m]), b2 = vset(e2[m]), sum = vset(n1[m] + e1[m]), r = vset(0x1p-21f);
+  if (!screen_candidates(M, y, O, most, [&](int64_t m) {
+        const vf b1 = vset(rows.e1[m]), b2 = vset(rows.e2[m]), sum = vset(rows.n1[m] + rows.e1[m]), r = vset(0x1p-21f);
         return [=](int64_t o, vf v, int64_t n) {
           const vf inputs = _mm512_min_ps(vmul(vload_n(pt + o, n), b1), vmul(vload_n(pn + o, n), b2));
           return vfma(vabs(v), r, vfma(vload_n(pr + o, n), sum, inputs));
         };
       }, cands))
     return none;
-  // the union of the candidates' rows through int4_linear (the layer's own kernel: the same bits as its whole call)
   std::vector<int64_t> all;
   for (const auto& c : cands) all.insert(all.end(), c.begin(), c.end());
   std::sort(all.begin(), all.end());
   all.erase(std::unique(all.begin(), all.end()), all.end());
+  const at::Tensor ex_t = exact(all).to(at::kFloat).contiguous();
+  const float* ex = ex_t.data_ptr<float>();
   const int64_t K = static_cast<int64_t>(all.size());
-  at::Tensor subq = at::empty({K, I / 2}, q.options()), subs = at::empty({K, G}, scale.options());
-  for (int64_t k = 0; k < K; ++k) {
-    std::memcpy(subq.data_ptr<uint8_t>() + k * (I / 2), qp + all[k] * (I / 2), static_cast<size_t>(I / 2));
-    std::memcpy(subs.data_ptr<float>() + k * G, sp + all[k] * G, sizeof(float) * G);
-  }
-  const at::Tensor exact = int4_linear(x, subq, subs, c10::optional<at::Tensor>(), group).to(at::kFloat);
-  const float* ex = exact.data_ptr<float>();
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m) {
@@ -2422,6 +2412,129 @@ at::Tensor screen_argmax_i4(const at::Tensor& x, const at::Tensor& q, const at::
     op[m] = pick;
   }
   return out;
+}
+
+static void check_screen_bounds(const at::Tensor& top, const at::Tensor& norm, const at::Tensor& round, int64_t O) {
+  for (const at::Tensor* a : {&top, &norm, &round})
+    TORCH_CHECK(a->scalar_type() == at::kFloat && a->numel() == O && a->is_contiguous() && a->device().is_cpu(),
+                "screen: top, norm, round fp32 [out]");
+}
+
+at::Tensor screen_argmax_i4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& top,
+                            const at::Tensor& norm, const at::Tensor& round, int64_t group, int64_t most) {
+  RECORD_FUNCTION("moe_pipeline::screen_argmax_i4", std::vector<c10::IValue>({x, q}));
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS && q.size(1) * 2 == x.size(1) &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "screen_argmax_i4: x [M <= ", MAX_ROWS, ", in] fp32 or bf16 and q [out, in / 2]");
+  const int64_t M = x.size(0), I = x.size(1), O = q.size(0);
+  TORCH_CHECK(group > 0 && group % 128 == 0 && I % group == 0, "screen_argmax_i4: groups of a multiple of 128 inputs "
+              "that divide the row (", I, "), not ", group);
+  const int64_t G = I / group;
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == O && scale.size(1) == G &&
+                  q.device().is_cpu() && scale.device().is_cpu(),
+              "screen_argmax_i4: q uint8 [out, in / 2] and scale fp32 [out, in / group]");
+  check_screen_bounds(top, norm, round, O);
+  const RoundedRows rows = rounded_rows(x);
+  if (!rows.ok) return at::empty({0}, x.options().dtype(at::kLong));
+  // each row in the loads' order (xw: a 128-input block's low nibbles are its inputs 0-31 and 64-95, the high ones
+  // 32-63 and 96-127), and each group's sum (sx)
+  std::vector<int8_t> xw(M * I);
+  std::vector<int32_t> sx(M * G, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) {
+      const int64_t j = i % 128, at = i - j + (j < 32 ? j : j < 64 ? 64 + (j - 32) : j < 96 ? 32 + (j - 64) : j);
+      xw[m * I + at] = rows.q[m * I + i];
+      sx[m * G + i / group] += rows.q[m * I + i];
+    }
+  std::vector<float> y(M * O);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  shared_range((O + GROUP - 1) / GROUP, grain(I / 2, 1), [&](int64_t b0, int64_t b1) {
+    for_rows(M, [&](auto m) {
+      rows_i4_vnni<decltype(m)::value>(qp, sp, xw.data(), sx.data(), rows.s.data(), I, group, b0 * GROUP,
+                                       std::min(O, b1 * GROUP), y.data(), O);
+    });
+  });
+  return screened_quantised(x, rows, y.data(), O, top, norm, round, most, [&](const std::vector<int64_t>& all) {
+    const int64_t K = static_cast<int64_t>(all.size());
+    at::Tensor subq = at::empty({K, I / 2}, q.options()), subs = at::empty({K, G}, scale.options());
+    for (int64_t k = 0; k < K; ++k) {
+      std::memcpy(subq.data_ptr<uint8_t>() + k * (I / 2), qp + all[k] * (I / 2), static_cast<size_t>(I / 2));
+      std::memcpy(subs.data_ptr<float>() + k * G, sp + all[k] * G, sizeof(float) * G);
+    }
+    return int4_linear(x, subq, subs, c10::optional<at::Tensor>(), group);  // the layer's own kernel: its bits
+  });
+}
+
+// screen_argmax_i4's pass for an int8 weight (one scale a row): VPDPBUSD on x rounded to int8 and offset by 128
+// (unsigned) against the weight's bytes as they are, less 128 times the row's sum of q (`rowsum`), in int32 (exact),
+// times the row's scale and x's s -> y [M, O]. The rest as screen_argmax_i4's; the candidates through int8_linear.
+template <int M>
+static void rows_i8_vnni(const int8_t* q, const int32_t* rowsum, const float* scale, const uint8_t* xu, const float* xs,
+                         int64_t I, int64_t o0, int64_t o1, float* y, int64_t O) {
+  const int64_t tail = I % 64;
+  const __mmask64 mask = tail ? (~0ULL >> (64 - tail)) : 0;
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* qr = q + o * I;
+    __m512i acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 64 <= I; i += 64) {
+      ahead(qr + i);
+      const __m512i w = _mm512_loadu_si512(qr + i);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(xu + m * I + i), w);
+    }
+    if (tail) {  // the weights past the row's end read as 0
+      const __m512i w = _mm512_maskz_loadu_epi8(mask, qr + i);
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(mask, xu + m * I + i), w);
+    }
+    for (int m = 0; m < M; ++m) {
+      const int64_t sum = static_cast<int64_t>(_mm512_reduce_add_epi32(acc[m])) - 128 * static_cast<int64_t>(rowsum[o]);
+      y[m * O + o] = static_cast<float>(sum) * scale[o] * xs[m];
+    }
+  }
+}
+
+// x [M <= MAX_ROWS, I] fp32 or bf16; q int8 [O, I], scale fp32 [O] as int8_linear takes them, rowsum int32 [O] (each
+// row's sum of q); top, norm, round fp32 [O] (export/serve/linears.py `QuantizedHeadScreen`) -> [M] int64 or empty.
+at::Tensor screen_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& rowsum,
+                            const at::Tensor& top, const at::Tensor& norm, const at::Tensor& round, int64_t most) {
+  RECORD_FUNCTION("moe_pipeline::screen_argmax_i8", std::vector<c10::IValue>({x, q}));
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS && q.size(1) == x.size(1) &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "screen_argmax_i8: x [M <= ", MAX_ROWS, ", in] fp32 or bf16 and q [out, in]");
+  const int64_t M = x.size(0), I = x.size(1), O = q.size(0);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.device().is_cpu() &&
+                  scale.scalar_type() == at::kFloat && scale.numel() == O && scale.is_contiguous() &&
+                  rowsum.scalar_type() == at::kInt && rowsum.numel() == O && rowsum.is_contiguous(),
+              "screen_argmax_i8: q int8 [out, in], scale fp32 [out], rowsum int32 [out]");
+  check_screen_bounds(top, norm, round, O);
+  const RoundedRows rows = rounded_rows(x);
+  if (!rows.ok) return at::empty({0}, x.options().dtype(at::kLong));
+  std::vector<uint8_t> xu(M * I);
+  for (int64_t k = 0; k < M * I; ++k) xu[k] = static_cast<uint8_t>(rows.q[k] + 128);
+  std::vector<float> y(M * O);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int32_t* rp = rowsum.data_ptr<int32_t>();
+  shared_range((O + GROUP - 1) / GROUP, grain(I, 1), [&](int64_t b0, int64_t b1) {
+    for_rows(M, [&](auto m) {
+      rows_i8_vnni<decltype(m)::value>(qp, rp, sp, xu.data(), rows.s.data(), I, b0 * GROUP, std::min(O, b1 * GROUP),
+                                       y.data(), O);
+    });
+  });
+  return screened_quantised(x, rows, y.data(), O, top, norm, round, most, [&](const std::vector<int64_t>& all) {
+    const int64_t K = static_cast<int64_t>(all.size());
+    at::Tensor subq = at::empty({K, I}, q.options()), subs = at::empty({K}, scale.options());
+    for (int64_t k = 0; k < K; ++k) {
+      std::memcpy(subq.data_ptr<int8_t>() + k * I, qp + all[k] * I, static_cast<size_t>(I));
+      subs.data_ptr<float>()[k] = sp[all[k]];
+    }
+    return int8_linear(x, subq, subs, c10::optional<at::Tensor>());  // the layer's own kernel: its bits
+  });
 }
 #endif
 
@@ -3124,6 +3237,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_pack", &vnni_pack, "an int8 [out, in] weight in tiles of 64 outputs for screen_argmax_vnni");
   m.def("screen_argmax_i4", &screen_argmax_i4,
         "the greedy argmax of an int4 layer's rows (int4_linear's), screened in int4 x int8 (VPDPBUSD)", nogil);
+  m.def("screen_argmax_i8", &screen_argmax_i8,
+        "the greedy argmax of an int8 layer's rows (int8_linear's), screened in int8 x int8 (VPDPBUSD)", nogil);
   m.def("screen_argmax_vnni", &screen_argmax_vnni,
         "screen_argmax for up to VNNI_MAX_ROWS rows, its int8 pass on x rounded to int8 too (VPDPBUSD)", nogil);
   m.attr("VNNI_MAX_ROWS") = VNNI_MAX_ROWS;
