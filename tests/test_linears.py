@@ -506,7 +506,8 @@ def check_screen(kernel):
 
 def check_quantized_screen(kernel):
     """QuantizedHeadScreen (csrc/gemv.cpp `screen_argmax_i4`, `screen_argmax_i8`, AVX512_VNNI builds): each row's token
-    is argmax_rows of int4_linear's or int8_linear's logits on the same weights, to the index, for 1-8 rows, fp32 and
+    is argmax_rows of int4_linear's or int8_linear's logits on the same weights, to the index, for 1-20 rows (passes of
+    8 over the weight), fp32 and
     bf16 x, int4 groups of 128 and 256, int8 rows off the 64-byte load, a row count off the vector width; exact ties
     (duplicated rows: the first index wins) and near ties (a row's scale a step apart) at the top; a winner only the
     inputs x rounds to zero can pick, kept by the bound; flat logits and a non-finite input declined (None)."""
@@ -534,7 +535,7 @@ def check_quantized_screen(kernel):
         screen = QuantizedHeadScreen(w)
         deq = w.dequantized()
         for dtype in (torch.float32, torch.bfloat16):
-            for M in range(1, 9):
+            for M in (*range(1, 9), 9, 13, 20):
                 x = torch.randn(M, I) + deq[torch.randint(0, O, (M,))] * 40  # peaked at a random output
                 x[0] = deq[10] * 40 + torch.randn(I) * 0.01  # row 10 and its ties on top
                 if M > 1:
@@ -544,12 +545,12 @@ def check_quantized_screen(kernel):
                 assert screen.argmax(x) == want and want[0] in (10, 400)
                 if M > 1:
                     assert want[1] == 7
-        assert screen.fallbacks == 0 and screen.calls == 16
+        assert screen.fallbacks == 0 and screen.calls == 22
         assert screen.argmax(torch.zeros(2, I)) is None  # every logit 0: all candidates
         x = torch.randn(1, I)
         x[0, 5] = float("inf")
         assert screen.argmax(x) is None
-        assert screen.argmax(torch.randn(kernel.MAX_ROWS + 1, I)) is None  # past the kernel's rows
+        assert screen.argmax(torch.randn(kernel.VNNI_MAX_ROWS + 1, I)) is None  # past the screen's rows
     # inputs x rounded to int8 cannot see: x[0] = 100, the rest positive below half a step (100 / 127 / 2). Rows
     # 200-259 on top by input 0, which puts every third one (input 0's weight 3) first; the invisible inputs' weights
     # (7, 0, -7 for input 0's 1, 2, 3) turn the order round: row 200 wins, which only the bound keeps a candidate
@@ -564,7 +565,7 @@ def check_quantized_screen(kernel):
         w.gemv = kernel
         outlier = QuantizedHeadScreen(w)
         outlier.most = O
-        for M in (1, 5, 8):
+        for M in (1, 5, 8, 11):
             xs = torch.rand(M, I) * 0.38
             xs[:, 0] = 100.0
             for dtype in (torch.float32, torch.bfloat16):

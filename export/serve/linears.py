@@ -722,7 +722,7 @@ class QuantizedHeadScreen(_Tries):
     sums, per unit of |x|_1 + |e|_1). Not for: a bias, int4 groups that are not a multiple of 128, CPUs without
     AVX512_VNNI (the kernel has neither op), MOE_PIPELINE_HEAD_SCREEN=0."""
 
-    CHUNK, MOST = HeadScreen.CHUNK, HeadScreen.MOST
+    CHUNK, MOST_PER_ROW = HeadScreen.CHUNK, HeadScreen.MOST_PER_ROW  # 1 to 64 rows: candidates as the VNNI screen's
 
     def __init__(self, weight: "Int4Weight | Int8Weight"):
         O, I = weight.shape
@@ -747,7 +747,8 @@ class QuantizedHeadScreen(_Tries):
             self.norm[lo:lo + self.CHUNK] = torch.nextafter((w.norm(dim=1) * (1 + 1e-6)).float(), up)
             biggest = scale.double().abs().reshape(scale.shape[0], -1).amax(1)
             self.round[lo:lo + self.CHUNK] = torch.nextafter((biggest * rounding * (1 + 1e-6)).float(), up)
-        self.most = max(1, int(O * self.MOST))
+        self.most = max(1, int(O * self.MOST_PER_ROW))
+        self.rows = self.gemv.VNNI_MAX_ROWS  # most rows a call screens (MAX_ROWS a pass over the weight)
         self._start()
 
     @classmethod
@@ -764,7 +765,7 @@ class QuantizedHeadScreen(_Tries):
         """Each row's token of hidden states x [n, C] (fp32 or bf16), as argmax_rows(the layer(x)); None where the
         screen does not apply (then the caller runs the whole layer)."""
         n = x.shape[0]
-        if not 0 < n <= self.gemv.MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16) or not self._try(n):
+        if not 0 < n <= self.rows or x.dtype not in (torch.float32, torch.bfloat16) or not self._try(n):
             return None
         w = self.weight
         if self.int4:

@@ -2286,20 +2286,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // int8 reads ~35). Here each row of x is rounded to int8 (one scale a row, as screen_argmax_vnni's) and VPDPBUSD adds
 // 64 products of the weights' nibbles as they are stored (q + 8, unsigned) by signed bytes of x an instruction: per
 // group of 128 inputs (one 64-byte load: the low nibbles are inputs 0-31 and 64-95, the high ones 32-63 and 96-127,
-// x permuted to match once a call) sum (q + 8) xq, exact in int32, less 8 sum xq, times the group's scale; the row's
-// groups summed, times the row's s. The weights are exact here: |exact - y| <= min(top[o] |e|_1, norm[o] |e|_2) for
+// x permuted to match once a call) sum (q + 8) xq less 8 sum xq (each lane started at its share of that), exact in
+// int32, times the group's scale; the row's groups summed, times the row's s. The weights are exact here: |exact - y| <= min(top[o] |e|_1, norm[o] |e|_2) for
 // the inputs' rounding e = x - s xq (top = max |w[o]|, norm = |w[o]|_2 of the dequantised row), plus both sides' fp32
 // roundings, at most round[o] (|x|_1 + |e|_1) (the caller's bound: export/serve/linears.py `QuantizedHeadScreen`).
 // The candidates as screen_argmax's; then int4_linear itself on the union of their rows: the whole layer's bits.
 // An int8 head (`screen_argmax_i8`) alike, its weights' bytes as they are against x + 128.
 //
-// x [M <= MAX_ROWS, I] fp32 or bf16; q uint8 [O, I / 2] and scale fp32 [O, I / group] as int4_linear takes them
+// x [M <= VNNI_MAX_ROWS, I] (MAX_ROWS a pass) fp32 or bf16; q uint8 [O, I / 2] and scale fp32 [O, I / group] as
+// int4_linear takes them
 // (group a multiple of 128); top, norm, round fp32 [O]; `most` as screen_argmax's -> [M] int64, or an empty tensor.
 
 // screen_argmax_i4's pass over output rows [o0, o1) for M rows of x: xw the rows rounded to int8 in the loads' order,
-// sx each group's sum of them, xs each row's scale -> y [M, O] (fp32)
+// start [M, G, 16] each group's int32 lanes' start (-8 times the sum of the xq that lane's VPDPBUSDs take: the
+// nibbles' offset taken out in the lanes), xs each row's scale -> y [M, O] (fp32)
 template <int M>
-static void rows_i4_vnni(const uint8_t* q, const float* scale, const int8_t* xw, const int32_t* sx, const float* xs,
+static void rows_i4_vnni(const uint8_t* q, const float* scale, const int8_t* xw, const int32_t* start, const float* xs,
                          int64_t I, int64_t group, int64_t o0, int64_t o1, float* y, int64_t O) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t G = I / group, per = group / 128;
@@ -2310,7 +2312,7 @@ static void rows_i4_vnni(const uint8_t* q, const float* scale, const int8_t* xw,
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       __m512i sums[M];
-      for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
+      for (int m = 0; m < M; ++m) sums[m] = _mm512_loadu_si512(start + (m * G + g) * 16);
       for (int64_t b = g * per; b < (g + 1) * per; ++b) {
         ahead(qr + b * 64);
         const __m512i w = _mm512_loadu_si512(qr + b * 64);
@@ -2324,13 +2326,10 @@ static void rows_i4_vnni(const uint8_t* q, const float* scale, const int8_t* xw,
       const __m512 sg = _mm512_set1_ps(sr[g]);
       for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), sg, acc[m]);
     }
-    for (int m = 0; m < M; ++m) {
-      float offset = 0.0f;
-      for (int64_t g = 0; g < G; ++g) offset += sr[g] * static_cast<float>(sx[m * G + g]);
-      y[m * O + o] = (_mm512_reduce_add_ps(acc[m]) - 8.0f * offset) * xs[m];
-    }
+    for (int m = 0; m < M; ++m) y[m * O + o] = _mm512_reduce_add_ps(acc[m]) * xs[m];
   }
 }
+
 // Rows of x [M, I] (fp32 or bf16) rounded to int8 for the quantised heads' screens: q [M, I] (s = max |x| / 127,
 // ties to even), s [M], and in double, rounded up: |x|_1, and |e|_1, |e|_2 of e = x - s q. `ok` false for a row that
 // is not finite.
@@ -2423,10 +2422,10 @@ static void check_screen_bounds(const at::Tensor& top, const at::Tensor& norm, c
 at::Tensor screen_argmax_i4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& top,
                             const at::Tensor& norm, const at::Tensor& round, int64_t group, int64_t most) {
   RECORD_FUNCTION("moe_pipeline::screen_argmax_i4", std::vector<c10::IValue>({x, q}));
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS && q.size(1) * 2 == x.size(1) &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
-                  x.device().is_cpu(),
-              "screen_argmax_i4: x [M <= ", MAX_ROWS, ", in] fp32 or bf16 and q [out, in / 2]");
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(0) >= 1 && x.size(0) <= VNNI_MAX_ROWS &&
+                  q.size(1) * 2 == x.size(1) && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.is_contiguous() && x.device().is_cpu(),
+              "screen_argmax_i4: x [M <= ", VNNI_MAX_ROWS, ", in] fp32 or bf16 and q [out, in / 2]");
   const int64_t M = x.size(0), I = x.size(1), O = q.size(0);
   TORCH_CHECK(group > 0 && group % 128 == 0 && I % group == 0, "screen_argmax_i4: groups of a multiple of 128 inputs "
               "that divide the row (", I, "), not ", group);
@@ -2439,24 +2438,25 @@ at::Tensor screen_argmax_i4(const at::Tensor& x, const at::Tensor& q, const at::
   const RoundedRows rows = rounded_rows(x);
   if (!rows.ok) return at::empty({0}, x.options().dtype(at::kLong));
   // each row in the loads' order (xw: a 128-input block's low nibbles are its inputs 0-31 and 64-95, the high ones
-  // 32-63 and 96-127), and each group's sum (sx)
+  // 32-63 and 96-127), and each group's lanes' start: lane k of a VPDPBUSD takes bytes 4k-4k+3 of each of its loads
   std::vector<int8_t> xw(M * I);
-  std::vector<int32_t> sx(M * G, 0);
+  std::vector<int32_t> start(M * G * 16, 0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) {
       const int64_t j = i % 128, at = i - j + (j < 32 ? j : j < 64 ? 64 + (j - 32) : j < 96 ? 32 + (j - 64) : j);
       xw[m * I + at] = rows.q[m * I + i];
-      sx[m * G + i / group] += rows.q[m * I + i];
+      start[(m * G + i / group) * 16 + (at % 64) / 4] -= 8 * rows.q[m * I + i];
     }
   std::vector<float> y(M * O);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-  shared_range((O + GROUP - 1) / GROUP, grain(I / 2, 1), [&](int64_t b0, int64_t b1) {
-    for_rows(M, [&](auto m) {
-      rows_i4_vnni<decltype(m)::value>(qp, sp, xw.data(), sx.data(), rows.s.data(), I, group, b0 * GROUP,
-                                       std::min(O, b1 * GROUP), y.data(), O);
+  for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS)  // MAX_ROWS rows of x a pass over the weight
+    shared_range((O + GROUP - 1) / GROUP, grain(I / 2, 1), [&](int64_t b0, int64_t b1) {
+      for_rows(std::min(MAX_ROWS, M - r0), [&](auto m) {
+        rows_i4_vnni<decltype(m)::value>(qp, sp, xw.data() + r0 * I, start.data() + r0 * G * 16, rows.s.data() + r0, I,
+                                         group, b0 * GROUP, std::min(O, b1 * GROUP), y.data() + r0 * O, O);
+      });
     });
-  });
   return screened_quantised(x, rows, y.data(), O, top, norm, round, most, [&](const std::vector<int64_t>& all) {
     const int64_t K = static_cast<int64_t>(all.size());
     at::Tensor subq = at::empty({K, I / 2}, q.options()), subs = at::empty({K, G}, scale.options());
@@ -2497,15 +2497,15 @@ static void rows_i8_vnni(const int8_t* q, const int32_t* rowsum, const float* sc
   }
 }
 
-// x [M <= MAX_ROWS, I] fp32 or bf16; q int8 [O, I], scale fp32 [O] as int8_linear takes them, rowsum int32 [O] (each
+// x [M <= VNNI_MAX_ROWS, I] fp32 or bf16; q int8 [O, I], scale fp32 [O] as int8_linear takes them, rowsum int32 [O] (each
 // row's sum of q); top, norm, round fp32 [O] (export/serve/linears.py `QuantizedHeadScreen`) -> [M] int64 or empty.
 at::Tensor screen_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& rowsum,
                             const at::Tensor& top, const at::Tensor& norm, const at::Tensor& round, int64_t most) {
   RECORD_FUNCTION("moe_pipeline::screen_argmax_i8", std::vector<c10::IValue>({x, q}));
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(0) >= 1 && x.size(0) <= MAX_ROWS && q.size(1) == x.size(1) &&
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(0) >= 1 && x.size(0) <= VNNI_MAX_ROWS && q.size(1) == x.size(1) &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
                   x.device().is_cpu(),
-              "screen_argmax_i8: x [M <= ", MAX_ROWS, ", in] fp32 or bf16 and q [out, in]");
+              "screen_argmax_i8: x [M <= ", VNNI_MAX_ROWS, ", in] fp32 or bf16 and q [out, in]");
   const int64_t M = x.size(0), I = x.size(1), O = q.size(0);
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.device().is_cpu() &&
                   scale.scalar_type() == at::kFloat && scale.numel() == O && scale.is_contiguous() &&
@@ -2520,12 +2520,13 @@ at::Tensor screen_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at::
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const int32_t* rp = rowsum.data_ptr<int32_t>();
-  shared_range((O + GROUP - 1) / GROUP, grain(I, 1), [&](int64_t b0, int64_t b1) {
-    for_rows(M, [&](auto m) {
-      rows_i8_vnni<decltype(m)::value>(qp, rp, sp, xu.data(), rows.s.data(), I, b0 * GROUP, std::min(O, b1 * GROUP),
-                                       y.data(), O);
+  for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS)  // MAX_ROWS rows of x a pass over the weight
+    shared_range((O + GROUP - 1) / GROUP, grain(I, 1), [&](int64_t b0, int64_t b1) {
+      for_rows(std::min(MAX_ROWS, M - r0), [&](auto m) {
+        rows_i8_vnni<decltype(m)::value>(qp, rp, sp, xu.data() + r0 * I, rows.s.data() + r0, I, b0 * GROUP,
+                                         std::min(O, b1 * GROUP), y.data() + r0 * O, O);
+      });
     });
-  });
   return screened_quantised(x, rows, y.data(), O, top, norm, round, most, [&](const std::vector<int64_t>& all) {
     const int64_t K = static_cast<int64_t>(all.size());
     at::Tensor subq = at::empty({K, I}, q.options()), subs = at::empty({K}, scale.options());
