@@ -60,7 +60,7 @@ class ServeConfig(BaseModel):
     # int8 where a row does not divide into them), w8a8 (int8 weights and each row of a linear's inputs rounded to
     # int8, vLLM's dynamic per-token W8A8; also on a package exported with --quantize int8), or None (the package's)
     quantize: Literal["int8", "int4", "w8a8"] | None = None
-    quantize_head: bool = False  # the output layer too (its logits change; the greedy screen goes)
+    quantize_head: bool = False  # the output layer too (its logits change; greedy rows through its own screen)
     # expert placement by a replica table: a policy of export/serve/placement/controller.py (`make_controller`)
     placement: Literal["none", "reactive", "predictive"] | None = None
     replica_budget: float = Field(0.25, ge=0)  # replicas a rank may hold, a fraction of its own expert memory

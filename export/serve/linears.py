@@ -717,10 +717,10 @@ class QuantizedHeadScreen(_Tries):
     layer's own logits (`int4_linear`, `int8_linear`), to the bit, through csrc/gemv.cpp `screen_argmax_i4` or
     `screen_argmax_i8`: x rounded to int8 and the stored weights read as they are by VPDPBUSD (64 products an
     instruction, where the layers' one-row passes do 32 by VDPBF16PS after widening each weight to bf16: compute-bound
-    there), then the candidates its bound cannot rule out computed again by the layer's kernel. Per output row it
-    holds the dequantised row's largest |w| (`top`), its L2 norm and the fp32 roundings' bound (`round`: both sides'
-    sums, per unit of |x|_1 + |e|_1). Not for: a bias, int4 groups that are not a multiple of 128, CPUs without
-    AVX512_VNNI (the kernel has neither op), MOE_PIPELINE_HEAD_SCREEN=0."""
+    there; 1 to 64 rows, 8 a pass over the weight), then the candidates its bound cannot rule out computed again by
+    the layer's kernel. Per output row it holds the dequantised row's largest |w| (`top`), its L2 norm and the fp32
+    roundings' bound (`round`: both sides' sums, per unit of |x|_1 + |e|_1). Not for: a bias, int4 groups that are
+    not a multiple of 128, CPUs without AVX512_VNNI (the kernel has neither op), MOE_PIPELINE_HEAD_SCREEN=0."""
 
     CHUNK, MOST_PER_ROW = HeadScreen.CHUNK, HeadScreen.MOST_PER_ROW  # 1 to 64 rows: candidates as the VNNI screen's
 

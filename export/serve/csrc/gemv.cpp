@@ -2287,15 +2287,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // 64 products of the weights' nibbles as they are stored (q + 8, unsigned) by signed bytes of x an instruction: per
 // group of 128 inputs (one 64-byte load: the low nibbles are inputs 0-31 and 64-95, the high ones 32-63 and 96-127,
 // x permuted to match once a call) sum (q + 8) xq less 8 sum xq (each lane started at its share of that), exact in
-// int32, times the group's scale; the row's groups summed, times the row's s. The weights are exact here: |exact - y| <= min(top[o] |e|_1, norm[o] |e|_2) for
-// the inputs' rounding e = x - s xq (top = max |w[o]|, norm = |w[o]|_2 of the dequantised row), plus both sides' fp32
-// roundings, at most round[o] (|x|_1 + |e|_1) (the caller's bound: export/serve/linears.py `QuantizedHeadScreen`).
-// The candidates as screen_argmax's; then int4_linear itself on the union of their rows: the whole layer's bits.
-// An int8 head (`screen_argmax_i8`) alike, its weights' bytes as they are against x + 128.
+// int32, times the group's scale; the row's groups summed, times the row's s. The weights are exact here:
+// |exact - y| <= min(top[o] |e|_1, norm[o] |e|_2) for the inputs' rounding e = x - s xq (top = max |w[o]|, norm =
+// |w[o]|_2 of the dequantised row), plus both sides' fp32 roundings, at most round[o] (|x|_1 + |e|_1) (the caller's
+// bound: export/serve/linears.py `QuantizedHeadScreen`). The candidates as screen_argmax's; then int4_linear itself
+// on the union of their rows: the whole layer's bits. An int8 head (`screen_argmax_i8`) alike, its weights' bytes
+// as they are against x + 128.
 //
 // x [M <= VNNI_MAX_ROWS, I] (MAX_ROWS a pass) fp32 or bf16; q uint8 [O, I / 2] and scale fp32 [O, I / group] as
-// int4_linear takes them
-// (group a multiple of 128); top, norm, round fp32 [O]; `most` as screen_argmax's -> [M] int64, or an empty tensor.
+// int4_linear takes them (group a multiple of 128); top, norm, round fp32 [O]; `most` as screen_argmax's -> [M]
+// int64, or an empty tensor.
 
 // screen_argmax_i4's pass over output rows [o0, o1) for M rows of x: xw the rows rounded to int8 in the loads' order,
 // start [M, G, 16] each group's int32 lanes' start (-8 times the sum of the xq that lane's VPDPBUSDs take: the
@@ -2488,17 +2489,20 @@ static void rows_i8_vnni(const int8_t* q, const int32_t* rowsum, const float* sc
     }
     if (tail) {  // the weights past the row's end read as 0
       const __m512i w = _mm512_maskz_loadu_epi8(mask, qr + i);
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(mask, xu + m * I + i), w);
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(mask, xu + m * I + i), w);
     }
     for (int m = 0; m < M; ++m) {
-      const int64_t sum = static_cast<int64_t>(_mm512_reduce_add_epi32(acc[m])) - 128 * static_cast<int64_t>(rowsum[o]);
+      const int64_t sum =
+          static_cast<int64_t>(_mm512_reduce_add_epi32(acc[m])) - 128 * static_cast<int64_t>(rowsum[o]);
       y[m * O + o] = static_cast<float>(sum) * scale[o] * xs[m];
     }
   }
 }
 
-// x [M <= VNNI_MAX_ROWS, I] fp32 or bf16; q int8 [O, I], scale fp32 [O] as int8_linear takes them, rowsum int32 [O] (each
-// row's sum of q); top, norm, round fp32 [O] (export/serve/linears.py `QuantizedHeadScreen`) -> [M] int64 or empty.
+// x [M <= VNNI_MAX_ROWS, I] fp32 or bf16; q int8 [O, I], scale fp32 [O] as int8_linear takes them, rowsum int32
+// [O] (each row's sum of q); top, norm, round fp32 [O] (export/serve/linears.py `QuantizedHeadScreen`) -> [M] int64
+// or an empty tensor.
 at::Tensor screen_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& rowsum,
                             const at::Tensor& top, const at::Tensor& norm, const at::Tensor& round, int64_t most) {
   RECORD_FUNCTION("moe_pipeline::screen_argmax_i8", std::vector<c10::IValue>({x, q}));
