@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -172,10 +173,10 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int, bandwidth_gib
     """Batch-1 greedy decode of `pkg` served as it is (its greedy head read through the int8 screen), as it is with
     the screen off (MOE_PIPELINE_HEAD_SCREEN=0: every weight read in the package's dtype, the baseline the issue's
     "int8 halves bf16's bytes" assumes), with `--quantize int8` and `--quantize int4`, each also with
-    `--quantize-head`, and with `--quantize w8a8` where the kernel has it; the engines in this process, their runs alternated `repeats` times (this VM's memory speed
-    drifts within minutes), the read bandwidth (common.read_bandwidth, a `bandwidth_gib` buffer) sampled before each
-    round and after the last: tokens/s of each (decode steps only, as benchmarks/decode_bandwidth.py times them),
-    medians, the paired ratios against both baselines, the bytes a step reads (`read_bytes`) and the bound they give
+    `--quantize-head`, and with `--quantize w8a8` where the kernel has it; the engines in this process, their runs
+    alternated `repeats` times (this VM's memory speed drifts within minutes), the read bandwidth
+    (common.read_bandwidth, a `bandwidth_gib` buffer) sampled before each round and after the last: tokens/s of each
+    (decode steps only, as benchmarks/decode_bandwidth.py times them), medians, the paired ratios against both baselines, the bytes a step reads (`read_bytes`) and the bound they give
     at the best bandwidth sample, and how many tokens agree with the package's. `peer`: {"BF16": gguf, "Q8_0": gguf,
     ...} of the same weights, each decoded by llama.cpp's llama-bench (`peer_binary`) in every round after ours: the
     anchor's own quantised-to-BF16 ratios on this machine at the same moments."""
@@ -185,24 +186,14 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int, bandwidth_gib
     from decode_bandwidth import decode_run
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine
-    from export.serve.linears import SCREEN_ENV
-
-    from export.serve.linears import kernel
+    from export.serve.linears import SCREEN_ENV, kernel
 
     engines, read = {}, {}
     w8a8 = (("w8a8", "w8a8", False),) if hasattr(kernel(), "w8a8_linear") else ()  # AVX512_VNNI builds
     for name, quantize, head in VARIANTS[:1] + ((UNSCREENED, None, False),) + VARIANTS[1:] + w8a8:
-        before = os.environ.get(SCREEN_ENV)
-        if name == UNSCREENED:
-            os.environ[SCREEN_ENV] = "0"
-        try:
+        with mock.patch.dict(os.environ, {SCREEN_ENV: "0"} if name == UNSCREENED else {}):
             engines[name] = Engine.from_config(ServeConfig(package=pkg, max_batch=1, quantize=quantize,
                                                            quantize_head=head))
-        finally:
-            if before is None:
-                os.environ.pop(SCREEN_ENV, None)
-            else:
-                os.environ[SCREEN_ENV] = before
         engines[name].eos = None
         read[name] = read_bytes(engines[name], quantize, head)
     torch.set_num_threads(threads)  # after dist.init, which sizes the pool for the local ranks
@@ -222,7 +213,8 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int, bandwidth_gib
     a, plain = runs["package"], runs[UNSCREENED]
     tok_s = {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()}
     return {"package": str(pkg), "dtype": str(engines["package"].model.wte.weight.dtype).removeprefix("torch."),
-            "new_tokens": new_tokens, "tok_s": tok_s, "runs_tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
+            "new_tokens": new_tokens, "tok_s": tok_s,
+            "runs_tok_s": {k: [r["tok_s"] for r in v] for k, v in runs.items()},
             "paired": {k: statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(a, runs[k])) for k in runs if k != "package"},
             "paired_unscreened": {k: statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(plain, runs[k]))
                                   for k in runs if k != UNSCREENED},
