@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/sigmoid.h>
@@ -2373,9 +2374,9 @@ static RoundedRows rounded_rows(const at::Tensor& x) {
 }
 
 // The quantised heads' screens' second half: approximate sums y [M, O] from x rounded to int8 (`rows`), each output
-// row's top, norm, round [O] (see screen_argmax_i4) -> the candidates (`screen_candidates`), then exact(rows [K]) ->
-// the layer's own logits [M, K] of those rows (fp32 or bf16), each row's argmax among its candidates (ties to the
-// lowest index, as argmax_rows), or an empty tensor.
+// row's top, norm, round [O] (see screen_argmax_i4) -> the candidates (`screen_candidates`), then exact(rows [K],
+// int64) -> the layer's own logits [M, K] of those rows (fp32 or bf16), each row's argmax among its candidates (ties
+// to the lowest index, as argmax_rows), or an empty tensor.
 template <typename Exact>
 static at::Tensor screened_quantised(const at::Tensor& x, const RoundedRows& rows, const float* y, int64_t O,
                                      const at::Tensor& top, const at::Tensor& norm, const at::Tensor& round,
@@ -2396,7 +2397,8 @@ static at::Tensor screened_quantised(const at::Tensor& x, const RoundedRows& row
   for (const auto& c : cands) all.insert(all.end(), c.begin(), c.end());
   std::sort(all.begin(), all.end());
   all.erase(std::unique(all.begin(), all.end()), all.end());
-  const at::Tensor ex_t = exact(all).to(at::kFloat).contiguous();
+  const at::Tensor rows_at = at::from_blob(all.data(), {static_cast<int64_t>(all.size())}, at::kLong).clone();
+  const at::Tensor ex_t = exact(rows_at).to(at::kFloat).contiguous();
   const float* ex = ex_t.data_ptr<float>();
   const int64_t K = static_cast<int64_t>(all.size());
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
@@ -2458,14 +2460,9 @@ at::Tensor screen_argmax_i4(const at::Tensor& x, const at::Tensor& q, const at::
                                          group, b0 * GROUP, std::min(O, b1 * GROUP), y.data() + r0 * O, O);
       });
     });
-  return screened_quantised(x, rows, y.data(), O, top, norm, round, most, [&](const std::vector<int64_t>& all) {
-    const int64_t K = static_cast<int64_t>(all.size());
-    at::Tensor subq = at::empty({K, I / 2}, q.options()), subs = at::empty({K, G}, scale.options());
-    for (int64_t k = 0; k < K; ++k) {
-      std::memcpy(subq.data_ptr<uint8_t>() + k * (I / 2), qp + all[k] * (I / 2), static_cast<size_t>(I / 2));
-      std::memcpy(subs.data_ptr<float>() + k * G, sp + all[k] * G, sizeof(float) * G);
-    }
-    return int4_linear(x, subq, subs, c10::optional<at::Tensor>(), group);  // the layer's own kernel: its bits
+  return screened_quantised(x, rows, y.data(), O, top, norm, round, most, [&](const at::Tensor& rows_at) {
+    return int4_linear(x, q.index_select(0, rows_at), scale.index_select(0, rows_at), c10::optional<at::Tensor>(),
+                       group);  // the layer's own kernel: its bits
   });
 }
 
@@ -2531,14 +2528,9 @@ at::Tensor screen_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at::
                                          std::min(O, b1 * GROUP), y.data() + r0 * O, O);
       });
     });
-  return screened_quantised(x, rows, y.data(), O, top, norm, round, most, [&](const std::vector<int64_t>& all) {
-    const int64_t K = static_cast<int64_t>(all.size());
-    at::Tensor subq = at::empty({K, I}, q.options()), subs = at::empty({K}, scale.options());
-    for (int64_t k = 0; k < K; ++k) {
-      std::memcpy(subq.data_ptr<int8_t>() + k * I, qp + all[k] * I, static_cast<size_t>(I));
-      subs.data_ptr<float>()[k] = sp[all[k]];
-    }
-    return int8_linear(x, subq, subs, c10::optional<at::Tensor>());  // the layer's own kernel: its bits
+  return screened_quantised(x, rows, y.data(), O, top, norm, round, most, [&](const at::Tensor& rows_at) {
+    return int8_linear(x, q.index_select(0, rows_at), scale.index_select(0, rows_at),
+                       c10::optional<at::Tensor>());  // the layer's own kernel: its bits
   });
 }
 #endif
