@@ -13,9 +13,10 @@ from conftest import model_config
 from hf_checkpoints import family_model
 
 
-def served(model, tmp_path, dtype, monkeypatch, resident=1.0):
+def served(model, tmp_path, dtype, monkeypatch, resident=1.0, quantize=None):
     """`model`'s weights through the serving runtime's loader (placed MoE layers, the CPU linears on every weight,
-    q/k/v fused, the norms' kernel): what the engine decodes with."""
+    q/k/v fused, the norms' kernel; `quantize`: int8 or int4 weights, as `serve --quantize`): what the engine decodes
+    with."""
     from export.serve import linears
     from export.serve.placement.exchange import placed_model
     from pipeline import dist
@@ -24,7 +25,8 @@ def served(model, tmp_path, dtype, monkeypatch, resident=1.0):
     monkeypatch.setattr(linears, "SERVE_FROM", 0)  # these small weights too
     (tmp_path / "w").mkdir()
     save_weights(model, tmp_path / "w")
-    return placed_model(model.cfg, tmp_path / "w", dist.init(), dtype, resident_fraction=resident).model
+    return placed_model(model.cfg, tmp_path / "w", dist.init(), dtype, resident_fraction=resident,
+                        quantize=quantize).model
 
 
 def imported(family, tmp_path):
@@ -91,23 +93,83 @@ def check_decodes_alike(model, lens=(3, 9, 6), experts_native=True):
         lens = [length + 1 for length in lens]
 
 
+def check_packs_alike(model, experts_native=True):
+    """Packed forwards as a serving step mixes them, the model's and the Decoder's `packed` from the same cache state:
+    decode tokens beside new prompts and a prompt's later chunk, a prompt alone, prompts alone of one length; equal
+    hidden states and expert counts. Each forward's keys are written by the model, then once more by the Decoder."""
+    from export.serve.decode import Decoder
+    from export.serve.kv_cache import PagedCache, served_kv
+
+    heads, dtype, _ = served_kv(model)
+    cache = PagedCache(model.cfg, blocks=64, block_size=4, heads=heads, dtype=dtype)
+    decoder = Decoder.of(model, cache)
+    assert decoder is not None and decoder.native is not None
+    assert (decoder.native_experts == "local") == experts_native
+    gen = torch.Generator().manual_seed(2)
+    done: dict[int, int] = {}  # sequence -> tokens in the cache
+    free = iter(range(64))
+    # (sequence, new tokens) rows of each forward: 0-2 prompts, then 0-2 decoding beside prompt 3 and prompt 4's first
+    # chunk, 4's second chunk beside 0-3 decoding, a lone prompt, two prompts of one length (no row shorter)
+    forwards = [[(0, 5), (1, 9), (2, 3)], [(0, 1), (1, 1), (2, 1), (3, 7), (4, 6)],
+                [(0, 1), (1, 1), (2, 1), (3, 1), (4, 8)], [(5, 11)], [(6, 4), (7, 4)]]
+    for rows in forwards:
+        assert decoder.packs([n for _, n in rows])
+        for seq, n in rows:
+            have = len(cache.tables.get(seq, [])) * 4
+            need = done.get(seq, 0) + n
+            cache.extend(seq, [next(free) for _ in range(max(0, -(-(need - have) // 4)))])
+        seqs, starts, counts = [r[0] for r in rows], [done.get(r[0], 0) for r in rows], [r[1] for r in rows]
+        tokens = torch.randint(0, model.cfg.vocab_size, (1, sum(counts)), generator=gen)
+        with torch.no_grad():
+            want = model(tokens, cache=cache.select(seqs, starts, counts, packed=True), hidden_only=True)
+        got = decoder.packed(tokens, cache.select(seqs, starts, counts, packed=True))
+        assert got.hidden.shape == want.hidden.shape and got.hidden.dtype == want.hidden.dtype
+        assert torch.equal(got.hidden, want.hidden), (got.hidden.float() - want.hidden.float()).abs().max()
+        assert len(got.expert_counts) == len(want.expert_counts)
+        assert all(torch.equal(a, b) for a, b in zip(got.expert_counts, want.expert_counts))
+        for seq, n in rows:
+            done[seq] = done.get(seq, 0) + n
+    assert not decoder.packs([decoder.PACKED_TOKENS + 1]) and not decoder.packs([])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "qwen2_moe", "mixtral"])
 def test_the_decoder_gives_the_model_s_hidden_states_for_every_family(family, dtype, tmp_path, monkeypatch):
-    check_decodes_alike(served(imported(family, tmp_path), tmp_path, dtype, monkeypatch))
+    model = served(imported(family, tmp_path), tmp_path, dtype, monkeypatch)
+    check_decodes_alike(model)
+    check_packs_alike(model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decoder_gives_the_model_s_hidden_states_for_the_pr_moe(dtype, tmp_path, monkeypatch):
-    check_decodes_alike(served(pr_moe(), tmp_path, dtype, monkeypatch))
+    model = served(pr_moe(), tmp_path, dtype, monkeypatch)
+    check_decodes_alike(model)
+    check_packs_alike(model)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_the_decoder_gives_the_model_s_hidden_states_with_quantised_weights(quantize, tmp_path, monkeypatch):
+    """`serve --quantize`: the quantised linears and experts in one kernel call as in the model's forward, decode steps
+    and packed forwards alike (up to PACKED_TOKENS rows, where the model's quantised linears run their kernels too)."""
+    from export.serve import linears
+
+    if not hasattr(linears.kernel(), "int4_linear"):
+        pytest.skip("the CPU GEMV kernel is not built here")
+    model = served(imported("qwen3_moe", tmp_path), tmp_path, torch.bfloat16, monkeypatch, quantize=quantize)
+    assert any(isinstance(m.served, linears.QuantizedWeight) for m in model.modules()
+               if isinstance(m, linears.ServingLinear))
+    check_decodes_alike(model)
+    check_packs_alike(model)
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "pr_moe"])
 def test_the_decoder_calls_back_moe_layers_whose_experts_are_not_all_here(family, tmp_path, monkeypatch):
     """Half the experts resident (the others loaded as the exchange needs them): the kernel calls each MoE layer's
     module back, and the hidden states are still the model's."""
-    model = pr_moe() if family == "pr_moe" else imported(family, tmp_path)
-    check_decodes_alike(served(model, tmp_path, torch.bfloat16, monkeypatch, resident=0.5), experts_native=False)
+    model = served(pr_moe() if family == "pr_moe" else imported(family, tmp_path), tmp_path, torch.bfloat16,
+                   monkeypatch, resident=0.5)
+    check_decodes_alike(model, experts_native=False)
+    check_packs_alike(model, experts_native=False)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "pr_moe"])

@@ -30,7 +30,12 @@ from pipeline.model import GPT, Output, rope_tables
 
 
 class Decoder:
-    """The decode forward of one served model (see the module)."""
+    """The decode forward of one served model (see the module), and the packed forwards of few tokens (`packed`:
+    decode tokens and short prompt chunks together, as a serving step mixes them)."""
+
+    # a packed forward's tokens up to which `packed` runs it: a decode step's rows and a few short prompts (quantised
+    # weights' kernels up to export/serve/linears.py DEQUANTIZE_ABOVE rows, where the model's forward dequantises)
+    PACKED_TOKENS = 64
 
     def __init__(self, model: GPT, kernel, cache=None):
         self.model, self.cfg, self.kernel = model, model.cfg, kernel
@@ -87,7 +92,7 @@ class Decoder:
         else:
             cos, sin = self.rope(pos)
         if B <= self.native_rows:
-            x, counts = self._native(x, cos, sin, cache)
+            x, counts = self._native(x, cos, sin, cache._table, cache._start)
             cache.advance(1)
             return Output(logits=None, expert_counts=counts, hidden=_norm(model.ln_f, x).view(B, 1, -1))
         D = self.head_dim
@@ -114,11 +119,38 @@ class Decoder:
         cache.advance(1)
         return Output(logits=None, expert_counts=counts, hidden=_norm(model.ln_f, x).view(B, 1, -1))
 
-    def _native(self, x, cos, sin, cache) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The layers in one `DecodeModel.forward`; the MoE layers' exchange keeps its books as for its own calls."""
+    def packs(self, counts: list[int]) -> bool:
+        """Whether `packed` runs a forward of rows of these new-token counts in one `DecodeModel` call: up to
+        PACKED_TOKENS tokens in all (and `native_rows`), every row short enough for the cache's attention kernel."""
+        from export.serve.kv_cache import PagedCache
+
+        return (self.native is not None and 0 < sum(counts) <= min(self.native_rows, self.PACKED_TOKENS)
+                and max(counts) <= PagedCache.KERNEL_ROWS)
+
+    @torch.no_grad()
+    def packed(self, tokens: torch.Tensor, cache) -> Output:
+        """A packed forward (tokens [1, N]; `cache` selected packed, the rows' new tokens one after another: decode
+        tokens and prompt chunks together) in one `DecodeModel` call -> Output(hidden [1, N, C], counts), as
+        model(tokens, cache=..., hidden_only=True) gives it. Each new token attends as a row of its own, its position
+        its start, its row's block table, as the model's packed forward has the cache's kernel attend them
+        (export/serve/kv_cache.py `_attend_packed`; `packs` first)."""
+        model, cfg = self.model, self.cfg
+        pos = cache.positions(1).view(-1)  # [N]: each token's position
+        x = model.wte(tokens.view(-1))  # [N, C]
+        cos = sin = None
+        if cfg.positions == "learned":
+            x = x + model.wpe(pos)
+        else:
+            cos, sin = self.rope(pos)
+        x, counts = self._native(x, cos, sin, cache._kernel_table, cache._kernel_starts)
+        cache.advance(1)
+        return Output(logits=None, expert_counts=counts, hidden=_norm(model.ln_f, x)[None])
+
+    def _native(self, x, cos, sin, tables, starts) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layers in one `DecodeModel.forward` (x [rows, C], a new token a row; `tables` and `starts` as
+        `paged_attention` takes them); the MoE layers' exchange keeps its books as for its own calls."""
         tokens = self._gathered_tokens(x)
-        x, counts, expert_s, exchange_s, ran, here, gathered = self.native.forward(x, cos, sin, cache._table,
-                                                                                   cache._start, tokens)
+        x, counts, expert_s, exchange_s, ran, here, gathered = self.native.forward(x, cos, sin, tables, starts, tokens)
         if here:
             self._exchange.ran_locally(here, x.shape[0] * self.cfg.top_k, expert_s, ran)
         if gathered:

@@ -89,8 +89,10 @@ class Worker:
         counts = [len(row.tokens) for row in rows]
         T = max(counts, default=1)
         # rows of different lengths (prompt chunks, with or without decode tokens): packed one after another where
-        # the cache can (no padding), else a padded batch
-        packed = len(set(counts)) > 1 and self.cache.packs
+        # the cache can (no padding), else a padded batch; few tokens in all (a decode step's rows and short prompts):
+        # packed, in one decoder call
+        native = T > 1 and self.decoder is not None and self.decoder.packs(counts)
+        packed = (len(set(counts)) > 1 or native) and self.cache.packs
         if packed:
             tokens = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.long)[None]  # [1, N]
         elif min(counts, default=T) == T:  # rows of one length (a decode step's): one tensor, not one a row
@@ -102,6 +104,8 @@ class Worker:
         cache = self.cache.select([r.seq for r in rows], [r.start for r in rows], counts, packed=packed)
         if T == 1 and rows and self.decoder is not None:  # every row one decode token
             out = self.decoder(tokens, cache)
+        elif native:
+            out = self.decoder.packed(tokens, cache)
         else:
             out = self.model(tokens.to(self.device), cache=cache, hidden_only=True)
         loads = self.exchange.last_loads() if self.exchange is not None else None
