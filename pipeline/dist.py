@@ -470,14 +470,16 @@ def _pipes() -> _Pipes:
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the types DeepSpeed's shared-memory kernel reduces
 
 _LOCAL_REDUCE = None  # `use_local_reduce`'s sum, or None (DeepSpeed's kernel)
+_LOCAL_GATHER = None  # `use_local_reduce`'s gather, or None (`gather_json` through two sums)
 
 
-def use_local_reduce(fn) -> None:
+def use_local_reduce(fn, gather=None) -> None:
     """`fast_all_reduce_` between the ranks of this machine through `fn(t)` (t summed in place) instead of DeepSpeed's
     shared-memory kernel, or through DeepSpeed's again with None. Every rank alike, between collectives. The serving
-    runtime's sum waits without holding a core (export/serve/linears.py `attach_local_reduce`)."""
-    global _LOCAL_REDUCE
-    _LOCAL_REDUCE = fn
+    runtime's sum waits without holding a core (export/serve/linears.py `attach_local_reduce`). `gather(bytes)`:
+    (every rank's length, every rank's bytes, empty where they did not fit), for `gather_json` in one wait."""
+    global _LOCAL_REDUCE, _LOCAL_GATHER
+    _LOCAL_REDUCE, _LOCAL_GATHER = fn, gather if fn is not None else None
 
 
 def region_prefix() -> str:
@@ -545,9 +547,10 @@ def gather_rows(values: list[float], on: torch.device | None = None) -> list[lis
 
 
 def gather_json(obj, on: torch.device | None = None) -> list:
-    """Every rank's JSON-serialisable `obj`, in rank order, on every rank: the sizes, then the UTF-8 bytes (one
-    float32 per byte, padded to the longest) through `fast_all_reduce_` (no pickle). For the serving ranks'
-    per-step results."""
+    """Every rank's JSON-serialisable `obj`, in rank order, on every rank (no pickle): the UTF-8 bytes through the
+    serving runtime's shared-memory gather where it is attached (`use_local_reduce`: one wait, where two sums took
+    ~0.3 ms a step of 2 ranks here), else the sizes, then the bytes (one float32 per byte, padded to the longest)
+    through `fast_all_reduce_`. For the serving ranks' per-step results."""
     import json
 
     import torch.distributed as td
@@ -556,6 +559,10 @@ def gather_json(obj, on: torch.device | None = None) -> list:
         return [obj]
     dev = on or device()
     data = json.dumps(obj).encode()
+    if _LOCAL_GATHER is not None and dev.type == "cpu":  # one wait for the other ranks, no sums
+        lengths, rows = _LOCAL_GATHER(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if all(r.numel() == n for r, n in zip(rows, lengths)):  # every rank's fitted its slot (so says every rank)
+            return [json.loads(bytes(r.numpy()).decode()) for r in rows]
     sizes = [int(n[0]) for n in gather_rows([len(data)], dev)]
     table = torch.zeros(len(sizes), max(sizes), dtype=torch.float32, device=dev)
     table[td.get_rank(), :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev, torch.float32)

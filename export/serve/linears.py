@@ -212,7 +212,7 @@ def attach_local_reduce() -> bool:
     world = td.get_world_size()
     region = dist.shared_region(world * 64 + 2 * world * REDUCE_SLOT_BYTES)
     k.local_reduce_attach(region, td.get_rank(), world, REDUCE_SLOT_BYTES)
-    dist.use_local_reduce(k.local_reduce_)
+    dist.use_local_reduce(k.local_reduce_, getattr(k, "local_gather", None))
     return True
 
 

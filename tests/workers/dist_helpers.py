@@ -5,7 +5,8 @@
 Each rank checks what it received and rank 0 writes every check's outcome: broadcast_json (a small
 message and one past BROADCAST_BYTES, through the named pipes and through gloo), gather_json of different sizes, gather_rows, the
 low-latency all-reduce (fp32, bf16; float64 refused), all_to_all_ with uneven and empty splits, and the serving
-runtime's own shared-memory sum (export/serve/linears.py `attach_local_reduce`) against DeepSpeed's.
+runtime's own shared-memory sum (export/serve/linears.py `attach_local_reduce`) against DeepSpeed's, and gather_json
+through its slots.
 """
 
 import json
@@ -73,6 +74,14 @@ late = dist.fast_all_reduce_(torch.full((5,), float(r + 1)))
 checks["local_reduce_waits_for_a_late_rank"] = bool((late == w * (w + 1) / 2).all()) and (
     r == 1 or time.perf_counter() - t0 > 0.2)
 checks["gather_json_local"] = dist.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
+# one wait through the slots (csrc/gemv.cpp `local_gather`); a message past its slot on one rank: every rank takes
+# the sums' path for that gather, and the calls after it still pair up
+checks["gather_json_local_one_wait"] = dist._LOCAL_GATHER is not None
+long = {"rank": r, "pad": "x" * (linears.REDUCE_SLOT_BYTES if r == 1 else 3)}
+checks["gather_json_local_past_a_slot"] = dist.gather_json(long) == [
+    {"rank": i, "pad": "x" * (linears.REDUCE_SLOT_BYTES if i == 1 else 3)} for i in range(w)]
+checks["gather_json_local_after"] = dist.gather_json([r]) == [[i] for i in range(w)] and bool(
+    (dist.fast_all_reduce_(torch.full((3,), float(r + 1))) == w * (w + 1) / 2).all())
 dist.use_local_reduce(None)
 everyone = dist.gather_json(checks)
 if r == 0:

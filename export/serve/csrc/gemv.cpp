@@ -2799,6 +2799,34 @@ void local_reduce_(at::Tensor t) {
   }
 }
 
+// Every rank's bytes (`t` uint8, this rank's), through local_reduce_'s slots and counters: one wait for the other
+// ranks and no sum. A rank's bytes past its slot's first slot - 8 do not travel, only their length: the caller sees
+// the lengths (all ranks the same) and gathers those otherwise. Returns each rank's length and its bytes (this rank's
+// own included; empty where they did not fit).
+std::tuple<std::vector<int64_t>, std::vector<at::Tensor>> local_gather(const at::Tensor& t) {
+  TORCH_CHECK(g_local.base != nullptr, "local_gather: local_reduce_attach first");
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 1 && t.is_contiguous() && t.device().is_cpu(),
+              "local_gather: a contiguous 1-D uint8 CPU tensor");
+  LocalReduce& g = g_local;
+  const int64_t n = t.numel(), room = g.slot - 8, seq = ++g.seq, parity = seq & 1;
+  uint8_t* mine = g.buffer(parity, g.rank);
+  std::memcpy(mine, &n, 8);
+  if (n <= room) std::memcpy(mine + 8, t.data_ptr<uint8_t>(), n);
+  __atomic_store_n(g.counter(g.rank), seq, __ATOMIC_RELEASE);
+  for (int64_t r = 0; r < g.world; ++r)
+    if (r != g.rank) wait_for_rank(g.counter(r), seq);
+  std::vector<int64_t> lengths(g.world);
+  std::vector<at::Tensor> rows(g.world);
+  for (int64_t r = 0; r < g.world; ++r) {
+    const uint8_t* slot = g.buffer(parity, r);
+    std::memcpy(&lengths[r], slot, 8);
+    const int64_t m = lengths[r] <= room ? lengths[r] : 0;
+    rows[r] = at::empty({m}, t.options());
+    std::memcpy(rows[r].data_ptr<uint8_t>(), slot + 8, m);
+  }
+  return {lengths, rows};
+}
+
 // -- a whole decode forward in one call ---------------------------------------------------------------------------
 //
 // Between the kernels above, a decode step of export/serve/decode.py's `Decoder` ran ~15 Python-level operations a
@@ -3199,6 +3227,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the kernels run without the GIL, as torch's operators do: while a rank computes, or waits for the others (the
   // step results' gather, a prefill forward's exchange), its process's other threads (the server's HTTP thread) run
   const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("local_gather", &local_gather, "every rank's bytes through local_reduce_'s slots: (lengths, bytes a rank)",
+        nogil);
   m.def("local_reduce_", &local_reduce_, "a tensor summed over the ranks of one machine in place (yielding waits)",
         nogil);
   m.def("linear", &linear, "y = x @ w.T (+ bias) for 1-8 rows of x, fp32 or bf16", nogil);
