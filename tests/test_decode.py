@@ -112,6 +112,9 @@ def check_packs_alike(model, experts_native=True):
     # chunk, 4's second chunk beside 0-3 decoding, a lone prompt, two prompts of one length (no row shorter)
     forwards = [[(0, 5), (1, 9), (2, 3)], [(0, 1), (1, 1), (2, 1), (3, 7), (4, 6)],
                 [(0, 1), (1, 1), (2, 1), (3, 1), (4, 8)], [(5, 11)], [(6, 4), (7, 4)]]
+    # then as many tokens as it packs: decode rows beside a long prompt
+    most = min(decoder.native_rows, decoder.PACKED_TOKENS, 64 if decoder.quantized else 1 << 30)
+    forwards.append([(0, 1), (1, 1), (2, 1), (8, min(most, model.cfg.seq_len - 16, 100) - 3)])
     for rows in forwards:
         assert decoder.packs([n for _, n in rows])
         for seq, n in rows:
@@ -129,7 +132,7 @@ def check_packs_alike(model, experts_native=True):
         assert all(torch.equal(a, b) for a, b in zip(got.expert_counts, want.expert_counts))
         for seq, n in rows:
             done[seq] = done.get(seq, 0) + n
-    assert not decoder.packs([decoder.PACKED_TOKENS + 1]) and not decoder.packs([])
+    assert not decoder.packs([most + 1]) and not decoder.packs([])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -152,6 +155,8 @@ def test_the_decoder_gives_the_model_s_hidden_states_with_quantised_weights(quan
     """`serve --quantize`: the quantised linears and experts in one kernel call as in the model's forward, decode steps
     and packed forwards alike (up to PACKED_TOKENS rows, where the model's quantised linears run their kernels too)."""
     from export.serve import linears
+    from export.serve.decode import Decoder
+    from export.serve.kv_cache import PagedCache, served_kv
 
     if not hasattr(linears.kernel(), "int4_linear"):
         pytest.skip("the CPU GEMV kernel is not built here")
@@ -160,6 +165,10 @@ def test_the_decoder_gives_the_model_s_hidden_states_with_quantised_weights(quan
                if isinstance(m, linears.ServingLinear))
     check_decodes_alike(model)
     check_packs_alike(model)
+    decoder = Decoder.of(model, PagedCache(model.cfg, blocks=8, block_size=4, heads=served_kv(model)[0],
+                                           dtype=torch.bfloat16))
+    assert decoder.quantized and decoder.packs([linears.DEQUANTIZE_ABOVE]) == (decoder.native_rows >= 64)
+    assert not decoder.packs([linears.DEQUANTIZE_ABOVE + 1])
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "pr_moe"])

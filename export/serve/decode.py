@@ -33,9 +33,10 @@ class Decoder:
     """The decode forward of one served model (see the module), and the packed forwards of few tokens (`packed`:
     decode tokens and short prompt chunks together, as a serving step mixes them)."""
 
-    # a packed forward's tokens up to which `packed` runs it: a decode step's rows and a few short prompts (quantised
-    # weights' kernels up to export/serve/linears.py DEQUANTIZE_ABOVE rows, where the model's forward dequantises)
-    PACKED_TOKENS = 64
+    # a packed forward's tokens up to which `packed` runs it (and `native_rows`): a decode step's rows beside prompt
+    # chunks; with quantised weights up to export/serve/linears.py DEQUANTIZE_ABOVE rows, past which the model's own
+    # forward dequantises them for oneDNN (`packs`)
+    PACKED_TOKENS = 256
 
     def __init__(self, model: GPT, kernel, cache=None):
         self.model, self.cfg, self.kernel = model, model.cfg, kernel
@@ -47,6 +48,9 @@ class Decoder:
         # machine, `Exchange.run_gathered`'s way, when every rank's tokens are known; "": it calls the module back)
         self.native, self.native_rows, self.native_experts = _decode_model(model, kernel, cache) \
             if cache is not None else (None, 0, "")
+        self.quantized = any(isinstance(m.served, linears.QuantizedWeight) for m in model.modules()
+                             if isinstance(m, linears.ServingLinear)) or any(
+            isinstance(getattr(m, "weight", None), linears.QuantizedWeight) for m in model.modules())
         # the MoE layers' exchange: its meter and residency counts, for the MoE layers DecodeModel runs itself
         self._exchange = next((getattr(block.mlp, "exchange", None) for block in model.blocks if block.is_moe), None)
         self._table = None  # "gathered": the replica table whose experts DecodeModel holds (`_hold`)
@@ -124,8 +128,8 @@ class Decoder:
         PACKED_TOKENS tokens in all (and `native_rows`), every row short enough for the cache's attention kernel."""
         from export.serve.kv_cache import PagedCache
 
-        return (self.native is not None and 0 < sum(counts) <= min(self.native_rows, self.PACKED_TOKENS)
-                and max(counts) <= PagedCache.KERNEL_ROWS)
+        most = min(self.native_rows, self.PACKED_TOKENS, linears.DEQUANTIZE_ABOVE if self.quantized else 1 << 30)
+        return self.native is not None and 0 < sum(counts) <= most and max(counts) <= PagedCache.KERNEL_ROWS
 
     @torch.no_grad()
     def packed(self, tokens: torch.Tensor, cache) -> Output:
