@@ -17,7 +17,9 @@ One run, side by side (each throughput the median of --repeats runs; same packag
       flight throughout), runs interleaved (target for ep2: at least 1.1x at 32), and ep2's
       ceiling on these cores: in this process, without a server, `Engine.step` of 32 rows on --threads threads
       against 16 rows on half of them (one data-parallel rank's share with every expert, no exchange and no step
-      message), alternated: the most 2 ranks splitting the cores could gain over 1.
+      message), alternated: the most 2 ranks splitting the cores could gain over 1; and the same side by side (two
+      engines of 16 rows at once, each a process on a core of its own, against one of 32 rows: what the two
+      ranks' sharing of caches and memory leaves of it).
 Targets: (b) at least 1.5x HF, (a) not slower than HF. Results: a table on stdout and
 `serve_bench.json` under `--out`. The server runs as a separate process (`moe-pipeline serve`).
 """
@@ -164,6 +166,8 @@ def layout_runs(args, server_env, n: int, device: str) -> dict:
         stop_server(one)
     if "ep2" in out and device == "cpu":
         out["ep2"]["ceiling"] = ep2_ceiling(args.package, args.threads)
+        if len(os.sched_getaffinity(0)) >= 2:
+            out["ep2"]["side_by_side"] = ep2_side_by_side(args.package, args.threads)
     return out
 
 
@@ -204,6 +208,80 @@ def ep2_ceiling(package: Path, threads: int, rounds: int = 6, steps: int = 8) ->
     out = {name: {"threads": th, "step_ms": statistics.median(ms[name]), "runs_ms": ms[name]}
            for name, (_, th) in cases.items()}
     out["ceiling"] = out["32 rows"]["step_ms"] / out["16 rows"]["step_ms"]
+    return out
+
+
+def _engine_rate(package: Path, rows: int, threads: int, cpu: int | None, seconds: float, orders, results) -> None:
+    """A child of `ep2_side_by_side`: an engine of `rows` decoding rows on `threads` threads (on core `cpu` alone, if
+    given); for each order that arrives, `seconds` of steps, then its tokens/s back."""
+    import random
+
+    import torch
+
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine
+    from export.serve.request import SamplingParams
+
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    eng = Engine.from_config(ServeConfig(package=package, kv_cache_memory=1))
+    torch.set_num_threads(threads)  # after the engine: pipeline.dist.init sets torch's threads to cores / local ranks
+    rnd, cfg = random.Random(cpu or 0), eng.cfg
+    prompt, new = 16, max(8, min(100, cfg.seq_len - 17))
+
+    def batch() -> int:
+        reqs = [eng.submit([rnd.randrange(min(100, cfg.vocab_size - 1), cfg.vocab_size) for _ in range(prompt)],
+                           SamplingParams(max_tokens=new, ignore_eos=True)) for _ in range(rows)]
+        made = 0
+        while not all(r.finished for r in reqs):
+            made += eng.step()
+        return made
+
+    batch()
+    results.put(None)  # ready
+    while orders.get():
+        t0, made = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            made += batch()
+        results.put(made / (time.perf_counter() - t0))
+
+
+def ep2_side_by_side(package: Path, threads: int, rounds: int = 3, seconds: float = 3.0) -> dict:
+    """(f)'s ceiling as two ranks would meet it: two engines of 16 rows at once, each on one thread of its own core
+    (no exchange, no step message, no server; they share the caches and the memory), against one engine of 32 rows on
+    `threads` threads, each a process, `seconds` of prompt + decode batches, alternated `rounds` times. Medians."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    setups = {"two 16-row engines": [(16, 1, c) for c in cores], "one 32-row engine": [(32, threads, None)]}
+    children, rates = {}, {name: [] for name in setups}
+    try:
+        for name, specs in setups.items():
+            children[name] = []
+            for rows, th, cpu in specs:
+                orders, results = ctx.Queue(), ctx.Queue()
+                proc = ctx.Process(target=_engine_rate, args=(package, rows, th, cpu, seconds, orders, results))
+                proc.start()
+                children[name].append((proc, orders, results))
+        for kids in children.values():
+            for _, _, results in kids:
+                results.get(timeout=600)  # built and warm
+        for _ in range(rounds):
+            for name, kids in children.items():
+                for _, orders, _ in kids:
+                    orders.put(True)
+                rates[name].append(sum(results.get(timeout=600) for _, _, results in kids))
+    finally:
+        for kids in children.values():
+            for proc, orders, _ in kids:
+                orders.put(False)
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.kill()
+    out = {name: {"tok_s": statistics.median(r), "runs_tok_s": r} for name, r in rates.items()}
+    out["cores"] = cores
+    out["bound"] = out["two 16-row engines"]["tok_s"] / out["one 32-row engine"]["tok_s"]
     return out
 
 
@@ -326,6 +404,12 @@ def print_layouts(res: dict) -> None:
             print(f"(f) {name}'s ceiling here: Engine.step of 32 rows on {a['threads']} threads {a['step_ms']:.2f} ms vs "
                   f"16 rows on {b['threads']} {b['step_ms']:.2f} ms = {c['ceiling']:.2f}x at most (in-process, no "
                   f"exchange, no step message)")
+        if "side_by_side" in r:
+            c = r["side_by_side"]
+            print(f"(f) {name}'s ceiling side by side: two engines of 16 rows at once, one a core (cores {c['cores']}), "
+                  f"{c['two 16-row engines']['tok_s']:.0f} tok/s vs one of 32 rows "
+                  f"{c['one 32-row engine']['tok_s']:.0f} tok/s = {c['bound']:.2f}x at most (no exchange, no step "
+                  f"message, no server)")
 
 
 if __name__ == "__main__":
