@@ -224,6 +224,8 @@ def _engine_rate(package: Path, rows: int, threads: int, cpu: int | None, second
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)  # the parent's own 1-rank group (ep2_ceiling's engines): each child makes its own
     eng = Engine.from_config(ServeConfig(package=package, kv_cache_memory=1))
     torch.set_num_threads(threads)  # after the engine: pipeline.dist.init sets torch's threads to cores / local ranks
     rnd, cfg = random.Random(cpu or 0), eng.cfg
