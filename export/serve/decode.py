@@ -1,8 +1,11 @@
-"""A decode forward in few calls: one new token a row, on the CPU, through csrc/gemv.cpp's kernels.
+"""A decode forward in few calls: one new token a row, on the CPU, through csrc/gemv.cpp's kernels; and a packed
+forward of few tokens (decode tokens beside prompt chunks) the same way.
 
     from export.serve.decode import Decoder
     decoder = Decoder.of(model, cache)           # None where it does not apply (CUDA, no kernel, an unknown layer)
     out = decoder(tokens, cache.select(seqs, starts, [1] * len(seqs)))   # as model(tokens, cache=..., hidden_only=True)
+    if decoder.packs(counts):                    # rows of any new-token counts, packed: tokens [1, sum(counts)]
+        out = decoder.packed(tokens, cache.select(seqs, starts, counts, packed=True))
 
 pipeline/model.py's `GPT.forward` is the specification: this runs the same layers with the same kernels and
 roundings (the hidden states equal to the bit: tests/test_decode.py), without the module calls and the ~25 tensor
