@@ -92,6 +92,20 @@ def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tm
     assert two["blocks_in_use"] == [0, 0] and two["stats"]["failed"] == 0
     if placement != "-":
         assert all(0 < b <= 1 for b in two["placement_balancedness"])
+    else:  # each rank its own requests and scheduler (Engine.step_own): the one-rank tokens, a rank with none joining
+        own = two["own"]
+        assert own["tokens"] == tokens(one_rank["burst"]["batched"])
+        assert own["alone"] == one_rank["burst"]["batched"][0]["tokens"] and own["alone_steps"] >= 8
+        assert own["blocks_in_use"] == [0] and own["stats"]["failed"] == 0
+
+
+def test_own_requests_need_several_data_parallel_ranks(package):
+    """Engine.step_own's mode on one rank: refused, naming what it needs."""
+    from export.serve.config import ServeConfig
+    from export.serve.engine import Engine
+
+    with pytest.raises(ValueError, match="several data-parallel ranks"):
+        Engine.from_config(ServeConfig(package=package, checksums=False), own_requests=True)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,9 @@ its samplers), the sampled tokens come back in one gather, and rank 0 applies th
 
   * Data parallel (`data_parallel_layout`): each rank runs its own sequences, and tokens cross ranks only
     in each MoE layer's expert exchange (export/serve/placement/exchange.py); a rank with no rows still joins it.
+    With `own_requests` each rank also holds its own requests and scheduler and every rank calls `step_own`
+    (as vLLM's data-parallel engines for MoE models): the ranks agree on each step's forwards in one small sum,
+    with no step message and no gather of results (not yet behind the HTTP server, whose requests arrive on rank 0).
   * Tensor or expert slicing (`--tp-size`, `--ep-size` below the rank count): one data-parallel group;
     every rank runs rank 0's rows through DeepSpeed's inference engine (export/inference.py).
   * KV memory (`--kv-cache-memory`, `--max-model-len`, `--block-size`): a pool of fixed-size blocks per
@@ -41,7 +44,7 @@ from export.serve.placement.controller import Controller, ControllerStats, make_
 from export.serve.placement.exchange import Exchange, ExchangeStats, placed_model
 from export.serve.request import Detokenizer, Request, SamplingParams
 from export.serve.scheduler import Plan, Scheduler, cdiv
-from export.serve.step import Forward, RowResult, Step
+from export.serve.step import Forward, Row, RowResult, Step
 from export.serve.worker import Worker
 from pipeline.model import GPT, ModelConfig
 
@@ -180,7 +183,8 @@ class Engine:
     def __init__(self, model: GPT, tokenizer, max_batch: int = 32, ranks=None, max_batched_tokens: int = 2048,
                  max_prefill_seqs: int | None = None, kv_cache_memory: float | None = None,
                  max_model_len: int | None = None, block_size: int = 16, prefix_caching: bool = True,
-                 exchange: Exchange | None = None, layout: Layout | None = None, controller: Controller | None = None):
+                 exchange: Exchange | None = None, layout: Layout | None = None, controller: Controller | None = None,
+                 own_requests: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.detokenize = Detokenizer(tokenizer)
         self.cfg = model.cfg
@@ -190,6 +194,10 @@ class Engine:
         self.exchange, self.layout, self.controller = exchange, layout, controller
         self.dp = world if exchange is not None else 1
         self.world = world
+        if own_requests and (self.dp < 2 or controller is not None):
+            raise ValueError("own_requests: each data-parallel rank its own requests needs several data-parallel ranks "
+                             "and no --placement controller (it plans every rank's forwards on rank 0)")
+        self.own = own_requests
         heads, dtype, device = served_kv(model)
         kv = plan_kv(self.cfg, heads, dtype, device, max_batch, kv_cache_memory, max_model_len, block_size,
                      local_ranks=ranks.local_world if ranks is not None else 1)
@@ -211,8 +219,8 @@ class Engine:
         self.device = self.worker.device
         # decode tokens and prompt chunks in one forward where the ranks pack rows of different lengths (the CPU
         # attention kernel), and no placement policy plans prefill and decode forwards apart
-        self.scheduler = Scheduler(self.dp, kv.blocks, kv.block_size, max_batch, max_batched_tokens,
-                                   max_prefill_seqs, prefix_caching, eos=tokenizer.eos_token_id,
+        self.scheduler = Scheduler(1 if own_requests else self.dp, kv.blocks, kv.block_size, max_batch,
+                                   max_batched_tokens, max_prefill_seqs, prefix_caching, eos=tokenizer.eos_token_id,
                                    mixed=self.worker.cache.packs and controller is None)
         self.max_batch = max_batch
         self.ids = itertools.count()
@@ -226,7 +234,7 @@ class Engine:
         self.rank_status_at: float | None = None
 
     @classmethod
-    def from_config(cls, config: ServeConfig, ranks=None) -> "Engine":
+    def from_config(cls, config: ServeConfig, ranks=None, own_requests: bool = False) -> "Engine":
         """The engine for `config` on this rank. Data parallel (`data_parallel_layout`): the experts placed by a
         replica table (export/serve/placement/; the native one without --placement) and exchanged between the
         ranks, with rank 0's controller; else the package loaded for its tensor- or expert-sliced layout
@@ -272,7 +280,8 @@ class Engine:
         return cls(model, tok, max_batch=config.max_batch, ranks=ranks, max_batched_tokens=config.max_batched_tokens,
                    max_prefill_seqs=config.max_prefill_seqs, kv_cache_memory=config.kv_cache_memory,
                    max_model_len=config.max_model_len, block_size=config.block_size,
-                   prefix_caching=config.prefix_caching, exchange=exchange, layout=layout, controller=controller)
+                   prefix_caching=config.prefix_caching, exchange=exchange, layout=layout, controller=controller,
+                   own_requests=own_requests)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -364,13 +373,7 @@ class Engine:
         """Schedule; every rank runs the step's forwards (prefill chunks, then one decode token of every running
         sequence); take the sampled tokens; retire. Returns tokens generated."""
         plan = self.scheduler.schedule()
-        for req in plan.aborted:
-            try:
-                req.finish("abort")
-            except Exception:  # noqa: BLE001 - its client's event loop is gone: nobody left to tell
-                pass
-            if self.controller is not None:
-                self.controller.on_finish(req)
+        self._aborted(plan)
         step = self._directed(plan)
         self.steps += 1
         if not step.forwards:
@@ -392,6 +395,63 @@ class Engine:
             if self.controller is not None:
                 self.controller.after_forward(self.load.last, fwd.kind, self._requests(plan, fwd))
         return self._take_results(plan, [res for rows in results for res in rows])
+
+    OWN_FORWARDS = 8  # forwards of a rank's step that `step_own` agrees on in its one sum (more: a second sum)
+
+    def step_own(self) -> int | None:
+        """`own_requests` (each data-parallel rank its own requests and scheduler, as vLLM's data-parallel engines
+        for MoE models): schedule this rank's step; agree with the other ranks on the step's forwards in one small sum
+        (each rank's forward count, requests pending and tokens a forward); run as many forwards as the rank with the
+        most has (this rank's rows; another rank's stand in by their token count, which is all the expert exchange
+        needs of them; a rank with none joins with no rows); take this rank's results. No step message and no
+        gather of results: rank 0's scheduling and results are its own rows' only. Collective: every rank calls it
+        until it returns None, which every rank does at the same step (no rank has a forward or a pending
+        request); else the tokens generated on this rank."""
+        from pipeline import dist
+
+        if not self.own:
+            raise RuntimeError("step_own: an engine made with own_requests=True (else rank 0 steps, the others follow)")
+        plan = self.scheduler.schedule()
+        self._aborted(plan)
+        mine = plan.step.forwards
+        tokens = [sum(len(row.tokens) for row in fwd.rows[0]) for fwd in mine]
+        k = self.OWN_FORWARDS
+        table = dist.gather_rows([len(mine), self.scheduler.pending(), *(tokens + [0] * k)[:k]])
+        n = int(max(row[0] for row in table))
+        counts = [[int(t) for t in row[2:2 + min(n, k)]] for row in table]
+        if n > k:  # every rank saw it in the table: the rest in a second sum
+            counts = [c + [int(t) for t in more] for c, more in zip(counts, dist.gather_rows((tokens + [0] * n)[k:n]))]
+        self.steps += 1
+        if n == 0:
+            return None if not any(row[1] for row in table) else 0
+        me = self.worker.rank
+        forwards = []
+        for i in range(n):
+            rows = [(mine[i].rows[0] if i < len(mine) else []) if r == me else
+                    [Row(seq=-1, start=0, tokens=[0] * c[i])] if c[i] else [] for r, c in enumerate(counts)]
+            forwards.append(Forward(mine[i].kind if i < len(mine) else "decode", rows))
+        step = Step(forwards, [dataclasses.replace(new, rank=me) for new in plan.step.new], plan.step.freed,
+                    plan.step.ended)
+        if plan.decode_rows:
+            self.stats["decode_steps"] += 1
+            if self.on_decode is not None:
+                self.on_decode(plan.decode_rows)
+        self.stats["prefill_forwards"] += sum(f.kind != "decode" for f in mine)
+        results = self.worker.execute(step)
+        self.stats["forwards"] += n
+        for counts_, loads in self.worker.counts:
+            self.load.add(counts_, loads)
+        return self._take_results(plan, results)
+
+    def _aborted(self, plan: Plan) -> None:
+        """Finish the requests the scheduler took out of its queues for this step (aborted)."""
+        for req in plan.aborted:
+            try:
+                req.finish("abort")
+            except Exception:  # noqa: BLE001 - its client's event loop is gone: nobody left to tell
+                pass
+            if self.controller is not None:
+                self.controller.on_finish(req)
 
     @staticmethod
     def _requests(plan: Plan, fwd: Forward) -> list[Request]:

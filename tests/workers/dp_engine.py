@@ -11,6 +11,8 @@ rank that held it, and the engine's counters; the other ranks follow its steps. 
   * burst: 6 prompts at once (one batched prefill forward) and the same prompts one at a time;
   * chunked: a long prompt under a step budget of 8 tokens (prefilled in chunks) next to a decoding one;
   * scored: echo + logprobs of a prompt chunked over several steps.
+On 2 ranks without --placement, then `own`: each rank its own requests and scheduler (`Engine.step_own`): the
+prompts split between the ranks, then one rank with a request and the other with none.
 """
 
 import json
@@ -97,6 +99,26 @@ def scenarios(engine: Engine) -> dict:
     return out
 
 
+def own_requests(config: ServeConfig, ranks) -> dict:
+    """Each rank its own requests (`Engine.step_own`, every rank stepping until every rank is done): the prompts
+    split between the ranks in a burst, then PROMPTS[0] on rank 0 alone while the other ranks have nothing. Every
+    prompt's greedy tokens, in order, on every rank."""
+    engine = Engine.from_config(config, ranks, own_requests=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    mine = {i: engine.submit(engine.encode(p), greedy) for i, p in enumerate(PROMPTS) if i % ranks.world == ranks.rank}
+    steps = 0
+    while engine.step_own() is not None:
+        steps += 1
+    alone = [engine.submit(engine.encode(PROMPTS[0]), greedy)] if ranks.rank == 0 else []
+    alone_steps = 0
+    while engine.step_own() is not None:
+        alone_steps += 1
+    got = {int(i): t for part in dist.gather_json({i: s.generated for i, s in mine.items()}) for i, t in part.items()}
+    return {"tokens": [got[i] for i in range(len(PROMPTS))], "steps": steps, "alone_steps": alone_steps,
+            "alone": alone[0].generated if alone else None, "stats": dict(engine.stats),
+            "blocks_in_use": [pool.used() for pool in engine.scheduler.pools]}
+
+
 def main() -> None:
     pkg, path = Path(sys.argv[1]), Path(sys.argv[2])
     placement = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
@@ -112,15 +134,21 @@ def main() -> None:
                          # experts) would depend on which rank a repeated prompt lands on
                          prefix_caching=False)
     engine = Engine.from_config(config, ranks)
+    result = None
     if ranks.rank != 0:
         engine.follow()
-        return
-    try:
-        result = scenarios(engine)
-    finally:
-        engine.stop_followers()
-        engine.close()
-    path.write_text(json.dumps(result))
+    else:
+        try:
+            result = scenarios(engine)
+        finally:
+            engine.stop_followers()
+            engine.close()
+    if ranks.world > 1 and placement is None:
+        own = own_requests(config, ranks)
+        if result is not None:
+            result["own"] = own
+    if result is not None:
+        path.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
