@@ -51,9 +51,10 @@ class Decoder:
         # machine, `Exchange.run_gathered`'s way, when every rank's tokens are known; "": it calls the module back)
         self.native, self.native_rows, self.native_experts = _decode_model(model, kernel, cache) \
             if cache is not None else (None, 0, "")
-        self.quantized = any(isinstance(m.served, linears.QuantizedWeight) for m in model.modules()
-                             if isinstance(m, linears.ServingLinear)) or any(
-            isinstance(getattr(m, "weight", None), linears.QuantizedWeight) for m in model.modules())
+        # int8/int4 weights (a ServingLinear's `served`, the fused q/k/v's `weight`): `packs` stops where the model's
+        # own forward dequantises them
+        self.quantized = any(isinstance(w, linears.QuantizedWeight) for m in model.modules()
+                             for w in (getattr(m, "served", None), getattr(m, "weight", None)))
         # the MoE layers' exchange: its meter and residency counts, for the MoE layers DecodeModel runs itself
         self._exchange = next((getattr(block.mlp, "exchange", None) for block in model.blocks if block.is_moe), None)
         self._table = None  # "gathered": the replica table whose experts DecodeModel holds (`_hold`)
@@ -91,13 +92,7 @@ class Decoder:
         """tokens [B, 1] (B > 0), `cache` selected with one new token a row -> Output(hidden [B, 1, C], counts)."""
         model, cfg, k = self.model, self.cfg, self.kernel
         B = tokens.shape[0]
-        pos = cache.positions(1).view(B)
-        x = model.wte(tokens.view(B))  # [B, C]
-        cos = sin = None
-        if cfg.positions == "learned":
-            x = x + model.wpe(pos)
-        else:
-            cos, sin = self.rope(pos)
+        x, cos, sin = self._embed(tokens, cache)
         if B <= self.native_rows:
             x, counts = self._native(x, cos, sin, cache._table, cache._start)
             cache.advance(1)
@@ -141,17 +136,19 @@ class Decoder:
         model(tokens, cache=..., hidden_only=True) gives it. Each new token attends as a row of its own, its position
         its start, its row's block table, as the model's packed forward has the cache's kernel attend them
         (export/serve/kv_cache.py `_attend_packed`; `packs` first)."""
-        model, cfg = self.model, self.cfg
-        pos = cache.positions(1).view(-1)  # [N]: each token's position
-        x = model.wte(tokens.view(-1))  # [N, C]
-        cos = sin = None
-        if cfg.positions == "learned":
-            x = x + model.wpe(pos)
-        else:
-            cos, sin = self.rope(pos)
+        x, cos, sin = self._embed(tokens, cache)
         x, counts = self._native(x, cos, sin, cache._kernel_table, cache._kernel_starts)
         cache.advance(1)
-        return Output(logits=None, expert_counts=counts, hidden=_norm(model.ln_f, x)[None])
+        return Output(logits=None, expert_counts=counts, hidden=_norm(self.model.ln_f, x)[None])
+
+    def _embed(self, tokens: torch.Tensor, cache) -> tuple:
+        """The new tokens' embeddings x [N, C] (learned positions added) and, with RoPE, cos and sin [N, head_dim] at
+        their positions (else None, None): each new token a row, whatever the cache's rows."""
+        pos = cache.positions(1).view(-1)
+        x = self.model.wte(tokens.view(-1))
+        if self.cfg.positions == "learned":
+            return x + self.model.wpe(pos), None, None
+        return x, *self.rope(pos)
 
     def _native(self, x, cos, sin, tables, starts) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The layers in one `DecodeModel.forward` (x [rows, C], a new token a row; `tables` and `starts` as

@@ -378,12 +378,7 @@ class Engine:
         self.steps += 1
         if not step.forwards:
             return 0
-        decode_rows = plan.decode_rows
-        if decode_rows:
-            self.stats["decode_steps"] += 1
-            if self.on_decode is not None:
-                self.on_decode(decode_rows)
-        self.stats["prefill_forwards"] += sum(f.kind != "decode" for f in step.forwards)
+        self._count(plan, step.forwards)
         if self.world > 1:
             rank_msgs.send(step)
         mine = self.worker.execute(step)
@@ -432,16 +427,20 @@ class Engine:
             forwards.append(Forward(mine[i].kind if i < len(mine) else "decode", rows))
         step = Step(forwards, [dataclasses.replace(new, rank=me) for new in plan.step.new], plan.step.freed,
                     plan.step.ended)
+        self._count(plan, mine)
+        results = self.worker.execute(step)
+        self.stats["forwards"] += n
+        for expert_counts, loads in self.worker.counts:
+            self.load.add(expert_counts, loads)
+        return self._take_results(plan, results)
+
+    def _count(self, plan: Plan, forwards: list[Forward]) -> None:
+        """A step's books before it runs: decode steps (and the server's callback with their rows), prefill forwards."""
         if plan.decode_rows:
             self.stats["decode_steps"] += 1
             if self.on_decode is not None:
                 self.on_decode(plan.decode_rows)
-        self.stats["prefill_forwards"] += sum(f.kind != "decode" for f in mine)
-        results = self.worker.execute(step)
-        self.stats["forwards"] += n
-        for counts_, loads in self.worker.counts:
-            self.load.add(counts_, loads)
-        return self._take_results(plan, results)
+        self.stats["prefill_forwards"] += sum(f.kind != "decode" for f in forwards)
 
     def _aborted(self, plan: Plan) -> None:
         """Finish the requests the scheduler took out of its queues for this step (aborted)."""

@@ -2778,6 +2778,13 @@ static void wait_for_rank(const int64_t* c, int64_t seq) {
   }
 }
 
+// This rank's slot of call `seq` is written: say so, then wait until every other rank has written its own.
+static void arrive(const LocalReduce& g, int64_t seq) {
+  __atomic_store_n(g.counter(g.rank), seq, __ATOMIC_RELEASE);
+  for (int64_t r = 0; r < g.world; ++r)
+    if (r != g.rank) wait_for_rank(g.counter(r), seq);
+}
+
 // t summed over the ranks in place (every rank calls it, in the same order, with the same shape and dtype)
 void local_reduce_(at::Tensor t) {
   TORCH_CHECK(g_local.base != nullptr, "local_reduce_: local_reduce_attach first");
@@ -2790,9 +2797,7 @@ void local_reduce_(at::Tensor t) {
     at::Tensor part = flat.narrow(0, off, n);
     const int64_t seq = ++g.seq, parity = seq & 1;
     std::memcpy(g.buffer(parity, g.rank), part.data_ptr(), n * es);
-    __atomic_store_n(g.counter(g.rank), seq, __ATOMIC_RELEASE);
-    for (int64_t r = 0; r < g.world; ++r)
-      if (r != g.rank) wait_for_rank(g.counter(r), seq);
+    arrive(g, seq);
     auto slot = [&](int64_t r) { return at::from_blob(g.buffer(parity, r), {n}, t.options()); };
     part.copy_(slot(0));
     for (int64_t r = 1; r < g.world; ++r) part.add_(slot(r));
@@ -2812,9 +2817,7 @@ std::tuple<std::vector<int64_t>, std::vector<at::Tensor>> local_gather(const at:
   uint8_t* mine = g.buffer(parity, g.rank);
   std::memcpy(mine, &n, 8);
   if (n <= room) std::memcpy(mine + 8, t.data_ptr<uint8_t>(), n);
-  __atomic_store_n(g.counter(g.rank), seq, __ATOMIC_RELEASE);
-  for (int64_t r = 0; r < g.world; ++r)
-    if (r != g.rank) wait_for_rank(g.counter(r), seq);
+  arrive(g, seq);
   std::vector<int64_t> lengths(g.world);
   std::vector<at::Tensor> rows(g.world);
   for (int64_t r = 0; r < g.world; ++r) {
