@@ -93,10 +93,25 @@ def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tm
     if placement != "-":
         assert all(0 < b <= 1 for b in two["placement_balancedness"])
     else:  # each rank its own requests and scheduler (Engine.step_own): the one-rank tokens, a rank with none joining
+        from workers.dp_engine import PROMPTS
+
         own = two["own"]
         assert own["tokens"] == tokens(one_rank["burst"]["batched"])
         assert own["alone"] == one_rank["burst"]["batched"][0]["tokens"] and own["alone_steps"] >= 8
         assert own["blocks_in_use"] == [0] and own["stats"]["failed"] == 0
+        # as the server runs it: rank 0 spreads what it is given; the other rank's tokens stream back through the
+        # step's gather to rank 0's stand-ins, which finish them at the same token
+        served = two["own_served"]
+        assert served["tokens"] == tokens(one_rank["burst"]["batched"]) and set(served["remote"]) == {True, False}
+        assert served["streamed"] == [8] * len(served["tokens"]) and served["reasons"] == ["length"] * 6
+        for status in (served["idle_status"], served["busy_status"]):  # pings while idle and while stepping
+            assert sorted(s["rank"] for s in status) == [0, 1]
+        reason, made, remote = served["aborted"]
+        assert remote and reason == "abort" and made < 30 and served["here"] == reference_greedy(package, PROMPTS[0], 30)[1]
+        assert served["scored_remote"] and served["scored"][0] is None
+        assert served["scored"][1:] == pytest.approx(one_rank["scored"]["whole"][1:], abs=1e-5)
+        assert served["scored_tokens"] == one_rank["scored"]["tokens"][1]
+        assert served["left"] == [0, 0] and served["blocks_in_use"] == [0, 0] and served["stats"]["failed"] == 0
 
 
 def test_own_requests_need_several_data_parallel_ranks(package):

@@ -19,8 +19,11 @@ its samplers), the sampled tokens come back in one gather, and rank 0 applies th
   * Data parallel (`data_parallel_layout`): each rank runs its own sequences, and tokens cross ranks only
     in each MoE layer's expert exchange (export/serve/placement/exchange.py); a rank with no rows still joins it.
     With `own_requests` each rank also holds its own requests and scheduler and every rank calls `step_own`
-    (as vLLM's data-parallel engines for MoE models): the ranks agree on each step's forwards in one small sum,
-    with no step message and no gather of results (not yet behind the HTTP server, whose requests arrive on rank 0).
+    (as vLLM's data-parallel engines for MoE models): the ranks agree on each step's forwards in one small gather,
+    with no step message and no gather of results. Behind the server (`spread`, the default where it applies:
+    no --placement) rank 0's `submit` gives each request to the rank with the fewest, and the step's gather
+    carries rank 0's orders (new requests, aborts, pings) and the other ranks' results of their last step, which
+    rank 0 applies to its stand-ins of their requests (`lead`; the others `follow`).
   * Tensor or expert slicing (`--tp-size`, `--ep-size` below the rank count): one data-parallel group;
     every rank runs rank 0's rows through DeepSpeed's inference engine (export/inference.py).
   * KV memory (`--kv-cache-memory`, `--max-model-len`, `--block-size`): a pool of fixed-size blocks per
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -198,6 +202,17 @@ class Engine:
             raise ValueError("own_requests: each data-parallel rank its own requests needs several data-parallel ranks "
                              "and no --placement controller (it plans every rank's forwards on rank 0)")
         self.own = own_requests
+        # rank 0 of an own engine behind the server: `submit` spreads the requests over the ranks; `remote` holds
+        # its stand-ins of the requests other ranks run ({id: (request, rank)}), fed by their results, and
+        # `_orders` what the next step's gather tells the ranks (new requests, aborts)
+        self.spread = False
+        self.remote: dict[int, tuple[Request, int]] = {}
+        self.remote_load = [0] * world
+        self._orders: dict[str, list] = {"submit": [], "abort": []}
+        self._front = threading.Lock()
+        self.busy = False  # an own engine's ranks are stepping together (idle, the others wait for a Wake)
+        self._ping_due = False
+        self._relay: list | None = None  # ranks > 0 following rank 0's server: their last step's results
         heads, dtype, device = served_kv(model)
         kv = plan_kv(self.cfg, heads, dtype, device, max_batch, kv_cache_memory, max_model_len, block_size,
                      local_ranks=ranks.local_world if ranks is not None else 1)
@@ -234,11 +249,12 @@ class Engine:
         self.rank_status_at: float | None = None
 
     @classmethod
-    def from_config(cls, config: ServeConfig, ranks=None, own_requests: bool = False) -> "Engine":
+    def from_config(cls, config: ServeConfig, ranks=None, own_requests: bool | None = False) -> "Engine":
         """The engine for `config` on this rank. Data parallel (`data_parallel_layout`): the experts placed by a
         replica table (export/serve/placement/; the native one without --placement) and exchanged between the
         ranks, with rank 0's controller; else the package loaded for its tensor- or expert-sliced layout
-        through DeepSpeed's inference engine (export/inference.py). Collective with several ranks."""
+        through DeepSpeed's inference engine (export/inference.py). `own_requests` None: where it applies
+        (several data-parallel ranks, no --placement; the server's choice). Collective with several ranks."""
         from export.inference import load_package, plan_layout
         from export.package import package_dtype, read_tokenizer, verified_package
         from pipeline import dist
@@ -249,6 +265,8 @@ class Engine:
                              f"{config.nproc} (start as many ranks, or drop --nproc)")
         verified = verified_package(config.package, config.checksums)
         dp = data_parallel_layout(verified.cfg, config, ranks.world)
+        if own_requests is None:  # decided alike on every rank (rank 0 alone holds the controller)
+            own_requests = dp and ranks.world > 1 and config.placement is None
         stored = verified.manifest.get("quantization")  # export --quantize: the package's int8/int4 weights
         quantize, quantize_head = config.quantize, config.quantize_head
         if stored is not None:
@@ -317,6 +335,8 @@ class Engine:
     # -- requests (any thread) ---------------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], params: SamplingParams, on_token=None, on_finish=None) -> Request:
+        """A new request (from any thread). With `spread` it runs on the rank with the fewest requests (rank 0 on
+        a tie), the others' through the next step's gather (`lead`)."""
         if not prompt:
             raise ValueError("prompt: empty (give at least one token)")
         if len(prompt) + params.max_tokens > self.max_model_len:
@@ -328,17 +348,32 @@ class Engine:
             self.controller.on_submit(seq)
         if self.closed is not None:  # after fail_all: nobody would ever finish it
             raise RuntimeError(f"the engine stopped: {self.closed}")
+        if self.spread:
+            with self._front:
+                loads = [self.scheduler.pending(), *self.remote_load[1:]]
+                rank = loads.index(min(loads))
+                if rank:
+                    self.remote[seq.id] = (seq, rank)
+                    self.remote_load[rank] += 1
+                    self._orders["submit"].append([seq.id, rank, seq.prompt, dataclasses.asdict(params)])
+                    return seq
         self.scheduler.add(seq)
         return seq
 
     def pending(self) -> int:
-        return self.scheduler.pending()
+        """Requests not finished: this rank's, and with `spread` those it gave the other ranks."""
+        if not self.spread:
+            return self.scheduler.pending()
+        with self._front:
+            return self.scheduler.pending() + len(self.remote) + len(self._orders["abort"])
 
     def fail_all(self, message: str) -> None:
         """Finish every waiting and running sequence with finish_reason 'error' (the engine cannot go on); later
         submits are refused."""
         self.closed = message
-        for seq in self.scheduler.drain():
+        with self._front:
+            stand_ins, self.remote = [seq for seq, _ in self.remote.values()], {}
+        for seq in self.scheduler.drain() + stand_ins:
             if not seq.finished:
                 seq.text = message
                 try:
@@ -348,6 +383,10 @@ class Engine:
 
     def abort(self, seq: Request) -> None:
         """End `seq` at the next step (from any thread): a waiting one never runs, a running one frees its blocks."""
+        with self._front:
+            if seq.id in self.remote:  # another rank runs it: told in the next step's gather
+                self._orders["abort"].append(seq.id)
+                return
         self.scheduler.abort(seq.id)
 
     def _retired(self, req: Request) -> None:
@@ -365,13 +404,17 @@ class Engine:
                 req.finish("error")
             except Exception:  # noqa: BLE001 - its own callback failed: nobody left to tell
                 pass
-        self._retired(req)
+        if req.id not in self.remote:  # a stand-in of another rank's request: `_take_remote` forgets it
+            self._retired(req)
 
     # -- one step ------------------------------------------------------------------------------------------------
 
     def step(self) -> int:
         """Schedule; every rank runs the step's forwards (prefill chunks, then one decode token of every running
         sequence); take the sampled tokens; retire. Returns tokens generated."""
+        if self.own:
+            raise RuntimeError("step: an engine made with own_requests=True steps with step_own (or lead, behind "
+                               "the server) on every rank")
         plan = self.scheduler.schedule()
         self._aborted(plan)
         step = self._directed(plan)
@@ -391,17 +434,16 @@ class Engine:
                 self.controller.after_forward(self.load.last, fwd.kind, self._requests(plan, fwd))
         return self._take_results(plan, [res for rows in results for res in rows])
 
-    OWN_FORWARDS = 8  # forwards of a rank's step that `step_own` agrees on in its one sum (more: a second sum)
-
-    def step_own(self) -> int | None:
+    def step_own(self, note: dict | None = None) -> int | None:
         """`own_requests` (each data-parallel rank its own requests and scheduler, as vLLM's data-parallel engines
-        for MoE models): schedule this rank's step; agree with the other ranks on the step's forwards in one small sum
-        (each rank's forward count, requests pending and tokens a forward); run as many forwards as the rank with the
-        most has (this rank's rows; another rank's stand in by their token count, which is all the expert exchange
-        needs of them; a rank with none joins with no rows); take this rank's results. No step message and no
-        gather of results: rank 0's scheduling and results are its own rows' only. Collective: every rank calls it
-        until it returns None, which every rank does at the same step (no rank has a forward or a pending
-        request); else the tokens generated on this rank."""
+        for MoE models): schedule this rank's step; agree with the other ranks on the step's forwards in one small
+        gather (each rank's forward count, requests pending, tokens a forward, and its `note`: rank 0's orders behind
+        the server, another rank's results of its last step there; `_heard`); run as many forwards as the rank with
+        the most has (this rank's rows; another rank's stand in by their token count, which is all the expert
+        exchange needs of them; a rank with none joins with no rows); take this rank's results. No step message and
+        no gather of results: rank 0's scheduling and results are its own rows' only. Collective: every rank calls
+        it until it returns None, which every rank does at the same step (no rank has a forward, a pending request
+        or orders); else the tokens generated on this rank."""
         from pipeline import dist
 
         if not self.own:
@@ -410,29 +452,111 @@ class Engine:
         self._aborted(plan)
         mine = plan.step.forwards
         tokens = [sum(len(row.tokens) for row in fwd.rows[0]) for fwd in mine]
-        k = self.OWN_FORWARDS
-        table = dist.gather_rows([len(mine), self.scheduler.pending(), *(tokens + [0] * k)[:k]])
-        n = int(max(row[0] for row in table))
-        counts = [[int(t) for t in row[2:2 + min(n, k)]] for row in table]
-        if n > k:  # every rank saw it in the table: the rest in a second sum
-            counts = [c + [int(t) for t in more] for c, more in zip(counts, dist.gather_rows((tokens + [0] * n)[k:n]))]
+        if self._relay is not None:  # a rank following rank 0's server: its last step's results go to rank 0
+            note, self._relay = ({"results": self._relay} if self._relay else None), []
+        orders = bool(note and (note.get("submit") or note.get("abort")))  # requests for the next step
+        table = dist.gather_json([len(mine), self.scheduler.pending() + orders, tokens, note])
+        self._heard([row[3] for row in table])
+        ping = bool(table[0][3] and table[0][3].get("ping"))
+        n = max(row[0] for row in table)
         self.steps += 1
         if n == 0:
+            if ping:
+                self._pinged()
             return None if not any(row[1] for row in table) else 0
         me = self.worker.rank
         forwards = []
         for i in range(n):
             rows = [(mine[i].rows[0] if i < len(mine) else []) if r == me else
-                    [Row(seq=-1, start=0, tokens=[0] * c[i])] if c[i] else [] for r, c in enumerate(counts)]
+                    [Row(seq=-1, start=0, tokens=[0] * row[2][i])] if i < row[0] and row[2][i] else []
+                    for r, row in enumerate(table)]
             forwards.append(Forward(mine[i].kind if i < len(mine) else "decode", rows))
         step = Step(forwards, [dataclasses.replace(new, rank=me) for new in plan.step.new], plan.step.freed,
                     plan.step.ended)
         self._count(plan, mine)
         results = self.worker.execute(step)
+        if self._relay is not None:
+            self._relay = [r.to_json() for r in results]
         self.stats["forwards"] += n
         for expert_counts, loads in self.worker.counts:
             self.load.add(expert_counts, loads)
-        return self._take_results(plan, results)
+        made = self._take_results(plan, results)
+        if ping:
+            self._pinged()
+        return made
+
+    # -- behind the server, each rank its own requests (rank 0 leads, the others follow) ------------------------
+
+    def lead(self) -> int:
+        """Rank 0 of an own engine behind the server (`spread`): one step of every rank (`step_own`), waking the
+        others first when they were idle; the step's gather takes them the requests `submit` gave them, the aborts
+        and a due ping, and brings their results, applied to rank 0's stand-ins (their callbacks: the HTTP
+        answers). Returns the tokens generated on this rank; idle again once a step finds nothing to do."""
+        if not self.busy:
+            rank_msgs.send(rank_msgs.Wake())
+            self.busy = True
+        with self._front:
+            submit, abort = self._orders["submit"], self._orders["abort"]
+            self._orders = {"submit": [], "abort": []}
+        for rid in abort:  # the stand-in ends now; the rank that runs it forgets it at its next step
+            self._forget(rid, "abort")
+        note = {"submit": submit, "abort": abort} if submit or abort else {}
+        if self._ping_due:
+            note["ping"], self._ping_due = True, False
+        made = self.step_own(note or None)
+        if made is None:
+            self.busy = False
+            return 0
+        return made
+
+    def _heard(self, notes: list) -> None:
+        """Every rank's note of a step's gather (`step_own`): rank 0 applies the others' results to its stand-ins;
+        another rank takes the requests and aborts rank 0 ordered for it."""
+        me = self.worker.rank
+        if me == 0:
+            for note in notes[1:]:
+                for raw in (note or {}).get("results", ()):
+                    self._take_remote(RowResult.from_json(raw))
+            return
+        orders = notes[0] or {}
+        for rid, rank, prompt, params in orders.get("submit", ()):
+            if rank == me:
+                self.scheduler.add(Request(rid, prompt, SamplingParams(**params)))
+        for rid in orders.get("abort", ()):
+            self.scheduler.abort(rid)
+
+    def _take_remote(self, res: RowResult) -> None:
+        """Another rank's result for one of its requests, on rank 0's stand-in: the same stop conditions and
+        detokenization as that rank applied (so both finish it at the same token), and the callbacks."""
+        held = self.remote.get(res.seq)
+        if held is None or held[0].finished:  # aborted here meanwhile
+            return
+        seq = held[0]
+        if res.error is not None:
+            self._fail(seq, res.error)
+        else:
+            self._take_one(seq, res)
+        if seq.finished:
+            self._forget(seq.id)
+
+    def _forget(self, rid: int, reason: str | None = None) -> None:
+        """A stand-in is done (`reason`: finish it so first)."""
+        with self._front:
+            held = self.remote.pop(rid, None)
+            if held is None:
+                return
+            self.remote_load[held[1]] -= 1
+        if reason is not None and not held[0].finished:
+            try:
+                held[0].finish(reason)
+            except Exception:  # noqa: BLE001 - its client's event loop is gone: nobody left to tell
+                pass
+
+    def _pinged(self) -> None:
+        """A ping in a step's gather: every rank answers with its status (rank 0 records them)."""
+        status = self._status()
+        if self.worker.rank == 0:
+            self.rank_status, self.rank_status_at = [s.to_dict() for s in status], time.time()
 
     def _count(self, plan: Plan, forwards: list[Forward]) -> None:
         """A step's books before it runs: decode steps (and the server's callback with their rows), prefill forwards."""
@@ -477,23 +601,27 @@ class Engine:
         made = 0
         for res in results:
             seq = plan.requests[res.seq]
-            if seq.finished or res.error is not None:
-                continue
-            try:
-                if res.scores is not None:
-                    seq.add_prompt_scores(res.score_start, res.scores)
-                if res.token is not None:
-                    if not seq.generated:
-                        self.stats["tokens_in"] += len(seq.prompt)
-                    took = seq.take(res.token, res.logprob, res.top, self.eos, self.detokenize)
-                    made += took
-                    self.stats["tokens_out"] += took
-            except Exception as err:  # noqa: BLE001 - its tokenizer, its callback: this request alone fails
-                self._fail(seq, err)
+            if not seq.finished and res.error is None:
+                made += self._take_one(seq, res)
         for seq in plan.requests.values():
             if seq.finished and seq in self.scheduler.running:
                 self._retired(seq)
         return made
+
+    def _take_one(self, seq: Request, res: RowResult) -> int:
+        """One row's prompt scores and sampled token on its request; the tokens taken (0 or 1)."""
+        try:
+            if res.scores is not None:
+                seq.add_prompt_scores(res.score_start, res.scores)
+            if res.token is not None:
+                if not seq.generated:
+                    self.stats["tokens_in"] += len(seq.prompt)
+                took = seq.take(res.token, res.logprob, res.top, self.eos, self.detokenize)
+                self.stats["tokens_out"] += took
+                return took
+        except Exception as err:  # noqa: BLE001 - its tokenizer, its callback: this request alone fails
+            self._fail(seq, err)
+        return 0
 
     @property
     def expert_tokens(self) -> list[torch.Tensor]:
@@ -516,6 +644,8 @@ class Engine:
 
     def follow(self) -> None:
         """Ranks > 0: run this rank's part of every step rank 0 sends, answer its pings, until it says stop."""
+        if self.own:  # rank 0 leads behind the server: this rank's results ride in each step's gather
+            self._relay = []
         while True:
             msg = rank_msgs.receive()
             if isinstance(msg, rank_msgs.Stop):
@@ -523,13 +653,21 @@ class Engine:
             if isinstance(msg, rank_msgs.Ping):  # rank 0 checks that every rank is alive and asks how it is
                 self._status()
                 continue
+            if isinstance(msg, rank_msgs.Wake):  # own requests: step together until no rank has anything to do
+                while self.step_own() is not None:
+                    pass
+                continue
             mine = self.worker.execute(msg)
             if self.dp > 1:
                 rank_msgs.gather_results([r.to_json() for r in mine])
 
     def ping(self) -> None:
         """Rank 0: one round trip with every rank (a dead rank makes it raise within the collective's
-        timeout); records each rank's status in `rank_status`."""
+        timeout); records each rank's status in `rank_status`. While an own engine's ranks step together
+        (`lead`), in the next step's gather instead."""
+        if self.busy:
+            self._ping_due = True
+            return
         rank_msgs.send(rank_msgs.Ping())
         self.rank_status = [s.to_dict() for s in self._status()]
         self.rank_status_at = time.time()

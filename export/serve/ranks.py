@@ -6,7 +6,9 @@ broadcasts the typed `Step` (export/serve/step.py: each forward's rows of every 
 runs its own rows of it (`Engine.follow`); on the data-parallel path the results (`RowResult`) come
 back to rank 0 in one gather (`gather_results`). Once a second (busy or idle) rank 0
 sends a `Ping`: every rank answers with its `RankStatus` through one all-gather, which also finds a
-dead rank within the collective's timeout. `Stop` ends `follow`.
+dead rank within the collective's timeout. `Stop` ends `follow`. With each rank its own requests
+(`Engine.lead`) rank 0 sends `Wake` when work arrives for idle ranks: every rank then steps together, each step's
+orders, results and pings in its one gather (`Engine.step_own`), until none has work.
 
 Messages travel as JSON (no pickle), tagged with their kind: `pipeline.dist.broadcast_json` (a named pipe to each
 rank of this machine, gloo between machines: a rank waiting for the next message sleeps), `gather_json`.
@@ -30,12 +32,17 @@ class Ping:
 
 
 @dataclass(frozen=True)
+class Wake:
+    """Each rank its own requests (`Engine.lead`): step together (`Engine.step_own`) until no rank has work."""
+
+
+@dataclass(frozen=True)
 class Stop:
     """Leave `follow`: the server is shutting down."""
 
 
-Message = Step | Ping | Stop
-_KINDS = {cls.__name__.lower(): cls for cls in (Step, Ping, Stop)}
+Message = Step | Ping | Wake | Stop
+_KINDS = {cls.__name__.lower(): cls for cls in (Step, Ping, Wake, Stop)}
 
 
 def encode(message: Message) -> dict:

@@ -9,7 +9,9 @@
 Rank 0 runs the engine loop in its main thread (`EngineLoop`: admit, prefill, one shared decode
 step, retire, repeat; PyTorch's CPU kernels ran ~40% slower from a secondary thread here) and
 uvicorn (on uvloop and httptools) in a second thread (export/serve/http.py); the other ranks run every forward rank 0
-sends (`Engine.follow`). SIGTERM (or Ctrl-C): uvicorn stops accepting, in-flight requests
+sends (`Engine.follow`). Data parallel without --placement, each rank runs requests of its own (rank 0's `submit`
+gives each to the rank with the fewest, as vLLM's data-parallel front end) and schedules them itself: the ranks
+step together, agreeing in one small gather a step (`Engine.lead`, `Engine.step_own`). SIGTERM (or Ctrl-C): uvicorn stops accepting, in-flight requests
 finish, the engine drains, the other ranks are told to stop, exit 0. A dead rank or engine
 fails every pending request and exits 1.
 """
@@ -56,7 +58,10 @@ class EngineLoop:
                 if time.monotonic() - last_ping > self.PING_SECONDS:  # busy or idle: are the other ranks there?
                     self.engine.ping()
                     last_ping = time.monotonic()
-                if self.engine.pending():
+                if self.engine.spread and (self.engine.busy or self.engine.pending()):
+                    self.engine.lead()  # each rank its own requests: every rank steps together
+                    continue
+                if not self.engine.spread and self.engine.pending():
                     self.engine.step()
                     continue
                 if not keep_going():
@@ -100,7 +105,8 @@ def serve(config: ServeConfig) -> int:
     from pipeline.artifacts import read_manifest
 
     ranks = dist.init()
-    engine = Engine.from_config(config, ranks)
+    engine = Engine.from_config(config, ranks, own_requests=None)  # each data-parallel rank its own, where it can
+    engine.spread = engine.own and ranks.rank == 0
     if ranks.rank != 0:
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, then tells us
             signal.signal(sig, signal.SIG_IGN)
@@ -153,7 +159,8 @@ def serve(config: ServeConfig) -> int:
     http.start()
     layout = engine.layout.describe() if engine.layout is not None else f"{ranks.world} rank(s)"
     if engine.dp > 1:
-        layout += f", data parallel {engine.dp}: each rank its own sequences"
+        layout += f", data parallel {engine.dp}: each rank its own sequences" + (
+            " and requests (each rank schedules its own)" if engine.own else "")
     elif ranks.world > 1:
         layout += ", one data-parallel group: every rank runs the same sequences"
     placement = engine.placement_stats().controller

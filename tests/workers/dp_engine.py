@@ -12,7 +12,8 @@ rank that held it, and the engine's counters; the other ranks follow its steps. 
   * chunked: a long prompt under a step budget of 8 tokens (prefilled in chunks) next to a decoding one;
   * scored: echo + logprobs of a prompt chunked over several steps.
 On 2 ranks without --placement, then `own`: each rank its own requests and scheduler (`Engine.step_own`): the
-prompts split between the ranks, then one rank with a request and the other with none.
+prompts split between the ranks, then one rank with a request and the other with none; and `own_served`: the same
+engine as the server runs it (rank 0 `lead`s, spreading the requests it is given; the others `follow`).
 """
 
 import json
@@ -99,11 +100,10 @@ def scenarios(engine: Engine) -> dict:
     return out
 
 
-def own_requests(config: ServeConfig, ranks) -> dict:
+def own_requests(engine: Engine, ranks) -> dict:
     """Each rank its own requests (`Engine.step_own`, every rank stepping until every rank is done): the prompts
     split between the ranks in a burst, then PROMPTS[0] on rank 0 alone while the other ranks have nothing. Every
     prompt's greedy tokens, in order, on every rank."""
-    engine = Engine.from_config(config, ranks, own_requests=True)
     greedy = SamplingParams(max_tokens=8, temperature=0)
     mine = {i: engine.submit(engine.encode(p), greedy) for i, p in enumerate(PROMPTS) if i % ranks.world == ranks.rank}
     steps = 0
@@ -117,6 +117,66 @@ def own_requests(config: ServeConfig, ranks) -> dict:
     return {"tokens": [got[i] for i in range(len(PROMPTS))], "steps": steps, "alone_steps": alone_steps,
             "alone": alone[0].generated if alone else None, "stats": dict(engine.stats),
             "blocks_in_use": [pool.used() for pool in engine.scheduler.pools]}
+
+
+def served(engine: Engine, ranks) -> dict | None:
+    """Behind the server (rank 0 `lead`s with `spread`, the others `follow`): every prompt submitted on rank 0 and
+    spread over the ranks (streamed tokens counted), pings while the ranks step and while idle, a request another rank
+    runs aborted mid-way, echo + logprobs of a prompt another rank runs. Rank 0's record (None elsewhere), with every
+    rank's KV blocks in use at the end."""
+    out = None
+    if ranks.rank != 0:
+        engine.follow()
+    else:
+        engine.spread = True
+        greedy = lambda n: SamplingParams(max_tokens=n, temperature=0)  # noqa: E731
+        streamed: dict[int, int] = {}
+
+        def count(seq):
+            streamed[seq.id] = streamed.get(seq.id, 0) + 1
+
+        def lead_until(seqs):
+            while not all(s.finished for s in seqs):
+                engine.lead()
+            while engine.busy:  # the step that finds nothing to do
+                engine.lead()
+
+        try:
+            burst = [engine.submit(engine.encode(p), greedy(8), on_token=count) for p in PROMPTS]
+            remote = [s.id in engine.remote for s in burst]
+            lead_until(burst)
+            engine.ping()  # idle: a Ping message
+            idle_status = list(engine.rank_status)
+            # a request another rank runs, aborted while it decodes; a ping while the ranks step
+            here = engine.submit(engine.encode(PROMPTS[0]), greedy(30))
+            there = engine.submit(engine.encode(PROMPTS[1]), greedy(30))
+            aborted_remote = there.id in engine.remote
+            for _ in range(4):
+                engine.lead()
+            engine.rank_status = []
+            engine.ping()  # busy: in the next step's gather
+            engine.abort(there)
+            lead_until([here, there])
+            busy_status = list(engine.rank_status)
+            # echo + logprobs on the other rank
+            first = engine.submit(engine.encode(PROMPTS[0]), greedy(4))
+            scored = engine.submit(engine.encode(LONG), SamplingParams(max_tokens=2, temperature=0, echo=True,
+                                                                        logprobs=2))
+            scored_remote = scored.id in engine.remote
+            lead_until([first, scored])
+            out = {"tokens": [s.generated for s in burst], "remote": remote,
+                   "streamed": [streamed.get(s.id, 0) for s in burst],
+                   "reasons": [s.finish_reason for s in burst], "idle_status": idle_status,
+                   "busy_status": busy_status, "aborted": [there.finish_reason, len(there.generated), aborted_remote],
+                   "here": here.generated, "scored": scored.prompt_logprobs, "scored_tokens": scored.generated,
+                   "scored_remote": scored_remote, "left": [len(engine.remote), engine.pending()],
+                   "stats": dict(engine.stats)}
+        finally:
+            engine.stop_followers()
+    blocks = dist.gather_json(sum(pool.used() for pool in engine.scheduler.pools))
+    if out is not None:
+        out["blocks_in_use"] = blocks
+    return out
 
 
 def main() -> None:
@@ -144,9 +204,11 @@ def main() -> None:
             engine.stop_followers()
             engine.close()
     if ranks.world > 1 and placement is None:
-        own = own_requests(config, ranks)
+        engine = Engine.from_config(config, ranks, own_requests=True)
+        own = own_requests(engine, ranks)
+        own_served = served(engine, ranks)
         if result is not None:
-            result["own"] = own
+            result["own"], result["own_served"] = own, own_served
     if result is not None:
         path.write_text(json.dumps(result))
 
