@@ -108,6 +108,8 @@ def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tm
             assert sorted(s["rank"] for s in status) == [0, 1]
         reason, made, remote = served["aborted"]
         assert remote and reason == "abort" and made < 30 and served["here"] == reference_greedy(package, PROMPTS[0], 30)[1]
+        # /health's and /metrics' counts over both ranks: 2 running (1 a rank), a KV block each; none when done
+        assert served["queues"] == [[2, 0], 2.0, [0, 0], 0.0]
         assert served["scored_remote"] and served["scored"][0] is None
         assert served["scored"][1:] == pytest.approx(one_rank["scored"]["whole"][1:], abs=1e-5)
         assert served["scored_tokens"] == one_rank["scored"]["tokens"][1]

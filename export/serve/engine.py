@@ -213,6 +213,7 @@ class Engine:
         self.busy = False  # an own engine's ranks are stepping together (idle, the others wait for a Wake)
         self._ping_due = False
         self._relay: list | None = None  # ranks > 0 following rank 0's server: their last step's results
+        self.rank_queues: list[list[int]] = []  # own: each rank's [running, waiting, KV blocks used] at the last step
         heads, dtype, device = served_kv(model)
         kv = plan_kv(self.cfg, heads, dtype, device, max_batch, kv_cache_memory, max_model_len, block_size,
                      local_ranks=ranks.local_world if ranks is not None else 1)
@@ -360,6 +361,24 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) sequences over every rank: where each rank schedules its own, the others' as the last
+        step's gather said (0 once idle), and the requests not yet sent to them as waiting."""
+        running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        if self.spread:
+            others = [q for r, q in enumerate(self.rank_queues) if r != self.worker.rank]
+            running += sum(q[0] for q in others)
+            waiting += sum(q[1] for q in others) + len(self._orders["submit"])
+        return running, waiting
+
+    def kv_usage(self) -> float:
+        """The fraction of KV blocks in use over every rank's pool (vLLM's kv_cache_usage_perc)."""
+        if not self.spread or not self.rank_queues:
+            return self.scheduler.kv_usage()
+        used = sum(pool.used() for pool in self.scheduler.pools)
+        used += sum(q[2] for r, q in enumerate(self.rank_queues) if r != self.worker.rank)
+        return used / (self.kv.blocks * len(self.rank_queues))
+
     def pending(self) -> int:
         """Requests not finished: this rank's, and with `spread` those it gave the other ranks."""
         if not self.spread:
@@ -455,7 +474,10 @@ class Engine:
         if self._relay is not None:  # a rank following rank 0's server: its last step's results go to rank 0
             note, self._relay = ({"results": self._relay} if self._relay else None), []
         orders = bool(note and (note.get("submit") or note.get("abort")))  # requests for the next step
-        table = dist.gather_json([len(mine), self.scheduler.pending() + orders, tokens, note])
+        sched = self.scheduler
+        queues = [len(sched.running), len(sched.waiting), sum(pool.used() for pool in sched.pools), plan.decode_rows]
+        table = dist.gather_json([len(mine), sched.pending() + orders, tokens, note, queues])
+        self.rank_queues = [row[4][:3] for row in table]
         self._heard([row[3] for row in table])
         ping = bool(table[0][3] and table[0][3].get("ping"))
         n = max(row[0] for row in table)
@@ -473,7 +495,7 @@ class Engine:
             forwards.append(Forward(mine[i].kind if i < len(mine) else "decode", rows))
         step = Step(forwards, [dataclasses.replace(new, rank=me) for new in plan.step.new], plan.step.freed,
                     plan.step.ended)
-        self._count(plan, mine)
+        self._count(plan, mine, sum(row[4][3] for row in table))
         results = self.worker.execute(step)
         if self._relay is not None:
             self._relay = [r.to_json() for r in results]
@@ -558,12 +580,14 @@ class Engine:
         if self.worker.rank == 0:
             self.rank_status, self.rank_status_at = [s.to_dict() for s in status], time.time()
 
-    def _count(self, plan: Plan, forwards: list[Forward]) -> None:
-        """A step's books before it runs: decode steps (and the server's callback with their rows), prefill forwards."""
-        if plan.decode_rows:
+    def _count(self, plan: Plan, forwards: list[Forward], decode_rows: int | None = None) -> None:
+        """A step's books before it runs: decode steps (and the server's callback with their rows, over every rank:
+        `decode_rows` where each rank schedules its own), prefill forwards."""
+        rows = plan.decode_rows if decode_rows is None else decode_rows
+        if rows:
             self.stats["decode_steps"] += 1
             if self.on_decode is not None:
-                self.on_decode(plan.decode_rows)
+                self.on_decode(rows)
         self.stats["prefill_forwards"] += sum(f.kind != "decode" for f in forwards)
 
     def _aborted(self, plan: Plan) -> None:

@@ -312,7 +312,7 @@ def _error(err: BadRequest, metrics: ServeMetrics) -> JSONResponse:
 
 def check_room(engine, prompts: int, config) -> None:
     """429 when sequences already wait and `prompts` more would pass --max-waiting."""
-    queued = len(engine.waiting)
+    queued = engine.queue_lengths()[1]
     if queued and queued + prompts > config.max_waiting:
         raise BadRequest(429, f"the server is busy: {queued} sequences are waiting (--max-waiting "
                          f"{config.max_waiting}); retry shortly", kind="rate_limit_error")
@@ -516,7 +516,7 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
             return JSONResponse({"status": "ok" if alive else "unhealthy"}, status_code=200 if alive else 503)
         heard = engine.rank_status_at
         body = {"status": "ok" if alive else "unhealthy", "ranks": engine.ranks.world if engine.ranks else 1,
-                "running": len(engine.running), "waiting": len(engine.waiting),
+                **dict(zip(("running", "waiting"), engine.queue_lengths())),
                 "error": None if worker.error is None else repr(worker.error),
                 "layout": engine.layout.describe() if engine.layout is not None else None,
                 "data_parallel": engine.dp,

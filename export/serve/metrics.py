@@ -90,12 +90,13 @@ class ServeMetrics:
 
     def render(self, engine) -> str:
         """The exposition text, gauges read from `engine` now."""
-        self.running.set(len(engine.running))
+        running, waiting = engine.queue_lengths()
+        self.running.set(running)
         self.engine_tokens.set(engine.stats["tokens_out"])
         self.engine_failed.set(engine.stats["failed"])
-        self.waiting.set(len(engine.waiting))
+        self.waiting.set(waiting)
         sched = engine.scheduler
-        self.kv_usage.set(sched.kv_usage())
+        self.kv_usage.set(engine.kv_usage())
         self.prefix_queries.set(sched.stats["prefix_queries"])
         self.prefix_hits.set(sched.stats["prefix_hits"])
         self.preemptions.set(sched.stats["preemptions"])

@@ -153,6 +153,7 @@ def served(engine: Engine, ranks) -> dict | None:
             aborted_remote = there.id in engine.remote
             for _ in range(4):
                 engine.lead()
+            queues = [engine.queue_lengths(), round(engine.kv_usage() * engine.kv.blocks * ranks.world, 6)]
             engine.rank_status = []
             engine.ping()  # busy: in the next step's gather
             engine.abort(there)
@@ -170,6 +171,7 @@ def served(engine: Engine, ranks) -> dict | None:
                    "busy_status": busy_status, "aborted": [there.finish_reason, len(there.generated), aborted_remote],
                    "here": here.generated, "scored": scored.prompt_logprobs, "scored_tokens": scored.generated,
                    "scored_remote": scored_remote, "left": [len(engine.remote), engine.pending()],
+                   "queues": queues + [engine.queue_lengths(), engine.kv_usage()],
                    "stats": dict(engine.stats)}
         finally:
             engine.stop_followers()
