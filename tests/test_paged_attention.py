@@ -102,3 +102,44 @@ def test_paged_attention_refuses_a_bad_table_and_writes_nothing():
     with pytest.raises(RuntimeError, match="contiguous CPU"):
         kernel.paged_attention(q, k, v, K2, V2, tables.t().contiguous().t(), STARTS)
     assert torch.equal(K2, K) and torch.equal(V2, V)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_paged_attention_heads_of_whole_vectors_equal_the_generic_passes_to_the_bit(dtype, D):
+    """Heads of 32, 64 or 128 run AVX-512's fixed-size passes (csrc/gemv.cpp `scores_fixed`, `values_fixed`); the
+    same heads padded with zeros to f^2 times the size (256 or 512) run the generic ones, whose sums the zeros leave
+    as they are, the queries times f for the scale 1 / sqrt(D) f times smaller (powers of 2: no rounding). Query
+    heads a key head 1, 3 (passes of 2 and 1), 4 and 8; 1 to 70 positions over blocks of 16 and of 5 (keys crossing
+    blocks inside a run of 16)."""
+    kernel = gemv(dtype)
+    gen = torch.Generator().manual_seed(D)
+    starts = [0, 4, 15, 16, 17, 33, 47, 69]
+    for H, Hkv in [(4, 4), (6, 2), (16, 4), (16, 2)]:
+        for bs in (16, 5):
+            B, width = len(starts), max(starts) // bs + 2
+            blocks = sum(p // bs + 1 for p in starts) + 2
+            K, V = (torch.randn(blocks, Hkv, bs, D, generator=gen).to(dtype) for _ in range(2))
+            tables = torch.full((B, width), 10 ** 9, dtype=torch.int64)  # entries past a row's blocks: never read
+            perm = torch.randperm(blocks, generator=gen).tolist()
+            for b, p in enumerate(starts):
+                tables[b, :p // bs + 1] = torch.tensor(perm[:p // bs + 1])
+                perm = perm[p // bs + 1:]
+            q, k, v = (torch.randn(B, h, D, generator=gen).to(dtype) for h in (H, Hkv, Hkv))
+            f = 4 if D == 32 else 2
+            pad = lambda t: F.pad(t, (0, D * f * f - D))  # noqa: E731
+            y = kernel.paged_attention(q, k, v, K.clone(), V.clone(), tables, starts)
+            y_pad = kernel.paged_attention(pad(q * f), pad(k), pad(v), pad(K), pad(V), tables, starts)
+            assert torch.equal(y, y_pad[..., :D]), (H, Hkv, bs)
+            torch.testing.assert_close(y.float(), reference_at(q, k, v, K, V, tables, starts, bs), atol=2e-2,
+                                       rtol=2e-2)
+
+
+def reference_at(q, k, v, K, V, tables, starts, bs):
+    """`reference` for a pool of blocks of `bs` positions."""
+    global BS
+    saved, BS = BS, bs
+    try:
+        return reference(q, k, v, K, V, tables, starts)
+    finally:
+        BS = saved

@@ -460,22 +460,21 @@ static inline vf vexp(vf x) {
 static inline vf vload_f(const float* p) { return vload(p); }
 static inline vf vload_f(const c10::BFloat16* p) { return vload(p); }
 
-// One query head of one row: y[D] = softmax(scale q.K[j] for j < n) . V, fp32 throughout (q, K, V widened on load),
-// one rounding to the output dtype. The keys are walked block by block: key (and value) j is the D values at
 // Attention of `G` query heads that share one key/value head (grouped-query attention) over n positions: the
 // queries q (G heads, D apart), keys at K + table[j / bs] * stride + (j % bs) * D (a paged pool's blocks of bs
 // positions, `stride` elements apart, in the order of the row's block table), values likewise from V; outputs y (G
 // heads, D apart). Each key and value is read once for the G heads; each head's sums run in the same order as for
-// one head alone (d ascending in vectors, then the positions ascending), so a head's output does not depend on G.
-// `s`: room for G x (n + VW) scores.
+// one head alone (d ascending in vectors, then the positions ascending), so a head's output does not depend on G;
+// fp32 throughout (q, K, V widened on load), one rounding to the output dtype. `s`: room for G x (n + VW) scores.
+//
+// Three passes: the scores (with each head's largest), their exponentials and sums, the values' weighted sum. Where
+// the head size is 2, 4 or 8 vectors of AVX-512 (D 32, 64, 128) the first and last run `scores_fixed` and
+// `values_fixed`: the same sums in the same order (the outputs equal the generic passes' to the bit), without a
+// horizontal sum per key and with the output in registers.
 template <typename T, int G>
-static void attend_group(const T* q, const T* K, const T* V, const int64_t* table, int64_t bs, int64_t stride, T* y,
-                         int64_t n, int64_t D, float scale, float* s) {
-  const int64_t Dv = D / VW * VW, sn = n + VW;
-  alignas(64) float qf[G][512];
-  for (int h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) qf[h][d] = static_cast<float>(q[h * D + d]) * scale;
-  float m[G];
+static void scores_any(const float (*qf)[512], const T* K, const int64_t* table, int64_t bs, int64_t stride,
+                       int64_t n, int64_t D, float* s, int64_t sn, float* m) {
+  const int64_t Dv = D / VW * VW;
   for (int h = 0; h < G; ++h) m[h] = -INFINITY;
   for (int64_t j0 = 0, blk = 0; j0 < n; j0 += bs, ++blk) {
     const T* kb = K + table[blk] * stride;
@@ -496,7 +495,10 @@ static void attend_group(const T* q, const T* K, const T* V, const int64_t* tabl
       }
     }
   }
-  float inv[G];
+}
+
+template <int G>
+static void softmax_scores(float* s, int64_t sn, int64_t n, const float* m, float* inv) {
   for (int h = 0; h < G; ++h) {
     float* sh = s + h * sn;
     const int64_t nv = n / VW * VW;
@@ -520,6 +522,12 @@ static void attend_group(const T* q, const T* K, const T* V, const int64_t* tabl
     }
     inv[h] = 1.0f / sum;
   }
+}
+
+template <typename T, int G>
+static void values_any(const T* V, const int64_t* table, int64_t bs, int64_t stride, T* y, int64_t n, int64_t D,
+                       const float* s, int64_t sn, const float* inv) {
+  const int64_t Dv = D / VW * VW;
   alignas(64) float out[G][512];
   for (int h = 0; h < G; ++h)
     for (int64_t d = 0; d < D; ++d) out[h][d] = 0.0f;
@@ -540,6 +548,122 @@ static void attend_group(const T* q, const T* K, const T* V, const int64_t* tabl
   }
   for (int h = 0; h < G; ++h)
     for (int64_t d = 0; d < D; ++d) y[h * D + d] = static_cast<T>(out[h][d] * inv[h]);
+}
+
+#if defined(__AVX512F__)
+// The sums of 16 vectors, one a lane: lane 4k + m is the sum of a[k + 4m]'s lanes, added in _mm512_reduce_add_ps's
+// order (GCC's: the 256-bit halves, then the 128-bit halves, then elements (0 + 2) + (1 + 3)), so each equals
+// vsum(a[k + 4m]) to the bit. ~45 instructions for 16 sums where vsum takes ~8 for one.
+static inline vf vsum16(const float (*a)[16]) {
+  vf b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {  // the 256-bit halves: [a.lo + a.hi | a'.lo + a'.hi]
+    const vf x = vload(a[2 * i]), y = vload(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)));
+  }
+  for (int i = 0; i < 4; ++i)  // the 128-bit halves: 128-bit lane k the sums of a[4i + k]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  for (int i = 0; i < 2; ++i)  // elements 0 + 2 and 1 + 3 of each
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)),  // (0 + 2) + (1 + 3)
+                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)));
+}
+
+// scores_any for a head of DV vectors: each key's G partial-sum vectors are kept (key t of 16 in slot t / 4 +
+// 4 (t % 4)) and every 16 keys' sums come out of one vsum16 a head, stored and maxed as a vector.
+template <typename T, int G, int DV>
+static void scores_fixed(const float (*qf)[512], const T* K, const int64_t* table, int64_t bs, int64_t stride,
+                         int64_t n, float* s, int64_t sn, float* m) {
+  constexpr int64_t D = DV * VW;
+  alignas(64) float part[G][VW][VW];
+  vf top[G];
+  for (int h = 0; h < G; ++h) top[h] = vset(-INFINITY);
+  const T* kb = K + table[0] * stride;
+  for (int64_t j0 = 0, blk = 0, at = 0; j0 < n; j0 += VW) {
+    const int64_t cnt = std::min<int64_t>(VW, n - j0);
+    for (int64_t t = 0; t < VW; ++t) {
+      const int64_t slot = t / 4 + 4 * (t % 4);
+      if (t >= cnt) {
+        for (int h = 0; h < G; ++h) vstore(part[h][slot], vzero());
+        continue;
+      }
+      const T* k = kb + at * D;
+      vf acc[G];
+      for (int h = 0; h < G; ++h) acc[h] = vzero();
+      for (int d = 0; d < DV; ++d) {
+        const vf kv = vload_f(k + d * VW);
+        for (int h = 0; h < G; ++h) acc[h] = vfma(kv, vload(qf[h] + d * VW), acc[h]);
+      }
+      for (int h = 0; h < G; ++h) vstore(part[h][slot], acc[h]);
+      if (++at == bs && j0 + t + 1 < n) at = 0, kb = K + table[++blk] * stride;  // never past the row's blocks
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
+    for (int h = 0; h < G; ++h) {
+      const vf sc = vsum16(part[h]);
+      vstore(s + h * sn + j0, sc);
+      top[h] = _mm512_mask_max_ps(top[h], live, top[h], sc);
+    }
+  }
+  for (int h = 0; h < G; ++h) m[h] = _mm512_reduce_max_ps(top[h]);
+}
+
+// values_any for a head of DV vectors: the G heads' sums in registers, in passes of up to 16 vectors' worth.
+template <typename T, int G, int DV>
+static void values_fixed(const T* V, const int64_t* table, int64_t bs, int64_t stride, T* y, int64_t n,
+                         const float* s, int64_t sn, const float* inv) {
+  constexpr int64_t D = DV * VW;
+  constexpr int P = G * DV <= 16 ? G : std::max(1, 16 / DV);  // heads a pass
+  for (int h0 = 0; h0 < G; h0 += P) {
+    const int np = std::min(P, G - h0);
+    vf o[P][DV];
+    for (int h = 0; h < P; ++h)
+      for (int d = 0; d < DV; ++d) o[h][d] = vzero();
+    const T* vb = V + table[0] * stride;
+    for (int64_t j = 0, blk = 0, at = 0; j < n; ++j) {
+      const T* v = vb + at * D;
+      vf vv[DV];
+      for (int d = 0; d < DV; ++d) vv[d] = vload_f(v + d * VW);
+      for (int h = 0; h < P; ++h) {
+        if (h >= np) break;
+        const vf p = vset(s[(h0 + h) * sn + j]);
+        for (int d = 0; d < DV; ++d) o[h][d] = vfma(p, vv[d], o[h][d]);
+      }
+      if (++at == bs && j + 1 < n) at = 0, vb = V + table[++blk] * stride;
+    }
+    for (int h = 0; h < np; ++h) {
+      alignas(64) float out[D];
+      for (int d = 0; d < DV; ++d) vstore(out + d * VW, o[h][d]);
+      for (int64_t d = 0; d < D; ++d) y[(h0 + h) * D + d] = static_cast<T>(out[d] * inv[h0 + h]);
+    }
+  }
+}
+#endif
+
+template <typename T, int G>
+static void attend_group(const T* q, const T* K, const T* V, const int64_t* table, int64_t bs, int64_t stride, T* y,
+                         int64_t n, int64_t D, float scale, float* s) {
+  const int64_t sn = n + VW;
+  alignas(64) float qf[G][512];
+  for (int h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) qf[h][d] = static_cast<float>(q[h * D + d]) * scale;
+  float m[G], inv[G];
+#if defined(__AVX512F__)
+  if (D == 32 || D == 64 || D == 128) {
+    if (D == 32) scores_fixed<T, G, 2>(qf, K, table, bs, stride, n, s, sn, m);
+    if (D == 64) scores_fixed<T, G, 4>(qf, K, table, bs, stride, n, s, sn, m);
+    if (D == 128) scores_fixed<T, G, 8>(qf, K, table, bs, stride, n, s, sn, m);
+    softmax_scores<G>(s, sn, n, m, inv);
+    if (D == 32) values_fixed<T, G, 2>(V, table, bs, stride, y, n, s, sn, inv);
+    if (D == 64) values_fixed<T, G, 4>(V, table, bs, stride, y, n, s, sn, inv);
+    if (D == 128) values_fixed<T, G, 8>(V, table, bs, stride, y, n, s, sn, inv);
+    return;
+  }
+#endif
+  scores_any<T, G>(qf, K, table, bs, stride, n, D, s, sn, m);
+  softmax_scores<G>(s, sn, n, m, inv);
+  values_any<T, G>(V, table, bs, stride, y, n, D, s, sn, inv);
 }
 
 // `heads` query heads (any number) of one key/value head, in passes of up to 8.
