@@ -110,6 +110,8 @@ def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tm
         assert remote and reason == "abort" and made < 30 and served["here"] == reference_greedy(package, PROMPTS[0], 30)[1]
         # /health's and /metrics' counts over both ranks: 2 running (1 a rank), a KV block each; none when done
         assert served["queues"] == [[2, 0], 2.0, [0, 0], 0.0]
+        over_ranks, rank0, prompts = served["queried"]  # rank 0's own count is part of it, rank 1's the rest
+        assert over_ranks == prompts and 0 < rank0 < prompts
         assert served["scored_remote"] and served["scored"][0] is None
         assert served["scored"][1:] == pytest.approx(one_rank["scored"]["whole"][1:], abs=1e-5)
         assert served["scored_tokens"] == one_rank["scored"]["tokens"][1]

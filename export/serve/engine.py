@@ -47,7 +47,7 @@ from export.serve.kv_cache import block_bytes, free_memory, pool_blocks, served_
 from export.serve.placement.controller import Controller, ControllerStats, make_controller
 from export.serve.placement.exchange import Exchange, ExchangeStats, placed_model
 from export.serve.request import Detokenizer, Request, SamplingParams
-from export.serve.scheduler import Plan, Scheduler, cdiv
+from export.serve.scheduler import SCHED_STATS, Plan, Scheduler, cdiv
 from export.serve.step import Forward, Row, RowResult, Step
 from export.serve.worker import Worker
 from pipeline.model import GPT, ModelConfig
@@ -213,7 +213,8 @@ class Engine:
         self.busy = False  # an own engine's ranks are stepping together (idle, the others wait for a Wake)
         self._ping_due = False
         self._relay: list | None = None  # ranks > 0 following rank 0's server: their last step's results
-        self.rank_queues: list[list[int]] = []  # own: each rank's [running, waiting, KV blocks used] at the last step
+        # own: each rank's [running, waiting, KV blocks used, decode rows, *its scheduler's SCHED_STATS] at the last step
+        self.rank_queues: list[list[int]] = []
         heads, dtype, device = served_kv(model)
         kv = plan_kv(self.cfg, heads, dtype, device, max_batch, kv_cache_memory, max_model_len, block_size,
                      local_ranks=ranks.local_world if ranks is not None else 1)
@@ -379,6 +380,17 @@ class Engine:
         used += sum(q[2] for r, q in enumerate(self.rank_queues) if r != self.worker.rank)
         return used / (self.kv.blocks * len(self.rank_queues))
 
+    def scheduler_stats(self) -> dict[str, int]:
+        """The schedulers' counters (prefix-cache queries and hits, preemptions) over every rank: where each rank
+        schedules its own, the others' as of the last step's gather."""
+        stats = dict(self.scheduler.stats)
+        if self.spread:
+            for r, q in enumerate(self.rank_queues):
+                if r != self.worker.rank:
+                    for key, n in zip(SCHED_STATS, q[4:]):
+                        stats[key] += n
+        return stats
+
     def pending(self) -> int:
         """Requests not finished: this rank's, and with `spread` those it gave the other ranks."""
         if not self.spread:
@@ -475,9 +487,10 @@ class Engine:
             note, self._relay = ({"results": self._relay} if self._relay else None), []
         orders = bool(note and (note.get("submit") or note.get("abort")))  # requests for the next step
         sched = self.scheduler
-        queues = [len(sched.running), len(sched.waiting), sum(pool.used() for pool in sched.pools), plan.decode_rows]
+        queues = [len(sched.running), len(sched.waiting), sum(pool.used() for pool in sched.pools), plan.decode_rows,
+                  *(sched.stats[key] for key in SCHED_STATS)]
         table = dist.gather_json([len(mine), sched.pending() + orders, tokens, note, queues])
-        self.rank_queues = [row[4][:3] for row in table]
+        self.rank_queues = [row[4] for row in table]
         self._heard([row[3] for row in table])
         ping = bool(table[0][3] and table[0][3].get("ping"))
         n = max(row[0] for row in table)

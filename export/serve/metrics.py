@@ -95,11 +95,11 @@ class ServeMetrics:
         self.engine_tokens.set(engine.stats["tokens_out"])
         self.engine_failed.set(engine.stats["failed"])
         self.waiting.set(waiting)
-        sched = engine.scheduler
+        sched = engine.scheduler_stats()
         self.kv_usage.set(engine.kv_usage())
-        self.prefix_queries.set(sched.stats["prefix_queries"])
-        self.prefix_hits.set(sched.stats["prefix_hits"])
-        self.preemptions.set(sched.stats["preemptions"])
+        self.prefix_queries.set(sched["prefix_queries"])
+        self.prefix_hits.set(sched["prefix_hits"])
+        self.preemptions.set(sched["preemptions"])
         for layer, counts in enumerate(list(engine.expert_tokens)):
             for e, c in enumerate(counts.tolist()):
                 self.experts.labels(str(layer), str(e)).set(c)

@@ -139,6 +139,10 @@ class Plan:
     decode_rows: int = 0  # sequences that decode a token in this step, over every rank
 
 
+# the scheduler's counters (`Scheduler.stats`), in this order where the ranks' steps gather them
+SCHED_STATS = ("prefix_queries", "prefix_hits", "preemptions")
+
+
 class Scheduler:
     """Waiting and running queues, token budgets, the data-parallel rank choice and every rank's KV blocks.
 
@@ -170,7 +174,7 @@ class Scheduler:
         self._ended: list[int] = []
         self._aborts: set[int] = set()
         self.lock = threading.Lock()
-        self.stats = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}  # tokens queried / found cached
+        self.stats = dict.fromkeys(SCHED_STATS, 0)  # prefix-cache tokens queried / found cached, preemptions
 
     # -- queues (any thread) --------------------------------------------------------------------------------------
 

@@ -142,6 +142,7 @@ def served(engine: Engine, ranks) -> dict | None:
                 engine.lead()
 
         try:
+            before = [engine.scheduler_stats()["prefix_queries"], engine.scheduler.stats["prefix_queries"]]
             burst = [engine.submit(engine.encode(p), greedy(8), on_token=count) for p in PROMPTS]
             remote = [s.id in engine.remote for s in burst]
             lead_until(burst)
@@ -165,6 +166,11 @@ def served(engine: Engine, ranks) -> dict | None:
                                                                         logprobs=2))
             scored_remote = scored.id in engine.remote
             lead_until([first, scored])
+            # /metrics' prefix-cache queries over both ranks since `before`: every prompt but the scored one (no
+            # cache lookup)
+            queried = [engine.scheduler_stats()["prefix_queries"] - before[0],
+                       engine.scheduler.stats["prefix_queries"] - before[1],
+                       sum(len(s.prompt) for s in [*burst, here, there, first])]
             out = {"tokens": [s.generated for s in burst], "remote": remote,
                    "streamed": [streamed.get(s.id, 0) for s in burst],
                    "reasons": [s.finish_reason for s in burst], "idle_status": idle_status,
@@ -172,7 +178,7 @@ def served(engine: Engine, ranks) -> dict | None:
                    "here": here.generated, "scored": scored.prompt_logprobs, "scored_tokens": scored.generated,
                    "scored_remote": scored_remote, "left": [len(engine.remote), engine.pending()],
                    "queues": queues + [engine.queue_lengths(), engine.kv_usage()],
-                   "stats": dict(engine.stats)}
+                   "stats": dict(engine.stats), "queried": queried}
         finally:
             engine.stop_followers()
     blocks = dist.gather_json(sum(pool.used() for pool in engine.scheduler.pools))
