@@ -37,14 +37,14 @@ def pool_and_tables(dtype, Hkv, D, gen):
     return K, V, tables
 
 
-def reference(q, k, v, K, V, tables, starts):
-    """Each row's keys and values gathered through its table from the pool as it was, the new ones appended, SDPA
-    in fp32 (query heads grouped onto the kv heads)."""
+def reference(q, k, v, K, V, tables, starts, bs=BS):
+    """Each row's keys and values gathered through its table from the pool (blocks of `bs` positions) as it was, the
+    new ones appended, SDPA in fp32 (query heads grouped onto the kv heads)."""
     B, H, D = q.shape
     Hkv = K.shape[1]
     out = []
     for b, p in enumerate(starts):
-        blocks = tables[b, :p // BS + 1]
+        blocks = tables[b, :p // bs + 1]
         keys = K[blocks].float().permute(1, 0, 2, 3).reshape(Hkv, -1, D)[:, :p]  # [Hkv, p, D]
         vals = V[blocks].float().permute(1, 0, 2, 3).reshape(Hkv, -1, D)[:, :p]
         keys = torch.cat([keys, k[b].float()[:, None]], dim=1).repeat_interleave(H // Hkv, dim=0)
@@ -131,15 +131,5 @@ def test_paged_attention_heads_of_whole_vectors_equal_the_generic_passes_to_the_
             y = kernel.paged_attention(q, k, v, K.clone(), V.clone(), tables, starts)
             y_pad = kernel.paged_attention(pad(q * f), pad(k), pad(v), pad(K), pad(V), tables, starts)
             assert torch.equal(y, y_pad[..., :D]), (H, Hkv, bs)
-            torch.testing.assert_close(y.float(), reference_at(q, k, v, K, V, tables, starts, bs), atol=2e-2,
+            torch.testing.assert_close(y.float(), reference(q, k, v, K, V, tables, starts, bs), atol=2e-2,
                                        rtol=2e-2)
-
-
-def reference_at(q, k, v, K, V, tables, starts, bs):
-    """`reference` for a pool of blocks of `bs` positions."""
-    global BS
-    saved, BS = BS, bs
-    try:
-        return reference(q, k, v, K, V, tables, starts)
-    finally:
-        BS = saved

@@ -207,14 +207,13 @@ class Engine:
         # `_orders` what the next step's gather tells the ranks (new requests, aborts)
         self.spread = False
         self.remote: dict[int, tuple[Request, int]] = {}
-        self.remote_load = [0] * world
         self._orders: dict[str, list] = {"submit": [], "abort": []}
         self._front = threading.Lock()
         self.busy = False  # an own engine's ranks are stepping together (idle, the others wait for a Wake)
         self._ping_due = False
         self._relay: list | None = None  # ranks > 0 following rank 0's server: their last step's results
-        # own: each rank's [running, waiting, KV blocks used, decode rows, *its scheduler's SCHED_STATS] at the last step
-        self.rank_queues: list[list[int]] = []
+        # own: each rank's books at the last step (`_books`: running, waiting, kv_blocks, decode_rows, SCHED_STATS)
+        self.rank_queues: list[dict[str, int]] = []
         heads, dtype, device = served_kv(model)
         kv = plan_kv(self.cfg, heads, dtype, device, max_batch, kv_cache_memory, max_model_len, block_size,
                      local_ranks=ranks.local_world if ranks is not None else 1)
@@ -352,11 +351,12 @@ class Engine:
             raise RuntimeError(f"the engine stopped: {self.closed}")
         if self.spread:
             with self._front:
-                loads = [self.scheduler.pending(), *self.remote_load[1:]]
+                loads = [self.scheduler.pending()] + [0] * (self.world - 1)
+                for _, r in self.remote.values():
+                    loads[r] += 1
                 rank = loads.index(min(loads))
                 if rank:
                     self.remote[seq.id] = (seq, rank)
-                    self.remote_load[rank] += 1
                     self._orders["submit"].append([seq.id, rank, seq.prompt, dataclasses.asdict(params)])
                     return seq
         self.scheduler.add(seq)
@@ -366,30 +366,40 @@ class Engine:
         """(running, waiting) sequences over every rank: where each rank schedules its own, the others' as the last
         step's gather said (0 once idle), and the requests not yet sent to them as waiting."""
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        for q in self._others():
+            running += q["running"]
+            waiting += q["waiting"]
         if self.spread:
-            others = [q for r, q in enumerate(self.rank_queues) if r != self.worker.rank]
-            running += sum(q[0] for q in others)
-            waiting += sum(q[1] for q in others) + len(self._orders["submit"])
+            waiting += len(self._orders["submit"])
         return running, waiting
 
     def kv_usage(self) -> float:
         """The fraction of KV blocks in use over every rank's pool (vLLM's kv_cache_usage_perc)."""
         if not self.spread or not self.rank_queues:
             return self.scheduler.kv_usage()
-        used = sum(pool.used() for pool in self.scheduler.pools)
-        used += sum(q[2] for r, q in enumerate(self.rank_queues) if r != self.worker.rank)
+        used = sum(pool.used() for pool in self.scheduler.pools) + sum(q["kv_blocks"] for q in self._others())
         return used / (self.kv.blocks * len(self.rank_queues))
 
     def scheduler_stats(self) -> dict[str, int]:
         """The schedulers' counters (prefix-cache queries and hits, preemptions) over every rank: where each rank
         schedules its own, the others' as of the last step's gather."""
         stats = dict(self.scheduler.stats)
-        if self.spread:
-            for r, q in enumerate(self.rank_queues):
-                if r != self.worker.rank:
-                    for key, n in zip(SCHED_STATS, q[4:]):
-                        stats[key] += n
+        for q in self._others():
+            for key in SCHED_STATS:
+                stats[key] += q[key]
         return stats
+
+    def _others(self) -> list[dict[str, int]]:
+        """With `spread`, the other ranks' books as of the last step's gather (`rank_queues`); else none."""
+        return [q for r, q in enumerate(self.rank_queues) if r != self.worker.rank] if self.spread else []
+
+    def _books(self, plan: Plan) -> dict[str, int]:
+        """This rank's books for a step's gather: sequences running and waiting, KV blocks in use, the step's decode
+        rows, the scheduler's counters."""
+        sched = self.scheduler
+        return {"running": len(sched.running), "waiting": len(sched.waiting),
+                "kv_blocks": sum(pool.used() for pool in sched.pools), "decode_rows": plan.decode_rows,
+                **{key: sched.stats[key] for key in SCHED_STATS}}
 
     def pending(self) -> int:
         """Requests not finished: this rank's, and with `spread` those it gave the other ranks."""
@@ -486,10 +496,7 @@ class Engine:
         if self._relay is not None:  # a rank following rank 0's server: its last step's results go to rank 0
             note, self._relay = ({"results": self._relay} if self._relay else None), []
         orders = bool(note and (note.get("submit") or note.get("abort")))  # requests for the next step
-        sched = self.scheduler
-        queues = [len(sched.running), len(sched.waiting), sum(pool.used() for pool in sched.pools), plan.decode_rows,
-                  *(sched.stats[key] for key in SCHED_STATS)]
-        table = dist.gather_json([len(mine), sched.pending() + orders, tokens, note, queues])
+        table = dist.gather_json([len(mine), self.scheduler.pending() + orders, tokens, note, self._books(plan)])
         self.rank_queues = [row[4] for row in table]
         self._heard([row[3] for row in table])
         ping = bool(table[0][3] and table[0][3].get("ping"))
@@ -508,7 +515,7 @@ class Engine:
             forwards.append(Forward(mine[i].kind if i < len(mine) else "decode", rows))
         step = Step(forwards, [dataclasses.replace(new, rank=me) for new in plan.step.new], plan.step.freed,
                     plan.step.ended)
-        self._count(plan, mine, sum(row[4][3] for row in table))
+        self._count(plan, mine, sum(q["decode_rows"] for q in self.rank_queues))
         results = self.worker.execute(step)
         if self._relay is not None:
             self._relay = [r.to_json() for r in results]
@@ -580,7 +587,6 @@ class Engine:
             held = self.remote.pop(rid, None)
             if held is None:
                 return
-            self.remote_load[held[1]] -= 1
         if reason is not None and not held[0].finished:
             try:
                 held[0].finish(reason)

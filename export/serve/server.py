@@ -11,8 +11,8 @@ step, retire, repeat; PyTorch's CPU kernels ran ~40% slower from a secondary thr
 uvicorn (on uvloop and httptools) in a second thread (export/serve/http.py); the other ranks run every forward rank 0
 sends (`Engine.follow`). Data parallel without --placement, each rank runs requests of its own (rank 0's `submit`
 gives each to the rank with the fewest, as vLLM's data-parallel front end) and schedules them itself: the ranks
-step together, agreeing in one small gather a step (`Engine.lead`, `Engine.step_own`). SIGTERM (or Ctrl-C): uvicorn stops accepting, in-flight requests
-finish, the engine drains, the other ranks are told to stop, exit 0. A dead rank or engine
+step together, agreeing in one small gather a step (`Engine.lead`, `Engine.step_own`). SIGTERM (or Ctrl-C):
+uvicorn stops accepting, in-flight requests finish, the engine drains, the other ranks are told to stop, exit 0. A dead rank or engine
 fails every pending request and exits 1.
 """
 

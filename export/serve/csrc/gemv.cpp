@@ -639,6 +639,14 @@ static void values_fixed(const T* V, const int64_t* table, int64_t bs, int64_t s
     }
   }
 }
+
+template <typename T, int G, int DV>
+static void attend_fixed(const float (*qf)[512], const T* K, const T* V, const int64_t* table, int64_t bs,
+                         int64_t stride, T* y, int64_t n, float* s, int64_t sn, float* m, float* inv) {
+  scores_fixed<T, G, DV>(qf, K, table, bs, stride, n, s, sn, m);
+  softmax_scores<G>(s, sn, n, m, inv);
+  values_fixed<T, G, DV>(V, table, bs, stride, y, n, s, sn, inv);
+}
 #endif
 
 template <typename T, int G>
@@ -650,15 +658,10 @@ static void attend_group(const T* q, const T* K, const T* V, const int64_t* tabl
     for (int64_t d = 0; d < D; ++d) qf[h][d] = static_cast<float>(q[h * D + d]) * scale;
   float m[G], inv[G];
 #if defined(__AVX512F__)
-  if (D == 32 || D == 64 || D == 128) {
-    if (D == 32) scores_fixed<T, G, 2>(qf, K, table, bs, stride, n, s, sn, m);
-    if (D == 64) scores_fixed<T, G, 4>(qf, K, table, bs, stride, n, s, sn, m);
-    if (D == 128) scores_fixed<T, G, 8>(qf, K, table, bs, stride, n, s, sn, m);
-    softmax_scores<G>(s, sn, n, m, inv);
-    if (D == 32) values_fixed<T, G, 2>(V, table, bs, stride, y, n, s, sn, inv);
-    if (D == 64) values_fixed<T, G, 4>(V, table, bs, stride, y, n, s, sn, inv);
-    if (D == 128) values_fixed<T, G, 8>(V, table, bs, stride, y, n, s, sn, inv);
-    return;
+  switch (D) {
+    case 32: return attend_fixed<T, G, 2>(qf, K, V, table, bs, stride, y, n, s, sn, m, inv);
+    case 64: return attend_fixed<T, G, 4>(qf, K, V, table, bs, stride, y, n, s, sn, m, inv);
+    case 128: return attend_fixed<T, G, 8>(qf, K, V, table, bs, stride, y, n, s, sn, m, inv);
   }
 #endif
   scores_any<T, G>(qf, K, table, bs, stride, n, D, s, sn, m);
