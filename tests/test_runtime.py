@@ -57,14 +57,14 @@ def test_staggered_arrivals_share_steps_and_match_each_request_alone(engine):
 def test_seeded_sampling_is_reproducible_and_top_p_limits_the_choice(engine):
     from export.serve.engine import generate
     from export.serve.request import SamplingParams
-    from export.serve.sampling import sample
+    from export.serve.sampling import Sampler, sample_batch
+    from export.serve.step import Sampling
 
     p = engine.encode("And God said")
     a, b = (generate(engine, [p], SamplingParams(max_tokens=8, temperature=1.0, seed=7))[0].generated for _ in range(2))
     assert a == b
-    logits = torch.tensor([3.0, 2.0, 0.0, -1.0])
-    picks = {sample(logits, SamplingParams(temperature=1.0, top_p=0.5), torch.Generator().manual_seed(i))
-             for i in range(50)}
+    logits = torch.tensor([[3.0, 2.0, 0.0, -1.0]])
+    picks = {sample_batch([Sampler.of(Sampling(1.0, top_p=0.5, seed=i), 4)], logits)[0]["token"] for i in range(50)}
     assert picks == {0}  # the top token alone holds 0.66 > 0.5 of the mass
 
 

@@ -197,8 +197,8 @@ def test_min_tokens_bans_the_end_token_and_aborts_free_blocks():
     sched = Scheduler(ranks=1, blocks=16, block_size=4, max_batch=8, max_batched_tokens=64, eos=50256)
     r = request(0, range(5), max_tokens=8, min_tokens=2)
     sched.add(r)
-    assert rows(run_step(sched))[0].banned == 50256
-    assert rows(run_step(sched))[0].banned == 50256
+    assert rows(run_step(sched))[0].banned == [50256]
+    assert rows(run_step(sched))[0].banned == [50256]
     assert rows(run_step(sched))[0].banned is None  # two tokens generated: the end token may come
     sched.abort(r.id)
     plan = sched.schedule()

@@ -36,7 +36,7 @@ def start(pkg: Path, *extra: str, nproc: int = 1, **env: str) -> tuple[subproces
         try:
             if requests.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
-        except requests.ConnectionError:
+        except requests.RequestException:  # not listening yet, or busy loading past the read timeout
             pass
         time.sleep(0.5)
     proc.kill()

@@ -231,7 +231,7 @@ class Engine:
         # them; on the CPU
         self.mapped_bytes = linears.map_weights(model, exchange) if device.type == "cpu" else 0
         self.worker = Worker(model, kv.blocks, kv.block_size, rank if self.dp > 1 else 0, single=world == 1,
-                             exchange=exchange)
+                             exchange=exchange, tokenizer=tokenizer)
         self.device = self.worker.device
         # decode tokens and prompt chunks in one forward where the ranks pack rows of different lengths (the CPU
         # attention kernel), and no placement policy plans prefill and decode forwards apart

@@ -5,13 +5,13 @@
     moe-pipeline lm-eval run --model local-completions --tasks tiny_lastword \\
         --model_args base_url=http://127.0.0.1:8000/v1/completions,model=tiny-student,max_length=127
 
-Endpoints: `POST /v1/completions` (prompt as a string, token ids, or a list of either; max_tokens,
-temperature, top_p, seed, stop, stream (SSE), logprobs, echo), `POST /v1/chat/completions` (messages rendered
-by the tokenizer's chat template; max_tokens or max_completion_tokens, temperature, top_p, seed, stop, stream;
-400 naming `messages` when the tokenizer has no template), both also with vLLM's `ignore_eos` (the end token
-does not finish) and `min_tokens` (neither the end token nor a stop string finishes before that many tokens;
-400 above max_tokens) and OpenAI's `stream_options: {"include_usage": true}` (400 without `stream`): one more
-chunk before `data: [DONE]`, `choices` [] and the request's `usage`, as OpenAI and vLLM send it, so that
+Endpoints: `POST /v1/completions` (prompt as a string, token ids, or a list of either; stream (SSE), logprobs,
+echo) and `POST /v1/chat/completions` (messages rendered by the tokenizer's chat template, 400 naming `messages`
+when the tokenizer has none; logprobs and top_logprobs), both with the sampling fields of OpenAI and vLLM and
+structured output (export/serve/protocol.py: every field taken is applied, a field that would be ignored is
+refused by name), `n` choices a prompt (streamed too, each chunk naming its choice) and OpenAI's
+`stream_options: {"include_usage": true}` (400 without `stream`): one more chunk before `data: [DONE]`,
+`choices` [] and the request's `usage`, as OpenAI and vLLM send it, so that
 `vllm bench serve` and the OpenAI SDK count tokens as the server did. Every answer that is not streamed
 carries `usage` (the prompt's tokens, the generated tokens). `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text, export/serve/metrics.py), and vLLM's `GET /tokenizer_info`,
@@ -33,130 +33,19 @@ the engine loop (export/serve/server.py) and awaits it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
 import uuid
-from typing import Literal
 
 from fastapi import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
+from export.serve.metrics import CONTENT_TYPE, ServeMetrics
+from export.serve.protocol import (BadRequest, ChatRequest, CompletionRequest, check_text, error_body, parse_chat,
+                                   parse_completion)
 from export.serve.request import Request as EngineRequest
 from export.serve.request import SamplingParams
-from export.serve.metrics import CONTENT_TYPE, ServeMetrics
-
-
-class StreamOptions(BaseModel):
-    """OpenAI's `stream_options`; other keys (vLLM's `continuous_usage_stats`) are ignored."""
-
-    model_config = ConfigDict(extra="ignore", strict=False)
-
-    include_usage: bool = False
-
-
-class CompletionRequest(BaseModel):
-    """The fields of OpenAI's legacy /v1/completions we implement; other fields are ignored."""
-
-    model_config = ConfigDict(extra="ignore", strict=False)
-
-    model: str | None = None
-    # text, several texts, or token ids (one list, or one list per prompt) as OpenAI's API allows;
-    # lm-eval's local-completions sends token ids
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what torch.Generator.manual_seed takes
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-    n: Literal[1] = 1
-    ignore_eos: bool = False  # vLLM's
-    min_tokens: int = Field(0, ge=0)  # vLLM's
-
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, v):
-        items = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
-        if not items or any(len(p) == 0 for p in items):
-            raise ValueError("must be a non-empty string, token-id list, or list of them (none empty)")
-        for p in items:
-            _check_text(p)
-        return v
-
-    def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: its text or its token ids."""
-        p = self.prompt
-        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 4:
-            raise ValueError("at most 4 stop sequences")
-        for item in items:
-            _check_text(item)
-        return items
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, stop=list(self.stop or []), logprobs=self.logprobs, echo=self.echo,
-                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-    @field_validator("content")
-    @classmethod
-    def _text(cls, v):
-        _check_text(v)
-        return v
-
-
-class ChatRequest(BaseModel):
-    """The fields of OpenAI's /v1/chat/completions we implement (text messages, one choice); others are ignored."""
-
-    model_config = ConfigDict(extra="ignore", strict=False)
-
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-
-    _stops = field_validator("stop")(CompletionRequest._stops.__func__)
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_completion_tokens or self.max_tokens or 16,
-                              temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                              stop=list(self.stop or []), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
-
-
-def _check_options(req: CompletionRequest | ChatRequest) -> None:
-    """What a field alone cannot check: min_tokens within max_tokens, stream_options only with stream (as vLLM)."""
-    max_tokens = req.sampling().max_tokens
-    if req.min_tokens > max_tokens:
-        raise BadRequest(400, f"min_tokens: must be less than or equal to max_tokens ({req.min_tokens} > "
-                         f"{max_tokens})", "min_tokens")
-    if req.stream_options is not None and not req.stream:
-        raise BadRequest(400, "stream_options: can only be defined when `stream` is true", "stream_options")
 
 
 def include_usage(req: CompletionRequest | ChatRequest) -> bool:
@@ -168,32 +57,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def parse_chat(raw, engine, model_name: str) -> tuple[ChatRequest, list[int]]:
-    """(the request, the rendered conversation's token ids) of a /v1/chat/completions body, or BadRequest."""
-    req = _validated(ChatRequest, raw, model_name)
-    _check_options(req)
-    tok = engine.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise BadRequest(400, "messages: this model's tokenizer has no chat template (a base model); send a prompt "
-                         "to /v1/completions instead", "messages")
-    try:
-        ids = tok.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-    except Exception as err:  # noqa: BLE001 - a template that rejects these messages (roles out of order, say)
-        raise BadRequest(400, f"messages: the chat template refused them ({type(err).__name__}: {err})",
-                         "messages") from None
-    ids = list(ids)
-    max_tokens = req.sampling().max_tokens
-    if len(ids) + max_tokens > engine.max_model_len:
-        param = "messages" if len(ids) >= engine.max_model_len else "max_tokens"
-        raise BadRequest(400, f"{param}: the conversation's {len(ids)} tokens + max_tokens {max_tokens} exceed the "
-                         f"maximum model length of {engine.max_model_len} tokens (--max-model-len)", param)
-    return req, ids
-
-
 def _encodable(text: str) -> bool:
     try:
-        _check_text(text)
+        check_text(text)
     except ValueError:
         return False
     return True
@@ -206,66 +72,6 @@ async def _json_field(request: Request, max_body: int, key: str, valid, expected
     if not valid(value):
         raise BadRequest(400, f"{key}: send {expected}", key)
     return value
-
-
-def _check_text(text) -> None:
-    """JSON can carry a lone surrogate ("\\ud800") that no UTF-8 tokenizer can encode: refuse it here."""
-    if isinstance(text, str):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("must be valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
-
-
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
-class BadRequest(Exception):
-    """A request the server refuses: the HTTP status and the OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, param, kind)
-
-
-def _validated(schema: type[BaseModel], raw, model_name: str):
-    """A request body checked against `schema` and the served model's name, or BadRequest naming the field."""
-    if not isinstance(raw, dict):
-        raise BadRequest(400, "the body must be a JSON object")
-    try:
-        req = schema.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        param = str(first["loc"][0]) if first["loc"] else None  # the request's field ('prompt', not 'prompt.str')
-        raise BadRequest(400, f"{param}: {first['msg']}", param) from None
-    if req.model not in (None, model_name):
-        raise BadRequest(404, f"model {req.model!r} is not served here; this server serves {model_name!r}", "model",
-                         "not_found_error")
-    return req
-
-
-def parse_completion(raw, engine, model_name: str, max_prompts: int) -> tuple[CompletionRequest, list[list[int]], list[str]]:
-    """(the request, each prompt's token ids, each prompt's text) of a /v1/completions body, or BadRequest."""
-    req = _validated(CompletionRequest, raw, model_name)
-    _check_options(req)
-    prompts = req.prompts()
-    if req.stream and len(prompts) > 1:
-        raise BadRequest(400, "stream supports one prompt per request", "prompt")
-    if len(prompts) > max_prompts:
-        raise BadRequest(400, f"prompt: {len(prompts)} prompts in one request; at most {max_prompts} (--max-prompts)",
-                         "prompt")
-    encoded = [engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    vocab, context = engine.cfg.vocab_size, engine.max_model_len
-    if any(not 0 <= t < vocab for p in encoded for t in p):
-        raise BadRequest(400, f"prompt: token ids must lie in [0, {vocab})", "prompt")
-    for p in encoded:
-        if len(p) + req.max_tokens > context:
-            param = "prompt" if len(p) >= context else "max_tokens"
-            raise BadRequest(400, f"{param}: the prompt's {len(p)} tokens + max_tokens {req.max_tokens} exceed the "
-                             f"maximum model length of {context} tokens (--max-model-len)", param)
-    texts = [p if isinstance(p, str) else engine.decode(p) for p in prompts]  # for echo
-    return req, encoded, texts
 
 
 def logprobs_body(engine, req: EngineRequest, echo: bool) -> dict:
@@ -287,16 +93,38 @@ def logprobs_body(engine, req: EngineRequest, echo: bool) -> dict:
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
-def _sse(rid: str, created: int, model: str, text: str, finish: str | None) -> dict:
+def chat_logprobs_body(engine, req: EngineRequest, lo: int = 0, hi: int | None = None) -> dict:
+    """OpenAI's chat `logprobs` object of generated tokens lo..hi: each token's text, log-probability and bytes,
+    with its top alternatives."""
+    def entry(token: int, lp: float) -> dict:
+        text = engine.decode([token])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    hi = len(req.token_logprobs) if hi is None else min(hi, len(req.token_logprobs))
+    return {"content": [{**entry(req.generated[i], req.token_logprobs[i]),
+                         "top_logprobs": [entry(t, v) for t, v in req.top_logprobs[i].items()]}
+                        for i in range(lo, hi)]}
+
+
+def _sse(rid: str, created: int, model: str, text: str, finish: str | None, index: int = 0,
+         logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def _chat_sse(rid: str, created: int, model: str, text: str | None, finish: str | None) -> dict:
+def _chat_sse(rid: str, created: int, model: str, text: str | None, finish: str | None, index: int = 0,
+              logprobs: dict | None = None) -> dict:
     """A chat.completion.chunk: text None is the opening delta (the role)."""
     delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def choices_of(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of a prompt's n choices: with a seed, choice j draws with seed + j (as vLLM's parallel
+    sampling), so the choices differ and each is reproducible; they share the prompt's KV blocks by prefix."""
+    if n == 1:
+        return [params]
+    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
 
 
 async def _disconnected(request: Request) -> None:
@@ -410,15 +238,14 @@ def _from_engine(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
             pass
 
 
-async def complete_all(worker, request: Request, req,
-                       encoded: list[list[int]]) -> list[EngineRequest] | None:
-    """Submit every prompt; the finished engine requests, in order; None if the client disconnected first
-    (then each is aborted: a waiting one never runs, a running one frees its slot at the next step)."""
+async def complete_all(worker, request: Request, work: list[tuple[list[int], SamplingParams]]) -> list[EngineRequest] | None:
+    """Submit every (prompt, sampling); the finished engine requests, in order; None if the client disconnected
+    first (then each is aborted: a waiting one never runs, a running one frees its slot at the next step)."""
     loop = asyncio.get_running_loop()
     futures, submitted = [], []
-    for p in encoded:
+    for prompt, params in work:
         fut = loop.create_future()
-        submitted.append(worker.submit(p, req.sampling(), on_finish=lambda seq, fut=fut: _from_engine(
+        submitted.append(worker.submit(prompt, params, on_finish=lambda seq, fut=fut: _from_engine(
             loop, lambda: fut.done() or fut.set_result(seq))))
         futures.append(fut)
     everything = asyncio.gather(*futures)
@@ -433,56 +260,73 @@ async def complete_all(worker, request: Request, req,
     return None
 
 
-def stream_events(worker, metrics: ServeMetrics, model_name: str, req, prompt: list[int],
+def stream_events(worker, metrics: ServeMetrics, model_name: str, req, prompt: list[int], params: SamplingParams,
                   text: str, rid: str, created: int, chat: bool = False):
-    """Submit the prompt now; server-sent events: the echoed prompt (for chat: the assistant role), each new piece
-    of text no later token can change (`Request.stable_text`), the finish reason, and with
-    stream_options.include_usage a last chunk with no choices and the request's usage (every other chunk then
-    has `"usage": null`, as OpenAI's). A client that hangs up aborts the request."""
+    """Submit the prompt's n choices now; server-sent events: the echoed prompt (for chat: the assistant role), each
+    new piece of a choice's text no later token can change (`Request.stable_text`) with the log-probabilities of its
+    new tokens where asked, each choice's finish reason, and with stream_options.include_usage a last chunk with no
+    choices and the request's usage (every other chunk then has `"usage": null`, as OpenAI's). A client that hangs
+    up aborts the request."""
     chunk_of = _chat_sse if chat else _sse
     with_usage = include_usage(req)
+    engine = worker.engine
+    wants_logprobs = params.logprobs is not None
 
-    def sse(*args) -> str:
-        chunk = chunk_of(*args)
+    def sse(*args, **kw) -> str:
+        chunk = chunk_of(*args, **kw)
         if with_usage:
             chunk["usage"] = None
         return f"data: {json.dumps(chunk)}\n\n"
+
+    def logprobs(seq: EngineRequest, lo: int, hi: int) -> dict | None:
+        if not wants_logprobs or hi <= lo:
+            return None
+        if chat:
+            return chat_logprobs_body(engine, seq, lo, hi)
+        whole = logprobs_body(engine, seq, False)
+        return {key: value[lo:hi] for key, value in whole.items()}
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    seq = worker.submit(prompt, req.sampling(),
-                        on_token=lambda s: _from_engine(loop, queue.put_nowait, ("token", s.stable_text())),
-                        on_finish=lambda s: _from_engine(loop, queue.put_nowait, ("done", s)))
+    seqs = [worker.submit(prompt, p,
+                          on_token=lambda s, j=j: _from_engine(loop, queue.put_nowait,
+                                                               ("token", j, s.stable_text(), len(s.generated))),
+                          on_finish=lambda s, j=j: _from_engine(loop, queue.put_nowait, ("done", j, s, None)))
+            for j, p in enumerate(choices_of(params, req.n))]
 
     async def events():
-        finished = False
+        done = 0
+        emitted, tokens = [""] * len(seqs), [0] * len(seqs)
         try:
-            if chat:
-                yield sse(rid, created, model_name, None, None)
-            elif req.echo and text:
-                yield sse(rid, created, model_name, text, None)
-            emitted = ""
-            while True:
-                kind, value = await queue.get()
+            for j in range(len(seqs)):
+                if chat:
+                    yield sse(rid, created, model_name, None, None, j)
+                elif req.echo and text:
+                    yield sse(rid, created, model_name, text, None, j)
+            while done < len(seqs):
+                kind, j, value, count = await queue.get()
+                seq = seqs[j]
                 if kind == "token":
-                    if len(value) > len(emitted):
-                        yield sse(rid, created, model_name, value[len(emitted):], None)
-                        emitted = value
+                    if len(value) > len(emitted[j]):
+                        yield sse(rid, created, model_name, value[len(emitted[j]):], None, j,
+                                  logprobs(seq, tokens[j], count))
+                        emitted[j], tokens[j] = value, count
                     continue
-                finished = True
-                final = value.text if value.finish_reason != "error" else emitted
-                if len(final) > len(emitted):
-                    yield sse(rid, created, model_name, final[len(emitted):], None)
-                yield sse(rid, created, model_name, "", value.finish_reason)
-                if with_usage:  # the chunk's own id, object, created and model, no choices
-                    last = {**chunk_of(rid, created, model_name, "", None), "choices": [],
-                            "usage": usage(len(prompt), len(value.generated))}
-                    yield f"data: {json.dumps(last)}\n\n"
-                yield "data: [DONE]\n\n"
+                done += 1
+                final = value.text if value.finish_reason != "error" else emitted[j]
+                if len(final) > len(emitted[j]) or len(value.generated) > tokens[j]:
+                    yield sse(rid, created, model_name, final[len(emitted[j]):], None, j,
+                              logprobs(value, tokens[j], len(value.generated)))
+                yield sse(rid, created, model_name, "", value.finish_reason, j)
                 metrics.finished(value)
-                return
+            if with_usage:  # the chunk's own id, object, created and model, no choices
+                last = {**chunk_of(rid, created, model_name, "", None), "choices": [],
+                        "usage": usage(len(prompt), sum(len(s.generated) for s in seqs))}
+                yield f"data: {json.dumps(last)}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away (the response was cancelled): stop generating for it
-                worker.engine.abort(seq)
+            if done < len(seqs):  # the client went away (the response was cancelled): stop generating for it
+                for seq in seqs:
+                    worker.engine.abort(seq)
                 worker.wake.set()
 
     return events()
@@ -568,15 +412,16 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         t0 = time.perf_counter()
         try:
             raw = await _read_json(request, max_body)
-            req, encoded, texts = await off_loop(parse_completion, raw, engine, model_name, config.max_prompts)
-            check_room(engine, len(encoded), config)  # no await from here to the submit
+            req, encoded, texts, params = await off_loop(parse_completion, raw, engine, model_name,
+                                                         config.max_prompts)
+            check_room(engine, len(encoded) * req.n, config)  # no await from here to the submit
         except BadRequest as err:
             return refused(err, metrics)
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if req.stream:
-            events = stream_events(worker, metrics, model_name, req, encoded[0], texts[0], rid, created)
+            events = stream_events(worker, metrics, model_name, req, encoded[0], params, texts[0], rid, created)
             return StreamingResponse(events, media_type="text/event-stream")
-        seqs = await complete_all(worker, request, req, encoded)
+        seqs = await complete_all(worker, request, [(p, c) for p in encoded for c in choices_of(params, req.n)])
         if seqs is None:  # the client hung up: its requests were aborted
             metrics.request(499)
             return JSONResponse(error_body("client closed the request"), status_code=499)
@@ -584,7 +429,8 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         if failed:
             return _error(BadRequest(500, f"the engine failed: {failed[0].text}", kind="server_error"), metrics)
         choices = []
-        for i, (seq, text) in enumerate(zip(seqs, texts)):
+        for i, seq in enumerate(seqs):  # prompt i // n, its choice i % n (OpenAI's order)
+            text = texts[i // req.n]
             lp = await off_loop(logprobs_body, engine, seq, req.echo) if req.logprobs is not None else None
             choices.append({"text": (text if req.echo else "") + seq.text, "index": i, "logprobs": lp,
                             "finish_reason": seq.finish_reason})
@@ -599,26 +445,29 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
         t0 = time.perf_counter()
         try:
             raw = await _read_json(request, max_body)
-            req, ids = await off_loop(parse_chat, raw, engine, model_name)
-            check_room(engine, 1, config)
+            req, ids, params = await off_loop(parse_chat, raw, engine, model_name, config.max_prompts)
+            check_room(engine, req.n, config)
         except BadRequest as err:
             return refused(err, metrics)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if req.stream:
-            events = stream_events(worker, metrics, model_name, req, ids, "", rid, created, chat=True)
+            events = stream_events(worker, metrics, model_name, req, ids, params, "", rid, created, chat=True)
             return StreamingResponse(events, media_type="text/event-stream")
-        seqs = await complete_all(worker, request, req, [ids])
+        seqs = await complete_all(worker, request, [(ids, c) for c in choices_of(params, req.n)])
         if seqs is None:
             metrics.request(499)
             return JSONResponse(error_body("client closed the request"), status_code=499)
-        seq = seqs[0]
-        if seq.finish_reason == "error":
-            return _error(BadRequest(500, f"the engine failed: {seq.text}", kind="server_error"), metrics)
-        metrics.finished(seq)
+        failed = [s for s in seqs if s.finish_reason == "error"]
+        if failed:
+            return _error(BadRequest(500, f"the engine failed: {failed[0].text}", kind="server_error"), metrics)
+        choices = []
+        for i, seq in enumerate(seqs):
+            lp = await off_loop(chat_logprobs_body, engine, seq) if req.logprobs else None
+            choices.append({"index": i, "message": {"role": "assistant", "content": seq.text}, "logprobs": lp,
+                            "finish_reason": seq.finish_reason})
+            metrics.finished(seq)
         metrics.latency.observe(time.perf_counter() - t0)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": seq.text},
-                             "logprobs": None, "finish_reason": seq.finish_reason}],
-                "usage": usage(len(ids), len(seq.generated))}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name, "choices": choices,
+                "usage": usage(len(ids), sum(len(s.generated) for s in seqs))}
 
     return app

@@ -61,6 +61,7 @@ MORE_W8A8 = 6  # and a W8A8Weight (its tiles, its scales and rows' sums)
 ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
 PREFETCH_ENV = "MOE_PIPELINE_PREFETCH"  # t0 | nta; unset: `prefetch_hint`'s choice for this CPU
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
+SOURCES = [SOURCE, SOURCE.parent / "sampling.cpp"]  # one extension: the linears and the rest, the sampler
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
 ISA_FLAGS = {"AMX_BF16": [*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
              "AVX512_BF16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
@@ -259,7 +260,7 @@ def build(isa: str, hint: str | None = None):
 
     hint = hint or prefetch_hint()
     t0 = ["-DMOE_PREFETCH_T0"] if hint == "t0" else []
-    return load(name=f"moe_pipeline_gemv_{isa.lower()}" + ("_t0" if t0 else ""), sources=[str(SOURCE)],
+    return load(name=f"moe_pipeline_gemv_{isa.lower()}" + ("_t0" if t0 else ""), sources=[str(p) for p in SOURCES],
                 extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa], *t0], verbose=False)
 
 

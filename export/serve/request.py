@@ -30,6 +30,15 @@ class SamplingParams:
     echo: bool = False  # also return the prompt (and its tokens' log-probs with `logprobs`)
     ignore_eos: bool = False  # the end token does not finish the request (vLLM's; benchmarks use it)
     min_tokens: int = 0  # neither the end token nor a stop string finishes it before this many tokens (vLLM's)
+    # vLLM's sampling fields (export/serve/sampling.py applies them as vLLM does)
+    top_k: int = 0  # 0 or -1: every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list | None = None  # [[token, bias]]
+    stop_token_ids: list[int] = field(default_factory=list)  # these tokens finish it as the end token does
+    grammar: str | None = None  # structured output: llguidance's grammar text (export/serve/grammar.py)
 
 
 @dataclass(eq=False)  # a request is itself, not its fields: the scheduler's `in`/`remove` on its queues compare
@@ -112,7 +121,7 @@ class Request:       # identities (field-by-field equality cost ~0.6 ms a step a
         self.first_token_at = self.first_token_at or time.perf_counter()
         self.generated.append(token)
         early = len(self.generated) < self.params.min_tokens
-        if token == eos and not self.params.ignore_eos and not early:
+        if not early and ((token == eos and not self.params.ignore_eos) or token in (self.params.stop_token_ids or ())):
             self.generated.pop()
             if self.token_logprobs:
                 self.token_logprobs.pop()
@@ -134,9 +143,13 @@ class Request:       # identities (field-by-field equality cost ~0.6 ms a step a
             self.text = decode.final(self)
             self.finish("length")
 
-    def blocks_eos(self) -> bool:
-        """Whether the end token may not be sampled for its next token (min_tokens not reached: vLLM masks it)."""
-        return not self.params.ignore_eos and len(self.generated) < self.params.min_tokens
+    def banned(self, eos: int | None) -> list[int] | None:
+        """The tokens its next token may not be (None: any): before min_tokens, the end token (unless ignore_eos)
+        and the stop tokens, as vLLM masks them."""
+        if len(self.generated) >= self.params.min_tokens:
+            return None
+        out = ([eos] if eos is not None and not self.params.ignore_eos else []) + list(self.params.stop_token_ids or ())
+        return out or None
 
     def stable_text(self) -> str:
         """The part of `text` no later token can change: for streaming. Held back: a tail the tokenizer could

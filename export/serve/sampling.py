@@ -1,17 +1,27 @@
-"""Sampling on the rank that holds a sequence: greedy or top-p, seeded per request; log-probabilities and scores.
+"""Sampling on the rank that holds a sequence: every sampled row of a step in one batch, whatever each asks for.
 
-    from export.serve.sampling import Sampler, sample
-    sampler = Sampler.of(step_sampling)          # a request's settings as its step carries them (export/serve/step.py)
-    token = sample(logits, sampler, sampler.generator)
+    from export.serve.sampling import Sampler, sample_batch
+    samplers = [Sampler.of(new.sampling) for new in step.new]    # a request's settings as its step carries them
+    picks = sample_batch(samplers, logits, banned=[None] * len(samplers))   # logits [n, V] -> [{"token": ...}]
 
-Every rank samples its own sequences (the sampled tokens travel back to rank 0, not the logits), so a
-request's generator lives on its rank from admission to its end, over preemptions too.
+As vLLM v1's `Sampler`, in this order: the processors that change the logits (`logit_bias`, the end token before
+`min_tokens`, a grammar's allowed tokens, then the penalties: `repetition_penalty` over prompt and output,
+`frequency_penalty` and `presence_penalty` over the output), greedy rows' argmax, then temperature, `min_p`,
+`top_k`, `top_p`, and one draw. Each step is one tensor op over the rows that use it, none over the rest, and none
+a row: no full sort of the vocabulary (top-k by partial selection, top-p by exact rejection from the distribution,
+as FlashInfer's sorting-free sampler: draw, accept if the token is inside the nucleus, else draw again above it).
+
+Each draw is the inverse CDF at a uniform number that a counter-based hash makes of the request's seed and the
+number of tokens sampled before (`uniforms`): the same seed gives the same tokens in any batch, on any rank, after
+a preemption, and a request with no seed gets one drawn at admission (`Request.seed`). Every rank samples its own
+sequences: the sampled tokens travel back to rank 0, not the logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -20,31 +30,272 @@ from export.serve.request import GREEDY_BELOW
 
 @dataclass
 class Sampler:
-    """What the rank that holds a sequence needs to sample it: the request's sampling settings and its generator."""
+    """What the rank that holds a sequence needs to sample it: its settings (a step's `Sampling`,
+    export/serve/step.py), its seed, the tokens it sampled so far (penalties, the draw's counter), its grammar."""
 
-    temperature: float
-    top_p: float
-    logprobs: int | None
-    generator: torch.Generator | None
+    settings: object  # export/serve/step.py Sampling
+    seed: int = 0
+    sampled: int = 0  # tokens sampled so far: the counter of the draw's hash
+    counts: dict | None = None  # {token: times sampled} where a penalty needs them
+    prompt: torch.Tensor | None = None  # the prompt's distinct tokens (repetition_penalty)
+    bias: tuple | None = None  # (token ids, biases) of logit_bias
+    matcher: object = None  # the grammar's matcher (export/serve/grammar.py `Matcher`), None without one
 
     @classmethod
-    def of(cls, sampling) -> "Sampler":
-        """From a step's `Sampling` (export/serve/step.py): a seed makes the request's own generator."""
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        return cls(sampling.temperature, sampling.top_p, sampling.logprobs, gen)
+    def of(cls, sampling, vocab: int, grammar=None) -> "Sampler":
+        """From a step's `Sampling`; `vocab`: the logits' width; `grammar`: a callable that makes the matcher of
+        `sampling.grammar` (export/serve/grammar.py `Grammars.matcher`)."""
+        s = sampling
+        out = cls(s, seed=(s.seed or 0) & ((1 << 64) - 1))
+        if s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0:
+            out.counts = {}
+        if s.repetition_penalty != 1.0:
+            out.prompt = torch.tensor(sorted({t for t in (s.prompt or ()) if 0 <= t < vocab}), dtype=torch.long)
+        if s.logit_bias:
+            merged: dict[int, float] = {}
+            for t, b in s.logit_bias:
+                if 0 <= int(t) < vocab:
+                    merged[int(t)] = float(b)
+            out.bias = (torch.tensor(list(merged), dtype=torch.long),
+                        torch.tensor(list(merged.values()), dtype=torch.float32))
+        if s.grammar is not None:
+            if grammar is None:
+                raise ValueError("this rank has no tokenizer to follow a grammar with")
+            out.matcher = grammar(s.grammar)
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.settings.temperature < GREEDY_BELOW
+
+    @property
+    def processed(self) -> bool:
+        """Whether anything changes its logits before the choice (bias, penalties, grammar)."""
+        return self.counts is not None or self.bias is not None or self.matcher is not None
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no log-probabilities asked: the token is the argmax, nothing else (batched by the worker)."""
-        return self.temperature < GREEDY_BELOW and self.logprobs is None
+        """Greedy with nothing else asked: the token is the argmax of the head's own logits (the worker's screen)."""
+        return self.greedy and self.settings.logprobs is None and not self.processed
+
+    def took(self, token: int) -> None:
+        """`token` was sampled for it: count it, advance the grammar."""
+        self.sampled += 1
+        if self.counts is not None:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        if self.matcher is not None:
+            self.matcher.consume(token)
 
 
-def _top(logp: torch.Tensor, k: int) -> list[list]:
-    """The k most probable tokens and their log-probabilities, as [[id, logprob]] (JSON-ready)."""
-    if k <= 0:
-        return []
-    vals, idx = logp.topk(k)
-    return [list(pair) for pair in zip(idx.tolist(), vals.tolist())]  # one read each from the device, not one a value
+# -- the draw's random numbers -----------------------------------------------------------------------------------
+
+_M64 = (1 << 64) - 1
+
+
+def uniforms(seeds: list[int], counters: list[int], attempt: int = 0) -> torch.Tensor:
+    """One uniform number in [0, 1) per row, float64 [n]: splitmix64 of (seed, counter, attempt). A function of
+    those three alone, so a row's draw does not depend on the other rows of its batch."""
+    with np.errstate(over="ignore"):
+        z = (np.array(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             + np.array(counters, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
+             + np.uint64((attempt * 0x8CB92BA72F3D8DD7 + 0x632BE59BD9B4E019) & _M64))  # (0, 0, 0) is not 0
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            z = (z ^ (z >> np.uint64(shift))) * np.uint64(mult)
+        z ^= z >> np.uint64(31)
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
+
+
+def _draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: per row of weights p [n, V] (not normalized), the first token whose cumulative weight passes
+    u x the row's total ([n] long)."""
+    c = p.cumsum(-1)
+    total = c[:, -1:]
+    v = (u.to(c.dtype)[:, None] * total).minimum(torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(c, v, right=True).clamp_(max=p.shape[-1] - 1)[:, 0]
+
+
+def _top_p(p: torch.Tensor, top_p: torch.Tensor, seeds: list[int], counters: list[int]) -> torch.Tensor:
+    """One token per row of probabilities p [n, V] (each row sums to 1) from its nucleus: the smallest set of most
+    probable tokens whose mass reaches top_p [n]. Exact, with no sort: a draw is inside the nucleus iff the mass of
+    the tokens more probable than it is below top_p; a draw outside it means every token as improbable is outside
+    too, so the next draw is from the tokens above it alone (a rejection sampler whose accepted draw is distributed
+    as the nucleus, renormalized)."""
+    tokens = _draw(p, uniforms(seeds, counters))
+    todo = torch.nonzero(top_p < 1.0).flatten()
+    attempt = 0
+    while todo.numel():
+        rows = p.index_select(0, todo)
+        pt = rows.gather(1, tokens[todo, None])  # [m, 1]
+        above = torch.where(rows > pt, rows, 0.0)
+        out = above.sum(-1) >= top_p[todo]  # outside the nucleus: draw again from above pt
+        if not bool(out.any()):
+            break
+        todo, above = todo[out], above[out]
+        attempt += 1
+        idx = todo.tolist()
+        tokens[todo] = _draw(above, uniforms([seeds[i] for i in idx], [counters[i] for i in idx], attempt))
+    return tokens
+
+
+# -- the batch ----------------------------------------------------------------------------------------------------
+
+def _index(rows: list[int]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _edits(samplers: list[Sampler], banned: list[list[int] | None], logits: torch.Tensor):
+    """The logits the processors change, as (offsets [n + 1], tokens [E], values [E] fp32): row i's edited tokens are
+    tokens[offsets[i]:offsets[i + 1]]. In vLLM's order: logit_bias added, the banned token -inf, then
+    repetition_penalty over the prompt's and output's tokens (a positive logit divided by it, another multiplied),
+    then frequency_penalty x each output token's count and presence_penalty once per output token subtracted. Only
+    the (row, token) pairs they touch are read and written, never a row of the vocabulary."""
+    n, V = logits.shape
+    kinds: dict[str, list] = {"bias": [], "biases": [], "rep": [], "out": [], "count": []}
+    for i, s in enumerate(samplers):  # rows with a processor only (each a few tensors, however long its output)
+        if s.bias is not None:
+            kinds["bias"].append(s.bias[0] + i * V)
+            kinds["biases"].append(s.bias[1])
+        if s.counts:
+            out = torch.tensor(list(s.counts), dtype=torch.long) + i * V
+            kinds["out"].append(out)
+            kinds["count"].append(torch.tensor(list(s.counts.values()), dtype=torch.float32))
+            if s.prompt is not None:
+                kinds["rep"].append(out)
+        if s.prompt is not None and s.prompt.numel():
+            kinds["rep"].append(s.prompt + i * V)
+    ban = torch.tensor([i * V + t for i, ts in enumerate(banned) for t in ts or () if 0 <= t < V], dtype=torch.long)
+    cat = lambda key: torch.cat(kinds[key]) if kinds[key] else torch.empty(0, dtype=torch.long)  # noqa: E731
+    bias, rep, out = cat("bias"), torch.unique(cat("rep")), cat("out")
+    keys = torch.unique(torch.cat([bias, ban, rep, out]))  # sorted
+    if not keys.numel():
+        return torch.zeros(n + 1, dtype=torch.long), keys, torch.empty(0)
+    values = logits.reshape(-1)[keys].float()
+    at = lambda k: torch.searchsorted(keys, k)  # noqa: E731
+    per_row = lambda name, k: torch.tensor([float(getattr(s.settings, name)) for s in samplers])[k // V]  # noqa: E731
+    if bias.numel():
+        values.index_add_(0, at(bias), torch.cat(kinds["biases"]))
+    if ban.numel():
+        values[at(ban)] = float("-inf")
+    if rep.numel():
+        j, r = at(rep), per_row("repetition_penalty", rep)
+        v = values[j]
+        values[j] = torch.where(v > 0, v / r, v * r)
+    if out.numel():
+        j = at(out)
+        values[j] -= per_row("frequency_penalty", out) * cat("count").float() + per_row("presence_penalty", out)
+    offsets = torch.zeros(n + 1, dtype=torch.long)
+    offsets[1:] = torch.bincount(keys // V, minlength=n).cumsum(0)
+    return offsets, keys % V, values
+
+
+def _allowed(samplers: list[Sampler], V: int) -> torch.Tensor:
+    """The grammar rows' allowed tokens as bitmasks [n, ceil(V / 32)] int32 (bit t % 32 of word t // 32; every bit
+    set in the other rows), or an empty tensor where no row follows a grammar."""
+    ruled = [i for i, s in enumerate(samplers) if s.matcher is not None]
+    if not ruled:
+        return torch.empty(0, dtype=torch.int32)
+    mask = torch.full((len(samplers), (V + 31) // 32), -1, dtype=torch.int32)
+    for i in ruled:
+        samplers[i].matcher.fill(mask[i])
+    return mask
+
+
+def _unpack(mask: torch.Tensor, V: int) -> torch.Tensor:
+    """Bitmasks [n, W] int32 -> allowed [n, V] bool."""
+    bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :V].astype(bool))
+
+
+def _temperature_and_cuts(x: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    """Probabilities [n, V] of logits x [n, V] (sampled rows) after temperature, min_p and top_k."""
+    setting = lambda name: torch.tensor([getattr(s.settings, name) for s in samplers], dtype=x.dtype)  # noqa: E731
+    x = x / setting("temperature")[:, None]
+    min_p = setting("min_p")
+    if bool((min_p > 0).any()):  # tokens less probable than min_p x the most probable one's (vLLM's order: first)
+        p = F.softmax(x, dim=-1)
+        x = x.masked_fill(p < min_p[:, None] * p.amax(-1, keepdim=True), float("-inf"))
+    top_k = torch.tensor([s.settings.top_k for s in samplers])
+    top_k = torch.where((top_k <= 0) | (top_k > x.shape[1]), x.shape[1], top_k)
+    if bool((top_k < x.shape[1]).any()):  # the k-th largest logit by partial selection, at the largest k asked
+        kth = x.topk(int(top_k[top_k < x.shape[1]].max()), dim=-1, sorted=True).values
+        cut = kth.gather(1, (top_k.clamp(max=kth.shape[1]) - 1)[:, None])
+        cut = torch.where(top_k[:, None] < x.shape[1], cut, float("-inf"))
+        x = x.masked_fill(x < cut, float("-inf"))
+    return F.softmax(x, dim=-1)
+
+
+def _reference(x: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    """Tokens [n] of logits x [n, V] in tensor ops: greedy rows' argmax, the others' temperature, min_p, top_k,
+    top_p and draw. The spec of csrc/sampling.cpp, and the path where that kernel is not built (another device)."""
+    n = x.shape[0]
+    tokens = torch.empty(n, dtype=torch.long, device=x.device)
+    greedy = [i for i, s in enumerate(samplers) if s.greedy]
+    if greedy:
+        g = _index(greedy)
+        tokens[g] = x.index_select(0, g).argmax(-1)
+    drawn = [i for i, s in enumerate(samplers) if not s.greedy]
+    if drawn:
+        d = _index(drawn)
+        sub = [samplers[i] for i in drawn]
+        p = _temperature_and_cuts(x.index_select(0, d).float(), sub)
+        top_p = torch.tensor([s.settings.top_p for s in sub], dtype=p.dtype)
+        tokens[d] = _top_p(p, top_p, [s.seed for s in sub], [s.sampled for s in sub])
+    return tokens
+
+
+def _choose(logits: torch.Tensor, samplers: list[Sampler], edits, allowed: torch.Tensor, fast: bool) -> torch.Tensor:
+    """Tokens [n] of logits [n, V] edited by `edits` (`_edits`) and restricted to `allowed` (`_allowed`):
+    csrc/sampling.cpp's `sample_rows` on the CPU where the kernel is built, else `_reference` on an fp32 copy."""
+    from export.serve import linears
+
+    n, V = logits.shape
+    offsets, tokens, values = edits
+    gemv = linears.kernel() if fast and logits.device.type == "cpu" and logits.dtype in (torch.float32,
+                                                                                         torch.bfloat16) else None
+    if gemv is None or not hasattr(gemv, "sample_rows"):
+        x = logits.float().clone()
+        if tokens.numel():
+            x[torch.repeat_interleave(torch.arange(n), offsets.diff()), tokens] = values.to(x.device)
+        if allowed.numel():
+            x.masked_fill_(~_unpack(allowed, V).to(x.device), float("-inf"))
+        return _reference(x, samplers)
+    setting = lambda name, dtype: torch.tensor([getattr(s.settings, name) for s in samplers], dtype=dtype)  # noqa: E731
+    seeds = torch.from_numpy(np.array([s.seed for s in samplers], dtype=np.uint64).view(np.int64))
+    return gemv.sample_rows(logits.contiguous(), torch.arange(n), setting("temperature", torch.float32),
+                            setting("top_k", torch.long), setting("top_p", torch.float32),
+                            setting("min_p", torch.float32), seeds,
+                            torch.tensor([s.sampled for s in samplers], dtype=torch.long), offsets, tokens,
+                            values.float(), allowed)
+
+
+def sample_batch(samplers: list[Sampler], logits: torch.Tensor, banned: list[list[int] | None] | None = None,
+                 fast: bool = True) -> list[dict]:
+    """{"token"} (and {"logprob", "top"} where the request asks for log-probabilities) for each row of logits [n, V]
+    (the head's dtype, read as it is), row i sampled as `samplers[i]` says; `banned[i]`: tokens row i may not take
+    (the end and stop tokens before min_tokens). Log-probabilities are of the head's own logits, as vLLM's default
+    (`raw_logprobs`). `fast` False: the tensor-op reference instead of csrc/sampling.cpp."""
+    n, V = logits.shape
+    logits = logits.contiguous()
+    banned = banned if banned is not None else [None] * n
+    edits = _edits(samplers, banned, logits)
+    tokens = _choose(logits, samplers, edits, _allowed(samplers, V), fast)
+    picked = tokens.tolist()
+    out = [{"token": t} for t in picked]
+    asked = [i for i, s in enumerate(samplers) if s.settings.logprobs is not None]
+    if asked:
+        a = _index(asked)
+        logp = F.log_softmax(logits.index_select(0, a).float(), dim=-1)
+        chosen = logp.gather(1, tokens[a][:, None])[:, 0].tolist()
+        k = max(samplers[i].settings.logprobs for i in asked)
+        vals, idx = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+        vals, idx = vals.tolist(), idx.tolist()
+        for j, i in enumerate(asked):
+            ki = samplers[i].settings.logprobs
+            out[i] = {"token": picked[i], "logprob": chosen[j],
+                      "top": [list(pair) for pair in zip(idx[j][:ki], vals[j][:ki])]}
+    for s, t in zip(samplers, picked):
+        s.took(t)
+    return out
 
 
 def score_positions(logits: torch.Tensor, targets: list[int], k: int) -> list[list]:
@@ -58,29 +309,3 @@ def score_positions(logits: torch.Tensor, targets: list[int], k: int) -> list[li
         return [[c, []] for c in chosen]
     vals, idx = logp[:n].topk(k, dim=-1)
     return [[c, [list(pair) for pair in zip(i, v)]] for c, i, v in zip(chosen, idx.tolist(), vals.tolist())]
-
-
-def sample(logits: torch.Tensor, params, generator: torch.Generator | None) -> int:
-    """One token from fp32 logits [V] (`params`: temperature, top_p): argmax at temperature 0 (or below
-    GREEDY_BELOW), else top-p nucleus sampling."""
-    if params.temperature < GREEDY_BELOW:
-        return int(logits.argmax())
-    probs = F.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < params.top_p  # the smallest prefix whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-
-
-def sample_row(sampler: Sampler, logits: torch.Tensor, no_token: int | None = None) -> dict:
-    """{"token"} (and {"logprob", "top"} when the request asks for log-probabilities) of one row's logits [V];
-    `no_token`: a token that may not be sampled (the end token before min_tokens: its logit is -inf)."""
-    if no_token is not None and 0 <= no_token < logits.shape[-1]:
-        logits = logits.clone()
-        logits[no_token] = float("-inf")
-    token = sample(logits, sampler, sampler.generator)
-    if sampler.logprobs is None:
-        return {"token": token}
-    logp = F.log_softmax(logits, dim=-1)
-    return {"token": token, "logprob": float(logp[token]), "top": _top(logp, sampler.logprobs)}

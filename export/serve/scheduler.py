@@ -143,6 +143,14 @@ class Plan:
 SCHED_STATS = ("prefix_queries", "prefix_hits", "preemptions")
 
 
+def sampling_of(req: Request) -> Sampling:
+    """What the rank that holds `req` needs to sample it (the prompt only where repetition_penalty reads it)."""
+    p = req.params
+    return Sampling(p.temperature, p.top_p, p.logprobs, req.seed(), p.top_k, p.min_p, p.presence_penalty,
+                    p.frequency_penalty, p.repetition_penalty, p.logit_bias,
+                    list(req.prompt) if p.repetition_penalty != 1.0 else None, p.grammar)
+
+
 class Scheduler:
     """Waiting and running queues, token budgets, the data-parallel rank choice and every rank's KV blocks.
 
@@ -266,7 +274,7 @@ class Scheduler:
         if req.scores_prompt and start < len(req.prompt):
             score, targets = start, req.prompt[start + 1:start + 1 + n]
         return Row(req.id, start, tokens, blocks, sample=start + n == req.num_tokens,
-                   banned=self.eos if req.blocks_eos() else None, score=score, targets=targets)
+                   banned=req.banned(self.eos), score=score, targets=targets)
 
     # -- one step ---------------------------------------------------------------------------------------------
 
@@ -366,8 +374,7 @@ class Scheduler:
         plan.admitted.append(req)
         if req.id not in self.started:
             self.started.add(req.id)
-            p = req.params
-            plan.step.new.append(NewSeq(req.id, r, Sampling(p.temperature, p.top_p, p.logprobs, req.seed())))
+            plan.step.new.append(NewSeq(req.id, r, sampling_of(req)))
         return True
 
     def _forwards(self, prefill: list[list[Row]], decode: list[list[Row]]) -> list[Forward]:

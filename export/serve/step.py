@@ -34,9 +34,17 @@ class Sampling:
     """How the rank that holds a sequence samples it (export/serve/sampling.py `Sampler`)."""
 
     temperature: float
-    top_p: float
+    top_p: float = 1.0
     logprobs: int | None = None  # top alternatives per token to return; None: no log-probabilities
-    seed: int | None = None  # the request's generator; None: greedy, or the rank's default generator
+    seed: int | None = None  # the seed of the request's draws (export/serve/sampling.py `uniforms`); None: greedy
+    top_k: int = 0  # 0 (or -1): every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list | None = None  # [[token, bias]]
+    prompt: list[int] | None = None  # the prompt's tokens, sent only where repetition_penalty needs them
+    grammar: str | None = None  # a grammar its tokens must follow (export/serve/grammar.py), llguidance's JSON
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class Row:
     tokens: list[int]  # the new tokens
     blocks: list[int] = field(default_factory=list)  # KV blocks appended to its block table before this forward
     sample: bool = False  # sample its next token from the last new token's logits
-    banned: int | None = None  # a token that may not be sampled (the end token before min_tokens)
+    banned: list[int] | None = None  # tokens that may not be sampled (the end and stop tokens before min_tokens)
     score: int = -1  # >= 0: return the log-probabilities of `targets` at every new position (echo + logprobs)
     targets: list[int] = field(default_factory=list)  # the prompt tokens after these (score >= 0)
 

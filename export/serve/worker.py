@@ -14,22 +14,34 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from dataclasses import dataclass
 import time
 
 import torch
 
-from export.serve import linears
 from export.serve.decode import Decoder
 from export.serve.kv_cache import PagedCache, served_kv
 from export.serve.placement.controller import Directive
 from export.serve.placement.exchange import Exchange
-from export.serve.sampling import Sampler, sample_row, score_positions
+from export.serve.grammar import Grammars
+from export.serve.sampling import Sampler, sample_batch, score_positions
 from export.serve.step import Row, RowResult, Step
 from pipeline.model import GPT
 
 
 def _error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
+
+
+@dataclass
+class Refused:
+    """A sequence whose sampler could not be made on this rank (its grammar, say): its rows fail with `error`."""
+
+    error: str
+
+
+def _rows(idx: list[int]) -> torch.Tensor:
+    return torch.tensor(idx, dtype=torch.long)
 
 
 class Worker:
@@ -42,12 +54,14 @@ class Worker:
     SCORE_ROWS = 256  # prompt positions projected to the vocabulary at once when scoring a prompt (echo + logprobs)
 
     def __init__(self, model: GPT, blocks: int, block_size: int, rank: int, single: bool,
-                 exchange: Exchange | None = None):
+                 exchange: Exchange | None = None, tokenizer=None):
         self.model, self.rank, self.single, self.exchange = model, rank, single, exchange
+        self.vocab = model.cfg.vocab_size
+        self.grammars = Grammars(tokenizer, self.vocab) if tokenizer is not None else None  # structured output
         heads, dtype, self.device = served_kv(model)
         self.cache = PagedCache(model.cfg, blocks, block_size, heads, device=self.device, dtype=dtype)
         self.decoder = Decoder.of(model, self.cache)  # decode forwards in few kernel calls (CPU), else None
-        self.samplers: dict[int, Sampler] = {}
+        self.samplers: dict[int, Sampler | Refused] = {}
         self.forwards = 0
         self.forward_s = 0.0  # seconds in forwards since start (model, projection, sampling)
         self.counts: list = []  # per forward of the last step: (expert counts, per-rank loads or None)
@@ -60,7 +74,11 @@ class Worker:
             self.samplers.pop(seq, None)
         for new in step.new:
             if new.rank == self.rank:
-                self.samplers[new.seq] = Sampler.of(new.sampling)
+                try:
+                    self.samplers[new.seq] = Sampler.of(new.sampling, self.vocab,
+                                                        self.grammars.matcher if self.grammars else None)
+                except Exception as err:  # noqa: BLE001 - this request alone fails
+                    self.samplers[new.seq] = Refused(_error(err))
         results: list[RowResult] = []
         self.counts = []
         for fwd in step.forwards:
@@ -124,35 +142,52 @@ class Worker:
                 last = flat.index_select(0, torch.tensor([offsets[b + 1] - 1 for b in sampled], device=flat.device))
             else:
                 last = out.hidden[sampled, [counts[b] - 1 for b in sampled]]  # [n, C]: each row's last real position
-            # plain greedy rows (no log-probabilities, no banned token): one argmax for all of them, on the logits as
-            # the head wrote them (widening to fp32 is exact: the same argmax); where every row is one, the head's
-            # screen gives those argmaxes reading half its bytes (export/serve/linears.py `HeadScreen`)
-            plain = [j for j, b in enumerate(sampled) if rows[b].banned is None and b not in results
-                     and self.samplers[rows[b].seq].plain_greedy]
-            screen = getattr(self.model.lm_head, "screen", None)
-            tokens = screen.argmax(last) if screen is not None and len(plain) == len(sampled) else None
-            if tokens is not None:
-                for j, b in enumerate(sampled):
-                    results[b] = RowResult(rows[b].seq, token=tokens[j])
-                return [results[b] for b in sorted(results)]
-            raw = self._project(last, fp32=False)  # [n, V] in the model's dtype
-            argmax = {}
-            if plain:
-                picked = raw if len(plain) == len(sampled) else \
-                    raw.index_select(0, torch.tensor(plain, device=raw.device))
-                argmax = dict(zip(plain, linears.argmax_rows(picked)))
-            for j, b in enumerate(sampled):
-                row, res = rows[b], results.get(b, RowResult(rows[b].seq))
-                if j in argmax:
-                    res = RowResult(row.seq, token=argmax[j])
-                elif res.error is None:
-                    try:
-                        res = dataclasses.replace(res, **sample_row(self.samplers[row.seq], raw[j].float(),
-                                                                    row.banned))
-                    except Exception as err:  # noqa: BLE001 - this request alone fails
-                        res = RowResult(row.seq, error=_error(err))
-                results[b] = res
+            picks = self._sample([rows[b] for b in sampled], last, [b in results for b in sampled])
+            for b, pick in zip(sampled, picks):  # a row that failed in scoring keeps that error
+                res = results.get(b, RowResult(rows[b].seq))
+                if res.error is None:
+                    results[b] = dataclasses.replace(res, **pick)
         return [results[b] for b in sorted(results)]
+
+    def _sample(self, rows: list[Row], last: torch.Tensor, scored: list[bool]) -> list[dict]:
+        """The next token of each row from its last position's hidden state, last [n, C]: {"token"} (with
+        "logprob" and "top" where asked), or {"error"} for a row that fails alone. Plain greedy rows (no
+        log-probabilities, nothing that changes their logits, no banned token, not scored) take the argmax through the
+        head's screen where it has one (export/serve/linears.py `HeadScreen`, reading half the head's bytes); every
+        other row is projected through the head and sampled in one batch (export/serve/sampling.py), so sampled
+        rows do not make greedy ones read the whole head."""
+        samplers = [self.samplers.get(row.seq) for row in rows]
+        out: list[dict | None] = [None] * len(rows)
+        for j, s in enumerate(samplers):
+            if isinstance(s, Refused):
+                out[j] = {"error": s.error}
+        plain = [j for j, (row, s) in enumerate(zip(rows, samplers)) if isinstance(s, Sampler) and s.plain_greedy
+                 and row.banned is None and not scored[j]]
+        screen = getattr(self.model.lm_head, "screen", None)
+        if plain and screen is not None:
+            tokens = screen.argmax(last if len(plain) == len(rows) else last.index_select(0, _rows(plain)))
+            for j, t in zip(plain, tokens or ()):
+                out[j] = {"token": t}
+                samplers[j].took(t)
+        rest = [j for j in range(len(rows)) if out[j] is None]
+        if rest:
+            raw = self._project(last if len(rest) == len(rows) else last.index_select(0, _rows(rest)), fp32=False)
+            try:
+                picks = sample_batch([samplers[j] for j in rest], raw, [rows[j].banned for j in rest])
+            except Exception:  # noqa: BLE001 - find the rows that fail, and sample the others
+                picks = []
+                for i, j in enumerate(rest):
+                    try:
+                        picks += sample_batch([samplers[j]], raw[i:i + 1], [rows[j].banned])
+                    except Exception as err:  # noqa: BLE001 - this request alone fails
+                        picks.append({"error": _error(err)})
+            for j, pick in zip(rest, picks):
+                out[j] = pick
+        for j, s in enumerate(samplers):  # a grammar that refused the token (or could not say what may come next)
+            matcher = getattr(s, "matcher", None)
+            if matcher is not None and matcher.error is not None:
+                out[j] = {"error": f"the request's grammar: {matcher.error}"}
+        return out
 
     def _score(self, row: Row, h: torch.Tensor) -> RowResult:
         """The log-probabilities of the row's prompt targets at each of its positions (h [n, C])."""
@@ -162,7 +197,7 @@ class Worker:
             if error is None:
                 try:
                     scores += score_positions(logits, row.targets[lo:lo + self.SCORE_ROWS],
-                                              self.samplers[row.seq].logprobs or 0)
+                                              self.samplers[row.seq].settings.logprobs or 0)
                 except Exception as err:  # noqa: BLE001 - this request alone fails
                     error = _error(err)
         if error is not None:

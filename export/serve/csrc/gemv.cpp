@@ -3351,6 +3351,12 @@ class DecodeModel {
   std::vector<DecodeLayer> layers_;
 };
 
+// csrc/sampling.cpp
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& rows, const at::Tensor& temperature,
+                       const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                       const at::Tensor& seed, const at::Tensor& counter, const at::Tensor& offsets,
+                       const at::Tensor& tokens, const at::Tensor& values, const at::Tensor& allowed);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adopt_storage", &adopt_storage, "a tensor's storage takes bytes of a mapping's storage as its memory");
   m.def("local_reduce_attach", &local_reduce_attach, "this rank's view of the ranks' shared region for local_reduce_");
@@ -3381,6 +3387,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_pairs", &combine_pairs, "each token's choices' outputs weighted and summed, as routed_experts", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, as pipeline/model.py's", nogil);
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)", nogil);
+  m.def("sample_rows", &sample_rows, "each asked row's token after temperature, min_p, top_k, top_p and one "
+        "counter-based draw (csrc/sampling.cpp)", nogil);
   m.def("int8_linear", &int8_linear, "y = x @ (scale * q).T (+ bias) for int8 weights q, one scale a row", nogil);
   m.def("int4_linear", &int4_linear, "y = x @ w.T (+ bias) for int4 weights, two a byte, one scale a group of a row",
         nogil);
