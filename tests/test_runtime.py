@@ -237,3 +237,23 @@ def test_a_prompt_longer_than_the_step_budget_is_chunked_and_decoding_goes_on(en
     assert made[:len(long) // 5] == list(range(2, 2 + len(long) // 5))
     assert second.generated == alone(engine, long, 5) and first.generated == alone(engine, short, 12)
     assert engine.scheduler.pools[0].used() == 0
+
+
+def test_a_seed_gives_the_same_tokens_in_any_batch_and_choices_share_the_prompt(engine):
+    from export.serve.engine import generate
+    from export.serve.request import SamplingParams
+
+    p = engine.encode("In the beginning God created the heaven and the earth. And the earth was without form, and "
+                      "void; and darkness was upon the face of the deep.")
+    params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, top_k=50, seed=21, frequency_penalty=0.3)
+    alone = generate(engine, [p], params)[0].generated
+    others = [engine.encode("To be, or not to be"), engine.encode("O Romeo, Romeo")]
+    for batch in ([others[0], p], [others[0], others[1], p]):  # the same request beside others, seeded alike
+        assert generate(engine, batch, params)[-1].generated == alone
+    # n choices of one prompt: the later ones wait for the first's prompt blocks and take them from the prefix cache
+    before = engine.scheduler.stats["prefix_hits"]
+    fresh = engine.encode("Then the LORD God said, It is not good that the man should be alone; I will make him an help.")
+    children = generate(engine, [fresh] * 3, SamplingParams(max_tokens=4, temperature=1.0, seed=5))
+    full = (len(fresh) - 1) // engine.scheduler.block_size * engine.scheduler.block_size
+    assert full > 0 and engine.scheduler.stats["prefix_hits"] - before == 2 * full
+    assert all(len(c.generated) == 4 for c in children)

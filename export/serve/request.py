@@ -11,6 +11,7 @@ fields plus `ignore_eos` and `min_tokens`). A request's text grows by incrementa
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -85,7 +86,7 @@ class Request:       # identities (field-by-field equality cost ~0.6 ms a step a
         that each sampled request has a generator of its own); None when it is greedy (nothing is drawn)."""
         if self.params.temperature < GREEDY_BELOW:
             return None
-        return self.params.seed if self.params.seed is not None else time.time_ns() % (1 << 62)
+        return self.params.seed if self.params.seed is not None else random.getrandbits(62)
 
     @property
     def scores_prompt(self) -> bool:

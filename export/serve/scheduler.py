@@ -323,7 +323,7 @@ class Scheduler:
         while True:
             with self.lock:
                 req = self.waiting[0] if self.waiting else None
-            if req is None or not self._admit(req, budget, counts, loads, plan):
+            if req is None or self._sibling_prefilling(req) or not self._admit(req, budget, counts, loads, plan):
                 break
             with self.lock:
                 self.waiting.popleft()
@@ -336,6 +336,16 @@ class Scheduler:
             plan.step = Step(forwards, plan.step.new, self._freed, self._ended)
             self._freed, self._ended = [], []
         return plan
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """Whether a running sequence is computing the first block of `req`'s prompt now (the n choices of one prompt,
+        or the same prompt from two clients at once): then `req` waits until that block is in the prefix cache, and
+        takes the prompt from it instead of computing it a second time beside its sibling."""
+        if not self.pools[0].caching or req.scores_prompt or req.num_tokens <= self.block_size or req.rank is not None:
+            return False
+        first = self._keys(req)[0]
+        return any(self.registered.get(s.id) == 0 and (self.keys.get(s.id) or (None,))[0] == first
+                   and s.num_computed < s.num_tokens for s in self.running)
 
     def _admit(self, req: Request, budget: list[int], counts: list[int], loads: list[int], plan: Plan) -> bool:
         """Start `req` on the rank where it adds the least work (`loads`: tokens each rank runs) and its first chunk's
