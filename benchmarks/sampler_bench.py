@@ -14,8 +14,9 @@ in random order each repeat (a shared machine's drift falls on all of them alike
     top-p, a cumsum, a scatter and a multinomial), sampled workload only;
   - reference: export/serve/sampling.py in tensor ops (`sample_batch(..., fast=False)`);
   - kernel: the same through csrc/sampling.cpp (the serving path on the CPU).
-Beside them: the output layer's read (`linear` of the rows' hidden states [rows, 1024] through the served bf16 head
-[vocab, 1024], the few-row kernel or oneDNN as the server picks), and the machine's read bandwidth.
+Beside them: the output layer's read (`linear` of the rows' hidden states [rows, 1024] through a bf16 head [vocab,
+1024] served as `ServingLinear` serves one: the few-row kernel, AMX or oneDNN's packed copy as the row count picks),
+and the machine's read bandwidth.
 Target (exit 1 when missed; --no-check only prints): the kernel's sampled and mixed steps take at most 35% of the
 head's read at 32 rows and vocabulary 50,304 (then a sampled step costs at most ~1.35x a greedy one's head).
 """
@@ -85,7 +86,8 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
     torch.manual_seed(rows * 7 + vocab)
     logits = (torch.randn(rows, vocab) * 3).bfloat16()
     hidden = torch.randn(rows, 1024).bfloat16()
-    head = linears.serving_weight(torch.randn(vocab, 1024).bfloat16() * 0.02)
+    w = torch.randn(vocab, 1024).bfloat16() * 0.02
+    head = linears.ServingWeight(w, pack=True) if linears.serves(w) else w  # as the served head (ServingLinear)
     fresh: dict[str, list] = {}
     for kind in ("sampled", "mixed"):
         made = [Sampler.of(s, vocab) for s in settings(kind, rows)]

@@ -48,9 +48,9 @@ double uniform(uint64_t seed, uint64_t counter, uint64_t attempt) {
 
 // exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n from the exponent bits), relative
 // error ~1e-7, in plain arithmetic the compiler vectorizes; 0 below -87 (and for -inf: a masked token weighs nothing).
-inline float exp_neg(float x) {
-  const bool zero = !(x >= -87.0f);
-  x = zero ? -87.0f : x;
+inline float exp_neg(float x0) {
+  const float keep = static_cast<float>(x0 >= -87.0f);  // 0 or 1: arithmetic, not a branch (vectorized)
+  const float x = std::max(x0, -87.0f);
   const float magic = 12582912.0f;  // 1.5 x 2^23: adding and subtracting it rounds to the nearest integer
   const float n = (x * 1.44269504088896341f + magic) - magic;
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -64,7 +64,7 @@ inline float exp_neg(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return zero ? 0.0f : y * scale;
+  return y * scale * keep;
 }
 
 float row_max(const float* s, int64_t V) {
@@ -145,7 +145,7 @@ double weigh(float* s, int64_t V, float m, float cut, std::vector<double>& block
     for (int64_t i = lo; i < hv; i += L)
       for (int j = 0; j < L; ++j) {
         const float v = s[i + j];
-        const float w = v >= cut ? exp_neg(v - m) : 0.0f;
+        const float w = exp_neg(v - m) * static_cast<float>(v >= cut);
         s[i + j] = w;
         lanes[j] += w;
       }
