@@ -14,6 +14,9 @@ in random order each repeat (a shared machine's drift falls on all of them alike
     top-p, a cumsum, a scatter and a multinomial), sampled workload only;
   - reference: export/serve/sampling.py in tensor ops (`sample_batch(..., fast=False)`);
   - kernel: the same through csrc/sampling.cpp (the serving path on the CPU).
+And a step of rows that sample among their top_k 40 with penalties (llama-server's default top_k), whole: the head's
+read and the kernel's sampling; screen: the head's int8 screen's candidates computed exactly (`HeadScreen.topk`,
+the same distribution) and the same sampling.
 Beside them: the output layer's read (`linear` of the rows' hidden states [rows, 1024] through a bf16 head [vocab,
 1024] served as `ServingLinear` serves one: the few-row kernel, AMX or oneDNN's packed copy as the row count picks),
 and the machine's read bandwidth.
@@ -82,6 +85,7 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
 
     from export.serve import linears
     from export.serve.sampling import Sampler, sample_batch
+    from export.serve.step import Sampling
 
     torch.manual_seed(rows * 7 + vocab)
     logits = (torch.randn(rows, vocab) * 3).bfloat16()
@@ -96,6 +100,26 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
                 sample_batch(made, torch.randn(rows, vocab).bfloat16())
         fresh[kind] = made
     gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    # top_k 40 rows with penalties (llama-server's default top_k): the whole head, or its screen's candidates
+    topk = [Sampler.of(Sampling(0.8, top_p=0.95, top_k=40, seed=i, frequency_penalty=0.5, presence_penalty=0.3),
+                       vocab) for i in range(rows)]
+    for s in topk:
+        for t in range(128):
+            s.took(t * 389 % vocab)
+    screen = linears.HeadScreen.of(head, None) if isinstance(head, linears.ServingWeight) else None
+
+    def whole_topk():
+        return sample_batch(topk, linears.linear(hidden, head))
+
+    def screen_topk():
+        got = screen.topk(hidden, [40] * rows, [s.edited(None) for s in topk])
+        if got is None:
+            return whole_topk()
+        offsets, tokens, values = got
+        sparse = torch.full((rows, vocab), float("-inf"))
+        sparse[torch.repeat_interleave(torch.arange(rows), offsets.diff()), tokens] = values
+        return sample_batch(topk, sparse)
+
     calls = {
         "head read": lambda: linears.linear(hidden, head),
         "per-row sampled": lambda: per_row_sampler(logits, 0.8, 0.95, gens),
@@ -103,6 +127,8 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
         "kernel sampled": lambda: sample_batch(fresh["sampled"], logits),
         "reference mixed": lambda: sample_batch(fresh["mixed"], logits, fast=False),
         "kernel mixed": lambda: sample_batch(fresh["mixed"], logits),
+        "head + top-k": whole_topk,
+        "screen top-k": screen_topk if screen is not None else whole_topk,
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
     for fn in calls.values():
@@ -161,17 +187,20 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads")
     rng = random.Random(0)
     results, rows_out = {}, []
-    names = ["head read", "per-row sampled", "reference sampled", "kernel sampled", "reference mixed", "kernel mixed"]
+    names = ["head read", "per-row sampled", "reference sampled", "kernel sampled", "reference mixed", "kernel mixed",
+             "head + top-k", "screen top-k"]
     print(f"\n{'rows':>4} {'vocab':>7} | " + " | ".join(f"{n:>17}" for n in names) + " | kernel/head sampled, mixed")
     for vocab in args.vocab:
         for rows in args.rows:
             ms = measure(rows, vocab, args.repeats, rng)
             med = {k: quartiles(v) for k, v in ms.items()}
             ratio = {k: med[f"kernel {k}"][1] / med["head read"][1] for k in ("sampled", "mixed")}
-            results[f"{rows}x{vocab}"] = {"ms": ms, "median_ms": {k: v[1] for k, v in med.items()}, "ratio": ratio}
+            screened = med["screen top-k"][1] / med["head + top-k"][1]
+            results[f"{rows}x{vocab}"] = {"ms": ms, "median_ms": {k: v[1] for k, v in med.items()}, "ratio": ratio,
+                                          "screened_topk_ratio": screened}
             cells = [f"{med[n][1]:7.2f} ({med[n][0]:.2f}-{med[n][2]:.2f})" for n in names]
             print(f"{rows:>4} {vocab:>7} | " + " | ".join(f"{c:>17}" for c in cells) +
-                  f" | {ratio['sampled']:.2f}, {ratio['mixed']:.2f}")
+                  f" | {ratio['sampled']:.2f}, {ratio['mixed']:.2f}; screen/whole top-k {screened:.2f}")
             rows_out.append((rows, vocab, ratio))
     print("\nms, median (interquartile range) of", args.repeats, "calls each, in random order")
     check = [r for rows, vocab, r in rows_out if rows == 32 and vocab == 50304]

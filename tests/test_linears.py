@@ -148,6 +148,7 @@ def check_all(gemv):
     check_norm(gemv)
     check_argmax(gemv)
     check_screen(gemv)
+    check_screen_topk(gemv)
     check_int8(gemv)
     check_int4(gemv)
     check_routed(gemv)
@@ -502,6 +503,51 @@ def check_screen(kernel):
             assert screen.argmax(torch.zeros(3, I, dtype=dtype)) is None
         calls = screen.calls
         assert screen.argmax(torch.zeros(3, I, dtype=dtype)) is None and screen.calls == calls
+
+
+def check_screen_topk(kernel):
+    """HeadScreen.topk over this build's `screen_topk` (`screen_topk_vnni` where the build has AVX512_VNNI), the rows
+    that sample among their k largest logits: each row's candidates hold every token of its top k once its edited
+    tokens are set aside (ties at the k-th included) and every edited token, ascending, and their logits are the
+    few-row kernel's to the bit (so sampling from them, every other logit -inf, is sampling from the whole layer's);
+    1 to 64 rows (8 without VNNI), fp32 and bf16, k from 1 to 60; logits all equal (every output a candidate) and
+    a non-finite input give None."""
+    from export.serve.linears import HeadScreen, ServingWeight
+
+    torch.manual_seed(2)
+    O, I = 3000, 200
+    vnni = hasattr(kernel, "screen_topk_vnni")
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (torch.randn(O, I) * 0.05).to(dtype)
+        w[2999], w[1500] = w[7], w[7]  # a three-way tie (the last row: the scan's tail)
+        served = ServingWeight(w)
+        served.gemv = kernel
+        screen = HeadScreen(served)
+        screen.most = O
+        for M in [1, 2, 5, 8, *((13, 64) if vnni else ())]:
+            x = torch.randn(M, I)
+            x[0] = w[7].float() * 20 + torch.randn(I) * 0.5  # row 7 and its ties among the largest
+            x = x.to(dtype)
+            ks = torch.randint(1, 61, (M,)).tolist()
+            ks[0] = 2  # the k-th of row 0 inside the tie: all three kept
+            edited = [torch.randint(0, O, (int(torch.randint(0, 8, ())),)).tolist() + [O - 1] * (m % 2)
+                      for m in range(M)]
+            offsets, tokens, values = screen.topk(x, ks, edited)
+            full = torch.cat([kernel.linear(x[i:i + kernel.MAX_ROWS], w, None)
+                              for i in range(0, M, kernel.MAX_ROWS)]).float()
+            for m in range(M):
+                t, v = tokens[offsets[m]:offsets[m + 1]], values[offsets[m]:offsets[m + 1]]
+                assert torch.equal(t, t.sort().values) and torch.equal(v, full[m, t])
+                row = full[m].clone()
+                row[edited[m]] = float("-inf")
+                kth = row.topk(ks[m]).values[-1]
+                assert set(torch.nonzero(row >= kth).flatten().tolist()) | set(edited[m]) <= set(t.tolist())
+            assert {7, 1500, 2999} <= set(tokens[offsets[0]:offsets[1]].tolist())
+        assert screen.fallbacks == 0
+        assert screen.topk(torch.zeros(2, I, dtype=dtype), [3, 3], [[], []]) is None  # all equal: all candidates
+        x = torch.randn(1, I).to(dtype)
+        x[0, 5] = float("nan")
+        assert screen.topk(x, [3], [[]]) is None
 
 
 def check_quantized_screen(kernel):

@@ -257,3 +257,43 @@ def test_a_seed_gives_the_same_tokens_in_any_batch_and_choices_share_the_prompt(
     full = (len(fresh) - 1) // engine.scheduler.block_size * engine.scheduler.block_size
     assert full > 0 and engine.scheduler.stats["prefix_hits"] - before == 2 * full
     assert all(len(c.generated) == 4 for c in children)
+
+
+def test_top_k_rows_and_edited_greedy_rows_take_the_same_tokens_through_the_head_s_screen():
+    """Served as `moe-pipeline serve` serves it (export/serve/linears.py `serving_linears`: the output layer with its
+    HeadScreen), rows that sample among their top_k and greedy rows with penalties or logit_bias take their logits'
+    candidates from the screen (`HeadScreen.topk`, none falling back) and the same tokens, seeded, as with the whole
+    output layer read; three requests decoded together and alone."""
+    from export.serve.engine import Engine, generate
+    from export.serve.linears import kernel, serving_linears
+    from export.serve.request import SamplingParams
+    from pipeline.data import gpt2_tokenizer
+    from pipeline.model import GPT, init_weights
+
+    if kernel() is None:
+        pytest.skip("no kernel on this machine: no screen")
+    cfg = model_config(vocab_size=50304, seq_len=48)
+    model = GPT(cfg, moe_impl="reference")
+    init_weights(model, 3)
+    model.eval().requires_grad_(False)
+    serving_linears(model)
+    engine = Engine(model, gpt2_tokenizer(cfg.seq_len), max_batch=3)
+    screen = model.lm_head.screen
+    prompts = [engine.encode(t) for t in ("And God said", "To be, or not to be", "O Romeo, Romeo")]
+    params = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=21, frequency_penalty=0.3,
+                             presence_penalty=0.2),
+              SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, logit_bias=[[11, 2.0]]),
+              SamplingParams(max_tokens=8, temperature=1.0, top_k=5, min_p=0.1, seed=3)]
+
+    def run():
+        together = [r.generated for p in params for r in generate(engine, prompts, p)]
+        return together, [generate(engine, [prompts[1]], p)[0].generated for p in params]
+
+    got = run()
+    assert screen.calls >= 3 * 8 and screen.fallbacks == 0
+    model.lm_head.screen = None
+    try:
+        assert got == run()
+    finally:
+        model.lm_head.screen = screen
+    assert got[0][1::3] == got[1]  # prompt 1 alone as beside the others

@@ -638,8 +638,14 @@ class HeadScreen(_Tries):
     kernel's (8 rows a pass), where the unscreened layer runs oneDNN's GEMM: both are fp32 sums of the same bf16
     products rounded once; near-ties can differ between the two.
 
+    `topk` does the same for rows that sample among their top_k largest logits (and greedy rows whose logits a
+    processor edits, k = 1): every token that can be among them, computed exactly, the rest -inf (the same
+    distribution, for the screen's bytes and one row of the layer a candidate: on a trained model's peaked logits a
+    few dozen; the peer benchmark's random model's flat ones give ~1,000 for top_k 40, past TOPK_MOST at 32 rows).
+
     Not for: a bias, a weight that is not finite, rows the head would send to AMX (`amx_linear`'s other sums), rows
-    that sample or ask for log-probabilities. A row count whose calls keep falling back (candidates past `most`:
+    that sample from the whole vocabulary (top_p, min_p alone: the nucleus needs every logit) or ask for
+    log-probabilities. A row count whose calls keep falling back (candidates past `most`:
     flat logits) stops trying after GIVE_UP of them. MOE_PIPELINE_HEAD_SCREEN=0: none."""
 
     CHUNK = 4096  # output rows quantised at a time (a float64 copy of this many rows at most)
@@ -648,6 +654,7 @@ class HeadScreen(_Tries):
     # union for every row): the peer benchmark's random Qwen3-MoE gives 2,100-2,900 candidates for 32 rows (its
     # logits are flat; 1/16 of its outputs is 3,144), re-checked in ~0.3 ms where a fallback costs the whole layer
     MOST_PER_ROW = 1 / 4
+    TOPK_MOST = 512  # `topk`: candidates a row may have at least, however many rows (the peer model's top_k 40: ~100)
 
     def __init__(self, served: ServingWeight):
         w = served.weight
@@ -711,6 +718,38 @@ class HeadScreen(_Tries):
         else:
             out = self.gemv.screen_argmax(x.contiguous(), self.served.weight, self.q, self.scale, self.err, self.most)
         return self._result(n, out)
+
+    def topk(self, x: torch.Tensor, ks: list[int], edited: list[list[int]]):
+        """The logits of the rows of hidden states x [n, C] that sample among their ks[i] largest (top_k; 1 for a
+        greedy row whose logits a processor edits), every token that can be among those after the processors
+        (`edited[i]`: the tokens they touch, always computed), as the whole head writes them, the rest left out:
+        (offsets [n + 1], tokens, logits fp32), row i's at offsets[i]:offsets[i + 1]. Sampling from these with every
+        other logit -inf is sampling from the head's own (csrc/gemv.cpp `screened_topk`). None where the screen does
+        not apply (flat logits: candidates past `most` a row; then the caller runs the whole head)."""
+        n = x.shape[0]
+        if not 0 < n <= self.rows or x.dtype != self.served.weight.dtype or (
+                self.served.amx is not None and n > 1):
+            return None
+        if not self._try(-n):  # the row counts' tries kept apart from argmax's
+            return None
+        ks_t = torch.tensor(ks, dtype=torch.long)
+        O = self.served.weight.shape[0]
+        distinct = [sorted({t for t in e if 0 <= t < O}) for e in edited]
+        offsets = torch.zeros(n + 1, dtype=torch.long)
+        offsets[1:] = torch.tensor([len(e) for e in distinct], dtype=torch.long).cumsum(0)
+        tokens = torch.tensor([t for e in distinct for t in e], dtype=torch.long)
+        most = max(self.TOPK_MOST, self.most // n)  # a row's candidates, each one row of the layer read again
+        if self.vnni:
+            out = self.gemv.screen_topk_vnni(x.contiguous(), self.served.weight, self.int8.q, self.int8.scale,
+                                             self.err, self.err2, self.top, self.norm, most, ks_t, offsets, tokens)
+        else:
+            out = self.gemv.screen_topk(x.contiguous(), self.served.weight, self.q, self.scale, self.err, most, ks_t,
+                                        offsets, tokens)
+        if not out:
+            self.fallbacks += 1
+            self.tried[-n][1] += 1
+            return None
+        return tuple(out)
 
 
 class QuantizedHeadScreen(_Tries):

@@ -78,6 +78,17 @@ class Sampler:
         """Greedy with nothing else asked: the token is the argmax of the head's own logits (the worker's screen)."""
         return self.greedy and self.settings.logprobs is None and not self.processed
 
+    def edited(self, banned: list[int] | None) -> list[int]:
+        """The tokens whose logits its processors change this step (logit_bias, the penalties' tokens, `banned`)."""
+        out = list(banned or ())
+        if self.bias is not None:
+            out += self.bias[0].tolist()
+        if self.counts:
+            out += list(self.counts)
+        if self.prompt is not None:
+            out += self.prompt.tolist()
+        return out
+
     def took(self, token: int) -> None:
         """`token` was sampled for it: count it, advance the grammar."""
         self.sampled += 1
@@ -143,49 +154,56 @@ def _index(rows: list[int]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
+def _distinct(a: np.ndarray) -> np.ndarray:
+    """a's distinct values, ascending (by a sort: numpy's hashed `unique` costs ~10x more on these few thousand)."""
+    a = np.sort(a)
+    return a[np.concatenate([[True], a[1:] != a[:-1]])] if a.size else a
+
+
 def _edits(samplers: list[Sampler], banned: list[list[int] | None], logits: torch.Tensor):
     """The logits the processors change, as (offsets [n + 1], tokens [E], values [E] fp32): row i's edited tokens are
     tokens[offsets[i]:offsets[i + 1]]. In vLLM's order: logit_bias added, the banned token -inf, then
     repetition_penalty over the prompt's and output's tokens (a positive logit divided by it, another multiplied),
     then frequency_penalty x each output token's count and presence_penalty once per output token subtracted. Only
-    the (row, token) pairs they touch are read and written, never a row of the vocabulary."""
+    the (row, token) pairs they touch are read and written, never a row of the vocabulary; as flat index arrays
+    (row x V + token), in numpy (a few arrays a row with a processor, one op per kind over all of them)."""
     n, V = logits.shape
-    kinds: dict[str, list] = {"bias": [], "biases": [], "rep": [], "out": [], "count": []}
-    for i, s in enumerate(samplers):  # rows with a processor only (each a few tensors, however long its output)
+    bias, biases, rep, out, count = [], [], [], [], []
+    for i, s in enumerate(samplers):  # rows with a processor only
+        base = i * V
         if s.bias is not None:
-            kinds["bias"].append(s.bias[0] + i * V)
-            kinds["biases"].append(s.bias[1])
+            bias.append(s.bias[0].numpy() + base)
+            biases.append(s.bias[1].numpy())
         if s.counts:
-            out = torch.tensor(list(s.counts), dtype=torch.long) + i * V
-            kinds["out"].append(out)
-            kinds["count"].append(torch.tensor(list(s.counts.values()), dtype=torch.float32))
+            keys = np.fromiter(s.counts.keys(), np.int64, len(s.counts)) + base
+            out.append(keys)
+            count.append(np.fromiter(s.counts.values(), np.float32, len(s.counts)))
             if s.prompt is not None:
-                kinds["rep"].append(out)
+                rep.append(keys)
         if s.prompt is not None and s.prompt.numel():
-            kinds["rep"].append(s.prompt + i * V)
-    ban = torch.tensor([i * V + t for i, ts in enumerate(banned) for t in ts or () if 0 <= t < V], dtype=torch.long)
-    cat = lambda key: torch.cat(kinds[key]) if kinds[key] else torch.empty(0, dtype=torch.long)  # noqa: E731
-    bias, rep, out = cat("bias"), torch.unique(cat("rep")), cat("out")
-    keys = torch.unique(torch.cat([bias, ban, rep, out]))  # sorted
-    if not keys.numel():
-        return torch.zeros(n + 1, dtype=torch.long), keys, torch.empty(0)
-    values = logits.reshape(-1)[keys].float()
-    at = lambda k: torch.searchsorted(keys, k)  # noqa: E731
-    per_row = lambda name, k: torch.tensor([float(getattr(s.settings, name)) for s in samplers])[k // V]  # noqa: E731
-    if bias.numel():
-        values.index_add_(0, at(bias), torch.cat(kinds["biases"]))
-    if ban.numel():
-        values[at(ban)] = float("-inf")
-    if rep.numel():
-        j, r = at(rep), per_row("repetition_penalty", rep)
+            rep.append(s.prompt.numpy() + base)
+    ban = np.array([i * V + t for i, ts in enumerate(banned) for t in ts or () if 0 <= t < V], dtype=np.int64)
+    cat = lambda parts, dtype=np.int64: np.concatenate(parts) if parts else np.empty(0, dtype)  # noqa: E731
+    bias, rep, out = cat(bias), _distinct(cat(rep)), cat(out)
+    keys = _distinct(np.concatenate([bias, ban, rep, out]))
+    if not keys.size:
+        return torch.zeros(n + 1, dtype=torch.long), torch.from_numpy(keys), torch.empty(0)
+    values = logits.reshape(-1)[torch.from_numpy(keys)].float().numpy()
+    setting = lambda name: np.array([getattr(s.settings, name) for s in samplers], dtype=np.float32)  # noqa: E731
+    if bias.size:  # one bias a token a row (Sampler.of merged them)
+        values[np.searchsorted(keys, bias)] += cat(biases, np.float32)
+    if ban.size:
+        values[np.searchsorted(keys, ban)] = -np.inf
+    if rep.size:
+        j, r = np.searchsorted(keys, rep), setting("repetition_penalty")[rep // V]
         v = values[j]
-        values[j] = torch.where(v > 0, v / r, v * r)
-    if out.numel():
-        j = at(out)
-        values[j] -= per_row("frequency_penalty", out) * cat("count").float() + per_row("presence_penalty", out)
+        values[j] = np.where(v > 0, v / r, v * r)
+    if out.size:
+        j, row = np.searchsorted(keys, out), out // V
+        values[j] -= setting("frequency_penalty")[row] * cat(count, np.float32) + setting("presence_penalty")[row]
     offsets = torch.zeros(n + 1, dtype=torch.long)
-    offsets[1:] = torch.bincount(keys // V, minlength=n).cumsum(0)
-    return offsets, keys % V, values
+    offsets[1:] = torch.from_numpy(np.bincount(keys // V, minlength=n)).cumsum(0)
+    return offsets, torch.from_numpy(keys % V), torch.from_numpy(values)
 
 
 def _allowed(samplers: list[Sampler], V: int) -> torch.Tensor:

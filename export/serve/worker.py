@@ -51,6 +51,7 @@ class Worker:
     forward's collectives: it is raised). `exchange`: the data-parallel path's expert exchange
     (export/serve/placement/exchange.py), which applies each forward's placement directive."""
 
+    TOPK_SCREEN = 256  # top_k up to which a sampled row's logits come from the head's screen (`HeadScreen.topk`)
     SCORE_ROWS = 256  # prompt positions projected to the vocabulary at once when scoring a prompt (echo + logprobs)
 
     def __init__(self, model: GPT, blocks: int, block_size: int, rank: int, single: bool,
@@ -153,9 +154,11 @@ class Worker:
         """The next token of each row from its last position's hidden state, last [n, C]: {"token"} (with
         "logprob" and "top" where asked), or {"error"} for a row that fails alone. Plain greedy rows (no
         log-probabilities, nothing that changes their logits, no banned token, not scored) take the argmax through the
-        head's screen where it has one (export/serve/linears.py `HeadScreen`, reading half the head's bytes); every
-        other row is projected through the head and sampled in one batch (export/serve/sampling.py), so sampled
-        rows do not make greedy ones read the whole head."""
+        head's screen where it has one (export/serve/linears.py `HeadScreen`, reading half the head's bytes); rows
+        that keep their top_k largest logits (top_k up to TOPK_SCREEN; greedy rows with processors, k = 1) take
+        their candidates' exact logits from it too (`HeadScreen.topk`); every other row is projected through the
+        head; each group sampled in one batch (export/serve/sampling.py), so sampled rows do not make greedy ones
+        read the whole head."""
         samplers = [self.samplers.get(row.seq) for row in rows]
         out: list[dict | None] = [None] * len(rows)
         for j, s in enumerate(samplers):
@@ -169,25 +172,46 @@ class Worker:
             for j, t in zip(plain, tokens or ()):
                 out[j] = {"token": t}
                 samplers[j].took(t)
+        # rows that keep their top_k largest logits (and greedy ones with processors: k = 1): the screen's candidates
+        # for them, computed exactly, and every other logit -inf (export/serve/linears.py `HeadScreen.topk`)
+        few = [j for j, (row, s) in enumerate(zip(rows, samplers)) if out[j] is None and isinstance(s, Sampler)
+               and s.settings.logprobs is None and s.matcher is None and not scored[j]
+               and (s.greedy or 0 < s.settings.top_k <= self.TOPK_SCREEN)]
+        if few and screen is not None and hasattr(screen, "topk"):
+            got = screen.topk(last if len(few) == len(rows) else last.index_select(0, _rows(few)),
+                              [1 if samplers[j].greedy else samplers[j].settings.top_k for j in few],
+                              [samplers[j].edited(rows[j].banned) for j in few])
+            if got is not None:
+                offsets, tokens, values = got
+                V = screen.served.weight.shape[0]
+                sparse = torch.full((len(few), V), float("-inf"))
+                sparse[torch.repeat_interleave(torch.arange(len(few)), offsets.diff()), tokens] = values
+                self._pick(few, sparse, samplers, rows, out)
         rest = [j for j in range(len(rows)) if out[j] is None]
         if rest:
             raw = self._project(last if len(rest) == len(rows) else last.index_select(0, _rows(rest)), fp32=False)
-            try:
-                picks = sample_batch([samplers[j] for j in rest], raw, [rows[j].banned for j in rest])
-            except Exception:  # noqa: BLE001 - find the rows that fail, and sample the others
-                picks = []
-                for i, j in enumerate(rest):
-                    try:
-                        picks += sample_batch([samplers[j]], raw[i:i + 1], [rows[j].banned])
-                    except Exception as err:  # noqa: BLE001 - this request alone fails
-                        picks.append({"error": _error(err)})
-            for j, pick in zip(rest, picks):
-                out[j] = pick
+            self._pick(rest, raw, samplers, rows, out)
         for j, s in enumerate(samplers):  # a grammar that refused the token (or could not say what may come next)
             matcher = getattr(s, "matcher", None)
             if matcher is not None and matcher.error is not None:
                 out[j] = {"error": f"the request's grammar: {matcher.error}"}
         return out
+
+    @staticmethod
+    def _pick(js: list[int], logits: torch.Tensor, samplers: list, rows: list[Row], out: list) -> None:
+        """Rows js sampled from their logits [len(js), V] in one batch into out; where that fails, row by row, a row
+        that fails alone getting {"error"}."""
+        try:
+            picks = sample_batch([samplers[j] for j in js], logits, [rows[j].banned for j in js])
+        except Exception:  # noqa: BLE001 - find the rows that fail, and sample the others
+            picks = []
+            for i, j in enumerate(js):
+                try:
+                    picks += sample_batch([samplers[j]], logits[i:i + 1], [rows[j].banned])
+                except Exception as err:  # noqa: BLE001 - this request alone fails
+                    picks.append({"error": _error(err)})
+        for j, pick in zip(js, picks):
+            out[j] = pick
 
     def _score(self, row: Row, h: torch.Tensor) -> RowResult:
         """The log-probabilities of the row's prompt targets at each of its positions (h [n, C])."""

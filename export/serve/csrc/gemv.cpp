@@ -2272,11 +2272,150 @@ static at::Tensor screened(const at::Tensor& x, const at::Tensor& w, const float
   return out;
 }
 
-// x [M, I] (1 <= M <= MAX_ROWS) and w [O, I] as `linear` takes them (no bias); q int8 [O, I]; scale, err fp32 [O];
-// `most`: the candidates (all rows together) past which it gives up -> [M] int64, or an empty tensor.
-at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, const at::Tensor& scale,
-                         const at::Tensor& err, int64_t most) {
-  RECORD_FUNCTION("moe_pipeline::screen_argmax", std::vector<c10::IValue>({x, q}));
+// The screens' second half for rows that sample among their k largest logits (top_k; greedy rows whose logits a
+// processor edits: k = 1): each row's candidates, every token that can be among its ks[m] largest logits as `linear`
+// writes them once the processors have edited them, and those tokens' logits as `linear` writes them. foff [M + 1],
+// ftok: each row's edited tokens (ascending; logit_bias, penalties, a banned token), left out of the k-th largest
+// lower end (an edit can lower them) and always computed (an edit can raise them). tau, the k-th largest y - e of the
+// other tokens, is at most the k-th largest edited exact logit (k unedited tokens reach it), so every token of the
+// edited top k is edited or has y + e >= tau (with screened's margins for the rounding to w's dtype): sampling from
+// these logits, every other one -inf, is sampling from the whole layer's, exactly. -> {offsets [M + 1], tokens [C]
+// int64 (each row's ascending), logits [C] fp32 (w's dtype's values, widened)}, or {} where a row has fewer than k
+// unedited tokens, a row's candidates pass `most`, or a logit is NaN (the caller then runs the whole head).
+template <typename RowBound>
+static std::vector<at::Tensor> screened_topk(const at::Tensor& x, const at::Tensor& w, const float* y, int64_t O,
+                                             int64_t most, RowBound row_bound, const at::Tensor& ks,
+                                             const at::Tensor& foff, const at::Tensor& ftok) {
+  const int64_t M = x.size(0), I = w.size(1);
+  TORCH_CHECK(ks.scalar_type() == at::kLong && ks.numel() == M && foff.scalar_type() == at::kLong &&
+                  foff.numel() == M + 1 && ftok.scalar_type() == at::kLong && ks.is_contiguous() &&
+                  foff.is_contiguous() && ftok.is_contiguous(),
+              "screen_topk: ks int64 [M], foff int64 [M + 1], ftok int64");
+  const int64_t *kp = ks.data_ptr<int64_t>(), *fo = foff.data_ptr<int64_t>(), *ft = ftok.data_ptr<int64_t>();
+  TORCH_CHECK(fo[0] == 0 && fo[M] == ftok.numel(), "screen_topk: foff runs from 0 to ftok's length");
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(kp[m] >= 1 && fo[m] <= fo[m + 1], "screen_topk: each k >= 1, foff ascending");
+    for (int64_t j = fo[m]; j < fo[m + 1]; ++j)
+      TORCH_CHECK(ft[j] >= 0 && ft[j] < O && (j == fo[m] || ft[j] > ft[j - 1]),
+                  "screen_topk: each row's edited tokens ascending, in [0, out)");
+  }
+  std::vector<std::vector<int64_t>> cands(M);
+  std::vector<char> failed(M, 0);
+  const float tiny = 1e-30f;
+  at::parallel_for(0, M, M > 4 ? 2 : M, [&](int64_t r0, int64_t r1) {
+    alignas(64) float lanes[VW];
+    std::vector<float> heap;  // the k largest lower ends so far, least first
+    for (int64_t m = r0; m < r1; ++m) {
+      const float* ym = y + m * O;
+      const auto bound = row_bound(m);
+      const int64_t *f0 = ft + fo[m], *f1 = ft + fo[m + 1];
+      const size_t k = static_cast<size_t>(kp[m]);
+      if (k + (f1 - f0) > static_cast<size_t>(most)) {  // k alone past `most`: the whole head
+        failed[m] = 1;
+        continue;
+      }
+      heap.clear();
+      const vf vt = vset(tiny);
+      for (int64_t o = 0; o < O; o += VW) {
+        const int64_t n = std::min<int64_t>(VW, O - o);
+        const vf v = vload_n(ym + o, n);
+        const vf lo = v - (bound(o, v, n) + vt);
+        const unsigned live = n == VW ? ~0u : (1u << n) - 1;
+        if (heap.size() == k && !(vge(lo, vset(heap.front())) & live)) continue;  // none above the k-th: skipped
+        vstore(lanes, lo);
+        for (int64_t j = 0; j < n; ++j) {
+          if (std::binary_search(f0, f1, o + j)) continue;
+          if (heap.size() < k) {
+            heap.push_back(lanes[j]);
+            std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+          } else if (lanes[j] > heap.front()) {
+            std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+            heap.back() = lanes[j];
+            std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+          }
+        }
+      }
+      const float tau = heap.size() == k ? heap.front() : -std::numeric_limits<float>::infinity();
+      if (!std::isfinite(tau)) {
+        failed[m] = 1;
+        continue;
+      }
+      const float floor = tau - 0x1p-6f * 1.001f * std::fabs(tau) - tiny;  // as screened's, below the k-th
+      const vf vfloor = vset(floor), vm = vset(0x1p-6f);
+      auto& c = cands[m];
+      for (int64_t o = 0; o < O; o += VW) {
+        const int64_t n = std::min<int64_t>(VW, O - o);
+        const vf v = vload_n(ym + o, n);
+        const vf hi = v + (bound(o, v, n) + vt);
+        const unsigned live = n == VW ? ~0u : (1u << n) - 1;
+        for (unsigned bits = vge(vfma(vabs(hi), vm, hi), vfloor) & live; bits; bits &= bits - 1)
+          if (!std::binary_search(f0, f1, o + __builtin_ctz(bits))) c.push_back(o + __builtin_ctz(bits));
+        if (static_cast<int64_t>(c.size()) > most) break;
+      }
+      const size_t own = c.size();
+      c.insert(c.end(), f0, f1);
+      std::inplace_merge(c.begin(), c.begin() + own, c.end());
+      if (static_cast<int64_t>(c.size()) > most) failed[m] = 1;
+    }
+  });
+  for (int64_t m = 0; m < M; ++m)
+    if (failed[m]) return {};
+  at::Tensor offsets = at::empty({M + 1}, x.options().dtype(at::kLong));
+  int64_t* op = offsets.data_ptr<int64_t>();
+  op[0] = 0;
+  for (int64_t m = 0; m < M; ++m) op[m + 1] = op[m] + static_cast<int64_t>(cands[m].size());
+  at::Tensor tokens = at::empty({op[M]}, x.options().dtype(at::kLong));
+  at::Tensor logits = at::empty({op[M]}, x.options().dtype(at::kFloat));
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  float* lp = logits.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) std::copy(cands[m].begin(), cands[m].end(), tp + op[m]);
+  bool nan = false;
+#if defined(__AVX512BF16__)
+  if (w.scalar_type() == at::kBFloat16) {  // each row's own candidates, as its pass of `linear` sums them
+    const B16* wb = w.data_ptr<B16>();
+    const B16* xb = x.data_ptr<B16>();
+    std::vector<char> nans(M, 0);
+    at::parallel_for(0, M, M > 4 ? 2 : M, [&](int64_t r0, int64_t r1) {
+      for (int64_t m = r0; m < r1; ++m) {
+        const int64_t pass = std::min(MAX_ROWS, M - m / MAX_ROWS * MAX_ROWS);
+        for (int64_t j = op[m]; j < op[m + 1]; ++j) {
+          lp[j] = static_cast<float>(static_cast<B16>(dp_row_of(pass, wb + tp[j] * I, xb + m * I, I)));
+          if (std::isnan(lp[j])) nans[m] = 1;
+        }
+      }
+    });
+    for (char bad : nans) nan = nan || bad;
+    if (nan) return {};
+    return {offsets, tokens, logits};
+  }
+#endif
+  std::vector<int64_t> all(tp, tp + op[M]);
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  const int64_t K = static_cast<int64_t>(all.size());
+  at::Tensor sub = at::empty({K, I}, w.options());
+  const size_t row = static_cast<size_t>(I) * w.element_size();
+  for (int64_t k = 0; k < K; ++k)
+    std::memcpy(static_cast<char*>(sub.data_ptr()) + k * row, static_cast<const char*>(w.data_ptr()) + all[k] * row,
+                row);
+  std::vector<at::Tensor> parts;
+  for (int64_t r = 0; r < M; r += MAX_ROWS)
+    parts.push_back(::linear(x.narrow(0, r, std::min(MAX_ROWS, M - r)), sub, c10::optional<at::Tensor>()));
+  const at::Tensor exact = (parts.size() == 1 ? parts[0] : at::cat(parts)).to(at::kFloat);  // [M, K], exact widening
+  const float* ex = exact.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = op[m]; j < op[m + 1]; ++j) {
+      lp[j] = ex[m * K + (std::lower_bound(all.begin(), all.end(), tp[j]) - all.begin())];
+      if (std::isnan(lp[j])) return {};
+    }
+  return {offsets, tokens, logits};
+}
+
+// screen_argmax's checks and int8 pass: done(y, row_bound) with the approximate sums y [M, O] and each row's bound
+// (as `screened` takes them), or `none` where x is not finite.
+template <typename R, typename Done>
+static R screen_pass(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, const at::Tensor& scale,
+                     const at::Tensor& err, R none, Done done) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= MAX_ROWS &&
                   x.scalar_type() == w.scalar_type() &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
@@ -2297,7 +2436,7 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
   std::vector<double> norm(M, 0.0);  // |x|'s L1 norm per row, in double (exact enough: rounded up below)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t i = 0; i < I; ++i) norm[m] += std::fabs(static_cast<double>(xf[m * I + i]));
-    if (!std::isfinite(norm[m])) return at::empty({0}, x.options().dtype(at::kLong));
+    if (!std::isfinite(norm[m])) return none;
     norm[m] *= 1.0 + 1e-9;
   }
   std::vector<float> y(M * O);
@@ -2317,12 +2456,34 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
     rows_any(M, qp, xf.data(), I, o0, o1, out);
   });
   const float* errp = ep;
-  return screened(x, w, y.data(), O, most, [&](int64_t m) {
+  return done(y.data(), [&](int64_t m) {
     const float n1 = std::nextafter(static_cast<float>(norm[m]), std::numeric_limits<float>::infinity()) *
                      (1.0f + 0x1p-20f);
     return [n1, errp](int64_t o, vf v, int64_t n) {
       return vfma(vload_n(errp + o, n), vset(n1), vmul(vabs(v), vset(0x1p-21f)));
     };
+  });
+}
+
+// x [M, I] (1 <= M <= MAX_ROWS) and w [O, I] as `linear` takes them (no bias); q int8 [O, I]; scale, err fp32 [O];
+// `most`: the candidates (all rows together) past which it gives up -> [M] int64, or an empty tensor.
+at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, const at::Tensor& scale,
+                         const at::Tensor& err, int64_t most) {
+  RECORD_FUNCTION("moe_pipeline::screen_argmax", std::vector<c10::IValue>({x, q}));
+  return screen_pass(x, w, q, scale, err, at::empty({0}, x.options().dtype(at::kLong)), [&](const float* y, auto bound) {
+    return screened(x, w, y, w.size(0), most, bound);
+  });
+}
+
+// screen_argmax's pass, then each row's candidates for its top ks[m] and their exact logits (`screened_topk`):
+// ks int64 [M], foff int64 [M + 1] and ftok int64 (each row's edited tokens, ascending); `most`: a row's candidates
+// past which it gives up -> {offsets, tokens, logits}, or {}.
+std::vector<at::Tensor> screen_topk(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q,
+                                    const at::Tensor& scale, const at::Tensor& err, int64_t most, const at::Tensor& ks,
+                                    const at::Tensor& foff, const at::Tensor& ftok) {
+  RECORD_FUNCTION("moe_pipeline::screen_topk", std::vector<c10::IValue>({x, q}));
+  return screen_pass(x, w, q, scale, err, std::vector<at::Tensor>{}, [&](const float* y, auto bound) {
+    return screened_topk(x, w, y, w.size(0), most, bound, ks, foff, ftok);
   });
 }
 
@@ -2342,10 +2503,10 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // x [M <= VNNI_MAX_ROWS, I] and w [O, I] as `linear` takes them (no bias); packed, scale: the int8 copy as a W8A8
 // weight holds it (`w8a8_of`: vnni_pack's tiles, the row scales and sums [2, O]); err1, err2, top, norm fp32 [O]
 // (above; export/serve/linears.py `HeadScreen`); `most` as screen_argmax's -> [M] int64, or an empty tensor.
-at::Tensor screen_argmax_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
-                              const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
-                              const at::Tensor& top, const at::Tensor& norm, int64_t most) {
-  RECORD_FUNCTION("moe_pipeline::screen_argmax_vnni", std::vector<c10::IValue>({x, packed}));
+template <typename R, typename Done>
+static R screen_pass_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed, const at::Tensor& scale,
+                          const at::Tensor& err1, const at::Tensor& err2, const at::Tensor& top,
+                          const at::Tensor& norm, R none, Done done) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 &&
                   x.size(0) <= VNNI_MAX_ROWS && x.scalar_type() == w.scalar_type() &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
@@ -2357,7 +2518,6 @@ at::Tensor screen_argmax_vnni(const at::Tensor& x, const at::Tensor& w, const at
   for (const at::Tensor* a : {&err1, &err2, &top, &norm})
     TORCH_CHECK(a->scalar_type() == at::kFloat && a->numel() == O && a->is_contiguous(),
                 "screen_argmax_vnni: err1, err2, top, norm fp32 [out]");
-  const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
   // each row rounded to int8 as W8A8's linears round it; then the row's |x|_1, |x|_2, |e|_1, |e|_2 in double
   // (e = x - s xq, exact there), rounded up
   std::vector<uint8_t> xu(M * q.I4);
@@ -2392,7 +2552,7 @@ at::Tensor screen_argmax_vnni(const at::Tensor& x, const at::Tensor& w, const at
   });
   const float *p1 = err1.data_ptr<float>(), *p2 = err2.data_ptr<float>(), *pt = top.data_ptr<float>(),
               *pn = norm.data_ptr<float>();
-  return screened(x, w, y.data(), O, most, [&](int64_t m) {
+  return done(y.data(), [&](int64_t m) {
     const vf a1 = vset(n1[m]), a2 = vset(n2[m]), b1 = vset(e1[m]), b2 = vset(e2[m]), r = vset(0x1p-21f);
     return [=](int64_t o, vf v, int64_t n) {
       const vf weights = _mm512_min_ps(vmul(vload_n(p1 + o, n), a1), vmul(vload_n(p2 + o, n), a2));
@@ -2400,6 +2560,26 @@ at::Tensor screen_argmax_vnni(const at::Tensor& x, const at::Tensor& w, const at
       return vfma(vabs(v), r, weights + inputs);
     };
   });
+}
+
+at::Tensor screen_argmax_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
+                              const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
+                              const at::Tensor& top, const at::Tensor& norm, int64_t most) {
+  RECORD_FUNCTION("moe_pipeline::screen_argmax_vnni", std::vector<c10::IValue>({x, packed}));
+  return screen_pass_vnni(x, w, packed, scale, err1, err2, top, norm, at::empty({0}, x.options().dtype(at::kLong)),
+                          [&](const float* y, auto bound) { return screened(x, w, y, w.size(0), most, bound); });
+}
+
+// screen_argmax_vnni's pass, then screen_topk's candidates and exact logits.
+std::vector<at::Tensor> screen_topk_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
+                                         const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
+                                         const at::Tensor& top, const at::Tensor& norm, int64_t most,
+                                         const at::Tensor& ks, const at::Tensor& foff, const at::Tensor& ftok) {
+  RECORD_FUNCTION("moe_pipeline::screen_topk_vnni", std::vector<c10::IValue>({x, packed}));
+  return screen_pass_vnni(x, w, packed, scale, err1, err2, top, norm, std::vector<at::Tensor>{},
+                          [&](const float* y, auto bound) {
+                            return screened_topk(x, w, y, w.size(0), most, bound, ks, foff, ftok);
+                          });
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
@@ -3394,6 +3574,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("screen_argmax", &screen_argmax,
         "each row's argmax of x @ w.T as linear writes it, from an int8 copy of w and the candidates' exact rows", nogil);
+  m.def("screen_topk", &screen_topk,
+        "each row's candidates for its top k of x @ w.T (edited tokens always) and their logits as linear writes them",
+        nogil);
   m.def("qkv_heads", &qkv_heads,
         "a decode token's q, k, v split into heads, q and k normalised (qk_norm) and rotated (RoPE), as pipeline/model.py",
         nogil);
@@ -3406,6 +3589,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the greedy argmax of an int8 layer's rows (int8_linear's), screened in int8 x int8 (VPDPBUSD)", nogil);
   m.def("screen_argmax_vnni", &screen_argmax_vnni,
         "screen_argmax for up to VNNI_MAX_ROWS rows, its int8 pass on x rounded to int8 too (VPDPBUSD)", nogil);
+  m.def("screen_topk_vnni", &screen_topk_vnni, "screen_topk for up to VNNI_MAX_ROWS rows, as screen_argmax_vnni",
+        nogil);
   m.attr("VNNI_MAX_ROWS") = VNNI_MAX_ROWS;
   m.def("w8a8_linear", &w8a8_linear,
         "y = x @ w.T (+ bias) for a W8A8 weight (vnni_pack's tiles, scales and rows' sums [2, out]), x rounded to int8 "
