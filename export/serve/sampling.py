@@ -184,7 +184,7 @@ def _edits(samplers: list[Sampler], banned: list[list[int] | None], logits: torc
             rep.append(s.prompt.numpy() + base)
     ban = np.array([i * V + t for i, ts in enumerate(banned) for t in ts or () if 0 <= t < V], dtype=np.int64)
     cat = lambda parts, dtype=np.int64: np.concatenate(parts) if parts else np.empty(0, dtype)  # noqa: E731
-    bias, rep, out = cat(bias), _distinct(cat(rep)), cat(out)
+    bias, rep, out = cat(bias), cat(rep), cat(out)  # rep may repeat a token (prompt and output): marked once below
     keys = _distinct(np.concatenate([bias, ban, rep, out]))
     if not keys.size:
         return torch.zeros(n + 1, dtype=torch.long), torch.from_numpy(keys), torch.empty(0)
@@ -195,7 +195,10 @@ def _edits(samplers: list[Sampler], banned: list[list[int] | None], logits: torc
     if ban.size:
         values[np.searchsorted(keys, ban)] = -np.inf
     if rep.size:
-        j, r = np.searchsorted(keys, rep), setting("repetition_penalty")[rep // V]
+        marked = np.zeros(keys.size, dtype=bool)
+        marked[np.searchsorted(keys, rep)] = True
+        j = np.flatnonzero(marked)
+        r = setting("repetition_penalty")[keys[j] // V]
         v = values[j]
         values[j] = np.where(v > 0, v / r, v * r)
     if out.size:
