@@ -84,7 +84,7 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
     import torch
 
     from export.serve import linears
-    from export.serve.sampling import Sampler, sample_batch
+    from export.serve.sampling import Sampler, sample_batch, sparse_logits
     from export.serve.step import Sampling
 
     torch.manual_seed(rows * 7 + vocab)
@@ -113,12 +113,7 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
 
     def screen_topk():
         got = screen.topk(hidden, [40] * rows, [s.edited(None) for s in topk])
-        if got is None:
-            return whole_topk()
-        offsets, tokens, values = got
-        sparse = torch.full((rows, vocab), float("-inf"))
-        sparse[torch.repeat_interleave(torch.arange(rows), offsets.diff()), tokens] = values
-        return sample_batch(topk, sparse)
+        return whole_topk() if got is None else sample_batch(topk, sparse_logits(*got, vocab))
 
     calls = {
         "head read": lambda: linears.linear(hidden, head),

@@ -703,14 +703,17 @@ class HeadScreen(_Tries):
         screen = cls(served)
         return screen if screen.finite else None
 
+    def _fits(self, x: torch.Tensor) -> bool:
+        """Whether the screen takes these rows: 1 to `rows` of them in the head's dtype, one alone where the head
+        would send more to AMX."""
+        n = x.shape[0]
+        return 0 < n <= self.rows and x.dtype == self.served.weight.dtype and (self.served.amx is None or n == 1)
+
     def argmax(self, x: torch.Tensor) -> list[int] | None:
         """Each row's token of hidden states x [n, C] (the head's dtype), as argmax_rows(head(x)); None where the
         screen does not apply (then the caller runs the whole head)."""
         n = x.shape[0]
-        if not 0 < n <= self.rows or x.dtype != self.served.weight.dtype or (
-                self.served.amx is not None and n > 1):
-            return None
-        if not self._try(n):
+        if not self._fits(x) or not self._try(n):
             return None  # this many rows' candidates keep passing `most` (flat logits): the whole layer at once
         if self.vnni:
             out = self.gemv.screen_argmax_vnni(x.contiguous(), self.served.weight, self.int8.q, self.int8.scale,
@@ -727,10 +730,7 @@ class HeadScreen(_Tries):
         other logit -inf is sampling from the head's own (csrc/gemv.cpp `screened_topk`). None where the screen does
         not apply (flat logits: candidates past `most` a row; then the caller runs the whole head)."""
         n = x.shape[0]
-        if not 0 < n <= self.rows or x.dtype != self.served.weight.dtype or (
-                self.served.amx is not None and n > 1):
-            return None
-        if not self._try(-n):  # the row counts' tries kept apart from argmax's
+        if not self._fits(x) or not self._try(-n):  # the row counts' tries kept apart from argmax's
             return None
         ks_t = torch.tensor(ks, dtype=torch.long)
         O = self.served.weight.shape[0]
@@ -800,6 +800,12 @@ class QuantizedHeadScreen(_Tries):
             return None
         screen = cls(weight)
         return screen if screen.finite else None
+
+    def _fits(self, x: torch.Tensor) -> bool:
+        """Whether the screen takes these rows: 1 to `rows` of them in the head's dtype, one alone where the head
+        would send more to AMX."""
+        n = x.shape[0]
+        return 0 < n <= self.rows and x.dtype == self.served.weight.dtype and (self.served.amx is None or n == 1)
 
     def argmax(self, x: torch.Tensor) -> list[int] | None:
         """Each row's token of hidden states x [n, C] (fp32 or bf16), as argmax_rows(the layer(x)); None where the

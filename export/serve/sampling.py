@@ -319,6 +319,15 @@ def sample_batch(samplers: list[Sampler], logits: torch.Tensor, banned: list[lis
     return out
 
 
+def sparse_logits(offsets: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, V: int) -> torch.Tensor:
+    """Logits [n, V] fp32 of a screen's candidates (export/serve/linears.py `HeadScreen.topk`: row i's tokens and
+    values at offsets[i]:offsets[i + 1]), every other one -inf."""
+    n = offsets.numel() - 1
+    out = torch.full((n, V), float("-inf"))
+    out[torch.repeat_interleave(torch.arange(n), offsets.diff()), tokens] = values
+    return out
+
+
 def score_positions(logits: torch.Tensor, targets: list[int], k: int) -> list[list]:
     """[[log-probability of targets[i] at position i, its top-k alternatives]] for logits [n, V] (n >= len(targets)),
     read from the device in one copy per kind (not one per position: each is a host sync on a GPU)."""

@@ -24,7 +24,7 @@ from export.serve.kv_cache import PagedCache, served_kv
 from export.serve.placement.controller import Directive
 from export.serve.placement.exchange import Exchange
 from export.serve.grammar import Grammars
-from export.serve.sampling import Sampler, sample_batch, score_positions
+from export.serve.sampling import Sampler, sample_batch, score_positions, sparse_logits
 from export.serve.step import Row, RowResult, Step
 from pipeline.model import GPT
 
@@ -182,11 +182,7 @@ class Worker:
                               [1 if samplers[j].greedy else samplers[j].settings.top_k for j in few],
                               [samplers[j].edited(rows[j].banned) for j in few])
             if got is not None:
-                offsets, tokens, values = got
-                V = screen.served.weight.shape[0]
-                sparse = torch.full((len(few), V), float("-inf"))
-                sparse[torch.repeat_interleave(torch.arange(len(few)), offsets.diff()), tokens] = values
-                self._pick(few, sparse, samplers, rows, out)
+                self._pick(few, sparse_logits(*got, screen.served.weight.shape[0]), samplers, rows, out)
         rest = [j for j in range(len(rows)) if out[j] is None]
         if rest:
             raw = self._project(last if len(rest) == len(rows) else last.index_select(0, _rows(rest)), fp32=False)

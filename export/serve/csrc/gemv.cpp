@@ -2212,36 +2212,29 @@ static bool screen_candidates(int64_t M, const float* y, int64_t O, int64_t most
   return total <= most;
 }
 
-template <typename RowBound>
-static at::Tensor screened(const at::Tensor& x, const at::Tensor& w, const float* y, int64_t O, int64_t most,
-                           RowBound row_bound) {
+// Each row's candidates' logits (cands[m], outputs of row m of x) as `linear` writes them for x's M rows, widened to
+// fp32 -> vals[m], in cands[m]'s order; false where one is NaN. MAX_ROWS rows of x a pass, the same instructions in
+// the same order (the same bits): bf16 with AVX512_BF16, each row's own candidates (`dp_row_of`); else the union
+// of the candidates' rows of w gathered and run through `linear` itself.
+static bool candidate_logits(const at::Tensor& x, const at::Tensor& w, const std::vector<std::vector<int64_t>>& cands,
+                             std::vector<std::vector<float>>& vals) {
   const int64_t M = x.size(0), I = w.size(1);
-  const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
-  std::vector<std::vector<int64_t>> cands(M);
-  if (!screen_candidates(M, y, O, most, row_bound, cands)) return none;
-  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) vals[m].resize(cands[m].size());
+  std::vector<char> nan(M, 0);
 #if defined(__AVX512BF16__)
-  if (w.scalar_type() == at::kBFloat16) {  // each row's own candidates, as its pass of `linear` sums them
+  if (w.scalar_type() == at::kBFloat16) {
     const B16* wb = w.data_ptr<B16>();
     const B16* xb = x.data_ptr<B16>();
-    std::vector<char> nan(M, 0);
     at::parallel_for(0, M, M > 4 ? 2 : M, [&](int64_t r0, int64_t r1) {
       for (int64_t m = r0; m < r1; ++m) {
         const int64_t pass = std::min(MAX_ROWS, M - m / MAX_ROWS * MAX_ROWS);
-        float top = -std::numeric_limits<float>::infinity();
-        int64_t pick = -1;
-        for (int64_t o : cands[m]) {  // rounded to bf16 as linear writes it, then compared
-          const float v = static_cast<float>(static_cast<B16>(dp_row_of(pass, wb + o * I, xb + m * I, I)));
-          if (std::isnan(v)) nan[m] = 1;
-          if (pick < 0 || v > top) top = v, pick = o;
+        for (size_t j = 0; j < cands[m].size(); ++j) {  // rounded to bf16 as linear writes it
+          vals[m][j] = static_cast<float>(static_cast<B16>(dp_row_of(pass, wb + cands[m][j] * I, xb + m * I, I)));
+          if (std::isnan(vals[m][j])) nan[m] = 1;
         }
-        op[m] = pick;
       }
     });
-    for (int64_t m = 0; m < M; ++m)
-      if (nan[m]) return none;
-    return out;
+    return std::find(nan.begin(), nan.end(), 1) == nan.end();
   }
 #endif
   std::vector<int64_t> all;
@@ -2259,14 +2252,30 @@ static at::Tensor screened(const at::Tensor& x, const at::Tensor& w, const float
     parts.push_back(::linear(x.narrow(0, r, std::min(MAX_ROWS, M - r)), sub, c10::optional<at::Tensor>()));
   const at::Tensor exact = (parts.size() == 1 ? parts[0] : at::cat(parts)).to(at::kFloat);  // [M, K], exact widening
   const float* ex = exact.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = 0; m < M; ++m)
+    for (size_t j = 0; j < cands[m].size(); ++j) {
+      vals[m][j] = ex[m * K + (std::lower_bound(all.begin(), all.end(), cands[m][j]) - all.begin())];
+      if (std::isnan(vals[m][j])) return false;
+    }
+  return true;
+}
+
+template <typename RowBound>
+static at::Tensor screened(const at::Tensor& x, const at::Tensor& w, const float* y, int64_t O, int64_t most,
+                           RowBound row_bound) {
+  const int64_t M = x.size(0);
+  const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
+  std::vector<std::vector<int64_t>> cands(M);
+  if (!screen_candidates(M, y, O, most, row_bound, cands)) return none;
+  std::vector<std::vector<float>> vals(M);
+  if (!candidate_logits(x, w, cands, vals)) return none;
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {  // candidates ascending: ties to the lowest index
     float top = -std::numeric_limits<float>::infinity();
     int64_t pick = -1;
-    for (int64_t o : cands[m]) {
-      const float v = ex[m * K + (std::lower_bound(all.begin(), all.end(), o) - all.begin())];
-      if (std::isnan(v)) return none;
-      if (pick < 0 || v > top) top = v, pick = o;
-    }
+    for (size_t j = 0; j < cands[m].size(); ++j)
+      if (pick < 0 || vals[m][j] > top) top = vals[m][j], pick = cands[m][j];
     op[m] = pick;
   }
   return out;
@@ -2286,7 +2295,7 @@ template <typename RowBound>
 static std::vector<at::Tensor> screened_topk(const at::Tensor& x, const at::Tensor& w, const float* y, int64_t O,
                                              int64_t most, RowBound row_bound, const at::Tensor& ks,
                                              const at::Tensor& foff, const at::Tensor& ftok) {
-  const int64_t M = x.size(0), I = w.size(1);
+  const int64_t M = x.size(0);
   TORCH_CHECK(ks.scalar_type() == at::kLong && ks.numel() == M && foff.scalar_type() == at::kLong &&
                   foff.numel() == M + 1 && ftok.scalar_type() == at::kLong && ks.is_contiguous() &&
                   foff.is_contiguous() && ftok.is_contiguous(),
@@ -2360,54 +2369,18 @@ static std::vector<at::Tensor> screened_topk(const at::Tensor& x, const at::Tens
   });
   for (int64_t m = 0; m < M; ++m)
     if (failed[m]) return {};
+  std::vector<std::vector<float>> vals(M);
+  if (!candidate_logits(x, w, cands, vals)) return {};
   at::Tensor offsets = at::empty({M + 1}, x.options().dtype(at::kLong));
   int64_t* op = offsets.data_ptr<int64_t>();
   op[0] = 0;
   for (int64_t m = 0; m < M; ++m) op[m + 1] = op[m] + static_cast<int64_t>(cands[m].size());
   at::Tensor tokens = at::empty({op[M]}, x.options().dtype(at::kLong));
   at::Tensor logits = at::empty({op[M]}, x.options().dtype(at::kFloat));
-  int64_t* tp = tokens.data_ptr<int64_t>();
-  float* lp = logits.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) std::copy(cands[m].begin(), cands[m].end(), tp + op[m]);
-  bool nan = false;
-#if defined(__AVX512BF16__)
-  if (w.scalar_type() == at::kBFloat16) {  // each row's own candidates, as its pass of `linear` sums them
-    const B16* wb = w.data_ptr<B16>();
-    const B16* xb = x.data_ptr<B16>();
-    std::vector<char> nans(M, 0);
-    at::parallel_for(0, M, M > 4 ? 2 : M, [&](int64_t r0, int64_t r1) {
-      for (int64_t m = r0; m < r1; ++m) {
-        const int64_t pass = std::min(MAX_ROWS, M - m / MAX_ROWS * MAX_ROWS);
-        for (int64_t j = op[m]; j < op[m + 1]; ++j) {
-          lp[j] = static_cast<float>(static_cast<B16>(dp_row_of(pass, wb + tp[j] * I, xb + m * I, I)));
-          if (std::isnan(lp[j])) nans[m] = 1;
-        }
-      }
-    });
-    for (char bad : nans) nan = nan || bad;
-    if (nan) return {};
-    return {offsets, tokens, logits};
+  for (int64_t m = 0; m < M; ++m) {
+    std::copy(cands[m].begin(), cands[m].end(), tokens.data_ptr<int64_t>() + op[m]);
+    std::copy(vals[m].begin(), vals[m].end(), logits.data_ptr<float>() + op[m]);
   }
-#endif
-  std::vector<int64_t> all(tp, tp + op[M]);
-  std::sort(all.begin(), all.end());
-  all.erase(std::unique(all.begin(), all.end()), all.end());
-  const int64_t K = static_cast<int64_t>(all.size());
-  at::Tensor sub = at::empty({K, I}, w.options());
-  const size_t row = static_cast<size_t>(I) * w.element_size();
-  for (int64_t k = 0; k < K; ++k)
-    std::memcpy(static_cast<char*>(sub.data_ptr()) + k * row, static_cast<const char*>(w.data_ptr()) + all[k] * row,
-                row);
-  std::vector<at::Tensor> parts;
-  for (int64_t r = 0; r < M; r += MAX_ROWS)
-    parts.push_back(::linear(x.narrow(0, r, std::min(MAX_ROWS, M - r)), sub, c10::optional<at::Tensor>()));
-  const at::Tensor exact = (parts.size() == 1 ? parts[0] : at::cat(parts)).to(at::kFloat);  // [M, K], exact widening
-  const float* ex = exact.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = op[m]; j < op[m + 1]; ++j) {
-      lp[j] = ex[m * K + (std::lower_bound(all.begin(), all.end(), tp[j]) - all.begin())];
-      if (std::isnan(lp[j])) return {};
-    }
   return {offsets, tokens, logits};
 }
 
