@@ -29,7 +29,7 @@ from pipeline.artifacts import CONFIG, DTYPES, TOKENIZER, atomic_write_text
 from pipeline.model import GPT, init_weights
 from pipeline.recipe import Recipe, RecipeError
 from pipeline.build import build_model, expert_parallel_degrees, load_frozen, meta_counts
-from pipeline.runs import RunDir, check_world_size
+from pipeline.runs import RunDir
 from pipeline.teacher import STAGE as TEACHER, prepare
 from pipeline.train import evaluate, train_model
 from pipeline.weights import ep_rank_of, save_weights
@@ -107,19 +107,13 @@ def run_student(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
     teacher_dir = run.stage(TEACHER)
     if not run.done(TEACHER):
         raise FileNotFoundError(f"{teacher_dir}/DONE.json is missing: run `moe-pipeline teacher` (or distill) first")
-    if run.done(STAGE) and not redo:
-        if ranks.rank == 0:
-            print(f"[student] already done: {run.stage(STAGE)} (pass --redo to distill again)", flush=True)
+    if run.skip(STAGE, ranks, redo, "distill again"):
         return run.stage(STAGE)
     prepared = prepare(recipe, ranks)
     if data_lib.load_tokenizer(teacher_dir / TOKENIZER).get_vocab() != prepared.tokenizer.get_vocab():
         raise RecipeError("data.tokenizer", recipe.data.tokenizer, f"the teacher's tokenizer ({teacher_dir / TOKENIZER}):"
                           " teacher and student must share one vocabulary")
-    if ranks.rank == 0:
-        run.start(STAGE, redo)
-    barrier()
-    work = run.partial(STAGE)
-    check_world_size(work, ranks)
+    work = run.open(STAGE, ranks, redo)
     train = data_lib.PackedTokens(prepared.train, recipe.data.seq_len, prepared.eod_id)
     val = data_lib.PackedTokens(prepared.val, recipe.data.seq_len, prepared.eod_id)
 

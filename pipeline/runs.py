@@ -76,6 +76,24 @@ class RunDir:
         self.partial(name).mkdir(parents=True, exist_ok=True)
         return self.partial(name)
 
+    def skip(self, name: str, ranks: Ranks, redo: bool, again: str) -> bool:
+        """Whether stage `name` is done and not to be redone (rank 0 says so, and how to `again`)."""
+        if not self.done(name) or redo:
+            return False
+        if ranks.rank == 0:
+            print(f"[{name}] already done: {self.stage(name)} (pass --redo to {again})", flush=True)
+        return True
+
+    def open(self, name: str, ranks: Ranks, redo: bool = False) -> Path:
+        """Collective: stage `name`'s working directory, started by rank 0 (a redo clears it), on storage every rank
+        shares and at the world size it started with (`check_world_size`)."""
+        if ranks.rank == 0:
+            self.start(name, redo)
+        barrier()
+        work = self.partial(name)
+        check_world_size(work, ranks)
+        return work
+
     def finish(self, name: str, info: dict) -> Path:
         """Write DONE.json (with every file's size) into the partial directory and rename it into place."""
         work, final = self.partial(name), self.stage(name)

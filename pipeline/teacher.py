@@ -27,7 +27,7 @@ from pipeline.build import (build_model, expert_parallel_degrees, load_frozen, l
                             teacher_config)
 from pipeline.model import ModelConfig, init_weights
 from pipeline.recipe import Recipe, RecipeError
-from pipeline.runs import RunDir, check_world_size
+from pipeline.runs import RunDir
 from pipeline.train import evaluate, train_model
 from pipeline.weights import ep_rank_of, save_weights
 
@@ -132,9 +132,7 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
     finished stage directory. Collective over all ranks."""
     t0 = time.time()
     run.check_recipe(recipe, redo)
-    if run.done(STAGE) and not redo:
-        if ranks.rank == 0:
-            print(f"[teacher] already done: {run.stage(STAGE)} (pass --redo to train again)", flush=True)
+    if run.skip(STAGE, ranks, redo, "train again"):
         return run.stage(STAGE)
     check_hardware(recipe)
     hf = recipe.hf_teacher() is not None
@@ -152,10 +150,7 @@ def run_teacher(recipe: Recipe, run: RunDir, ranks: Ranks, redo: bool = False) -
                           "(same data.tokenizer, data.vocab_size and data.train as when it was trained)")
     if ranks.rank == 0:
         run.write_recipe(recipe)
-        run.start(STAGE, redo)
-    barrier()
-    work = run.partial(STAGE)
-    check_world_size(work, ranks)
+    work = run.open(STAGE, ranks, redo)
     val = data_lib.PackedTokens(prepared.val, recipe.data.seq_len, prepared.eod_id)
     info: dict = {"inputs": {"recipe_sha256": run.recipe_sha256(), "data_cache": prepared.cache_dir.name}}
 

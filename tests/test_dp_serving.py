@@ -92,7 +92,7 @@ def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tm
     assert two["blocks_in_use"] == [0, 0] and two["stats"]["failed"] == 0
     if placement != "-":
         assert all(0 < b <= 1 for b in two["placement_balancedness"])
-    else:  # each rank its own requests and scheduler (Engine.step_own): the one-rank tokens, a rank with none joining
+    else:  # each rank its own requests and scheduler (coordinator.py OwnRequests): the one-rank tokens, a rank with none joining
         from workers.dp_engine import PROMPTS
 
         own = two["own"]
@@ -119,7 +119,7 @@ def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tm
 
 
 def test_own_requests_need_several_data_parallel_ranks(package):
-    """Engine.step_own's mode on one rank: refused, naming what it needs."""
+    """OwnRequests' mode on one rank: refused, naming what it needs."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine
 

@@ -100,7 +100,8 @@ def test_several_prompts_share_one_prefix_in_one_step_and_each_gets_its_own_toke
 
 
 def test_the_model_length_and_the_budget_are_checked_with_the_flags_named(model, tokenizer):
-    from export.serve.engine import Engine, plan_kv
+    from export.serve.engine import Engine
+    from export.serve.kv_cache import plan_kv
     from export.serve.request import SamplingParams
 
     engine = Engine(model, tokenizer, max_model_len=32, kv_cache_memory=0.01)

@@ -332,6 +332,18 @@ def stream_events(worker, metrics: ServeMetrics, model_name: str, req, prompt: l
     return events()
 
 
+def _unanswered(seqs, metrics: ServeMetrics) -> JSONResponse | None:
+    """The answer where a request's sequences did not all complete: the client hung up (499; they were aborted), or
+    the engine failed one (500); None where they did."""
+    if seqs is None:
+        metrics.request(499)
+        return JSONResponse(error_body("client closed the request"), status_code=499)
+    failed = [s for s in seqs if s.finish_reason == "error"]
+    if failed:
+        return _error(BadRequest(500, f"the engine failed: {failed[0].text}", kind="server_error"), metrics)
+    return None
+
+
 def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = None):
     """The FastAPI app over `worker` (an EngineLoop: `worker.engine`, `worker.submit`, `alive`, `error`) with the
     limits of `config` (a ServeConfig)."""
@@ -422,12 +434,8 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
             events = stream_events(worker, metrics, model_name, req, encoded[0], params, texts[0], rid, created)
             return StreamingResponse(events, media_type="text/event-stream")
         seqs = await complete_all(worker, request, [(p, c) for p in encoded for c in choices_of(params, req.n)])
-        if seqs is None:  # the client hung up: its requests were aborted
-            metrics.request(499)
-            return JSONResponse(error_body("client closed the request"), status_code=499)
-        failed = [s for s in seqs if s.finish_reason == "error"]
-        if failed:
-            return _error(BadRequest(500, f"the engine failed: {failed[0].text}", kind="server_error"), metrics)
+        if (unanswered := _unanswered(seqs, metrics)) is not None:
+            return unanswered
         choices = []
         for i, seq in enumerate(seqs):  # prompt i // n, its choice i % n (OpenAI's order)
             text = texts[i // req.n]
@@ -454,12 +462,8 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
             events = stream_events(worker, metrics, model_name, req, ids, params, "", rid, created, chat=True)
             return StreamingResponse(events, media_type="text/event-stream")
         seqs = await complete_all(worker, request, [(ids, c) for c in choices_of(params, req.n)])
-        if seqs is None:
-            metrics.request(499)
-            return JSONResponse(error_body("client closed the request"), status_code=499)
-        failed = [s for s in seqs if s.finish_reason == "error"]
-        if failed:
-            return _error(BadRequest(500, f"the engine failed: {failed[0].text}", kind="server_error"), metrics)
+        if (unanswered := _unanswered(seqs, metrics)) is not None:
+            return unanswered
         choices = []
         for i, seq in enumerate(seqs):
             lp = await off_loop(chat_logprobs_body, engine, seq) if req.logprobs else None

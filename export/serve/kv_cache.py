@@ -1,6 +1,7 @@
 """The paged KV cache of one serving rank: fixed-size blocks from a memory budget, a block table per sequence.
 
-    from export.serve.kv_cache import PagedCache, pool_blocks
+    from export.serve.kv_cache import PagedCache, plan_kv, pool_blocks
+    plan_kv(cfg, heads, torch.bfloat16, torch.device("cpu"), max_batch=32)   # KVPlan: --kv-cache-memory's blocks
     blocks = pool_blocks(cfg, heads, block_size=16, dtype=torch.bfloat16, budget_bytes=1 << 30)
     cache = PagedCache(cfg, blocks, 16, heads, device="cpu", dtype=torch.bfloat16)
     cache.extend(seq=7, blocks=[3, 9])                  # the scheduler's decision (export/serve/step.py Row.blocks)
@@ -29,6 +30,7 @@ its own blocks in scaled_dot_product_attention.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -85,6 +87,62 @@ def pool_blocks(cfg: ModelConfig, heads: int, block_size: int, dtype: torch.dtyp
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPlan:
+    """How the KV cache was sized: blocks per rank of `block_size` tokens, the sequence length it serves, and why."""
+
+    blocks: int
+    block_size: int
+    max_model_len: int
+    bytes_per_rank: int
+    budget: str  # where the budget came from
+    lowered: str | None = None  # why max_model_len is below what was asked, if it is
+
+    def describe(self) -> str:
+        text = (f"KV cache: {self.blocks} blocks of {self.block_size} tokens per rank "
+                f"({self.bytes_per_rank / 2**30:.2f} GiB, {self.blocks * self.block_size} tokens; {self.budget}); "
+                f"max model length {self.max_model_len}")
+        return text + (f" ({self.lowered})" if self.lowered else "")
+
+    def with_blocks(self, blocks: int) -> "KVPlan":
+        """This plan for a pool of `blocks` (the fewest any rank has: every rank's pool alike, so the scheduler hands
+        out the same block ids on each)."""
+        return _fit(dataclasses.replace(self, blocks=blocks, bytes_per_rank=blocks * self.bytes_per_rank // self.blocks))
+
+
+def plan_kv(cfg: ModelConfig, heads: int, dtype: torch.dtype, device: torch.device, max_batch: int,
+            kv_cache_memory: float | None = None, max_model_len: int | None = None, block_size: int = 16,
+            local_ranks: int = 1) -> KVPlan:
+    """Blocks per rank for `--kv-cache-memory` GiB (None: `kv_cache.free_memory`'s share for one of `local_ranks`
+    ranks on this machine, at most what `max_batch` sequences of the model length fill), and the model length it
+    serves: `--max-model-len` (None: the model's context), lowered with a reason when the pool cannot hold one such
+    sequence."""
+    asked = max_model_len or cfg.seq_len
+    if asked > cfg.seq_len:
+        raise ValueError(f"--max-model-len {asked}: the model's context is {cfg.seq_len} tokens; give at most that")
+    per_block = block_bytes(cfg, heads, block_size, dtype)
+    if kv_cache_memory is not None:
+        budget, why = int(kv_cache_memory * 2**30), f"--kv-cache-memory {kv_cache_memory:g}"
+        blocks = pool_blocks(cfg, heads, block_size, dtype, budget)
+    else:
+        budget, why = free_memory(device, local_ranks)
+        blocks = min(pool_blocks(cfg, heads, block_size, dtype, budget), max_batch * _cdiv(asked, block_size))
+        why = f"default: {why}, at most --max-batch {max_batch} sequences of {asked} tokens"
+    if blocks < 1:
+        raise ValueError(f"--kv-cache-memory: {budget / 2**20:.1f} MiB holds no KV block ({per_block / 2**20:.2f} MiB "
+                         f"for {block_size} tokens over {cfg.layers} layers); give more memory or a smaller --block-size")
+    return _fit(KVPlan(blocks, block_size, asked, blocks * per_block, why))
+
+
+def _fit(plan: KVPlan) -> KVPlan:
+    """`plan` with max_model_len lowered to what its pool holds, if the pool cannot hold one sequence of it."""
+    room = plan.blocks * plan.block_size
+    if room >= plan.max_model_len:
+        return plan
+    return dataclasses.replace(plan, max_model_len=room, lowered=f"lowered from {plan.max_model_len}: the KV cache "
+                               f"holds {room} tokens; give --kv-cache-memory more to serve longer sequences")
 
 
 class PagedCache(Cache):

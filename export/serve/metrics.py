@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from export.serve.placement.algo import balancedness
+
 CONTENT_TYPE = "text/plain; version=0.0.4"
 
 
@@ -107,7 +109,7 @@ class ServeMetrics:
             for r, c in enumerate(per_rank):
                 self.rank_experts.labels(str(layer), str(r)).set(c)
             if max(per_rank):
-                self.balance.labels(str(layer)).set(sum(per_rank) / len(per_rank) / max(per_rank))
+                self.balance.labels(str(layer)).set(balancedness(per_rank))
         for status in list(engine.rank_status):
             self.rank_rss.labels(str(status["rank"])).set(status["rss_mib"])
             if "expert_hits" in status:

@@ -4,11 +4,11 @@ Every rank must run the same forwards (each MoE layer's expert exchange joins al
 tensor slicing's all-reduces). Rank 0 owns the scheduler (export/serve/scheduler.py); each step it
 broadcasts the typed `Step` (export/serve/step.py: each forward's rows of every rank) and every rank
 runs its own rows of it (`Engine.follow`); on the data-parallel path the results (`RowResult`) come
-back to rank 0 in one gather (`gather_results`). Once a second (busy or idle) rank 0
+back to rank 0 in one gather (`gather_results`); export/serve/coordinator.py holds both ends of the conversation. Once a second (busy or idle) rank 0
 sends a `Ping`: every rank answers with its `RankStatus` through one all-gather, which also finds a
 dead rank within the collective's timeout. `Stop` ends `follow`. With each rank its own requests
-(`Engine.lead`) rank 0 sends `Wake` when work arrives for idle ranks: every rank then steps together, each step's
-orders, results and pings in its one gather (`Engine.step_own`), until none has work.
+(export/serve/coordinator.py `OwnRequests`) rank 0 sends `Wake` when work arrives for idle ranks: every rank then
+steps together, each step's orders, results and pings in its one gather (step.py `Sync`), until none has work.
 
 Messages travel as JSON (no pickle), tagged with their kind: `pipeline.dist.broadcast_json` (a named pipe to each
 rank of this machine, gloo between machines: a rank waiting for the next message sleeps), `gather_json`.
@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
-from export.serve.step import Step
+from export.serve.step import RowResult, Step
 
 if TYPE_CHECKING:
     from export.serve.placement.exchange import ExchangeStats
@@ -33,7 +33,7 @@ class Ping:
 
 @dataclass(frozen=True)
 class Wake:
-    """Each rank its own requests (`Engine.lead`): step together (`Engine.step_own`) until no rank has work."""
+    """Each rank its own requests (coordinator.py `OwnRequests`): step together until no rank has work."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,11 @@ def receive() -> Message:
     return decode(dist.broadcast_json(None))
 
 
-def gather_results(mine: list) -> list[list]:
-    """Collective: every rank's results of a step (export/serve/worker.py `Worker.execute`, as JSON), in rank order."""
+def gather_results(mine: list[RowResult]) -> list[list[RowResult]]:
+    """Collective: every rank's results of a step (export/serve/worker.py `Worker.execute`), in rank order."""
     from pipeline import dist
 
-    return dist.gather_json(mine)
+    return [[RowResult.from_json(r) for r in rows] for rows in dist.gather_json([r.to_json() for r in mine])]
 
 
 # -- status ------------------------------------------------------------------------------------------

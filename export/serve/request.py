@@ -176,6 +176,16 @@ class Request:       # identities (field-by-field equality cost ~0.6 ms a step a
         if self.on_finish is not None:
             self.on_finish(self)
 
+    def end(self, reason: str) -> None:
+        """Finish it, unless it is finished, never raising: where a request is ended from outside (aborted, failed,
+        the engine stopping) its client may be gone, and nobody is left to tell."""
+        if self.finished:
+            return
+        try:
+            self.finish(reason)
+        except Exception:  # noqa: BLE001 - its callback (its client's event loop) failed
+            pass
+
 
 class Detokenizer:
     """A request's text after each new token, equal to `tokenizer.decode(generated)`. Decoding every token again

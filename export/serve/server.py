@@ -11,7 +11,7 @@ step, retire, repeat; PyTorch's CPU kernels ran ~40% slower from a secondary thr
 uvicorn (on uvloop and httptools) in a second thread (export/serve/http.py); the other ranks run every forward rank 0
 sends (`Engine.follow`). Data parallel without --placement, each rank runs requests of its own (rank 0's `submit`
 gives each to the rank with the fewest, as vLLM's data-parallel front end) and schedules them itself: the ranks
-step together, agreeing in one small gather a step (`Engine.lead`, `Engine.step_own`). SIGTERM (or Ctrl-C):
+step together, agreeing in one small gather a step (export/serve/coordinator.py `OwnRequests`). SIGTERM (or Ctrl-C):
 uvicorn stops accepting, in-flight requests finish, the engine drains, the other ranks are told to stop, exit 0. A dead rank or engine
 fails every pending request and exits 1.
 """
@@ -58,10 +58,7 @@ class EngineLoop:
                 if time.monotonic() - last_ping > self.PING_SECONDS:  # busy or idle: are the other ranks there?
                     self.engine.ping()
                     last_ping = time.monotonic()
-                if self.engine.spread and (self.engine.busy or self.engine.pending()):
-                    self.engine.lead()  # each rank its own requests: every rank steps together
-                    continue
-                if not self.engine.spread and self.engine.pending():
+                if self.engine.has_work():
                     self.engine.step()
                     continue
                 if not keep_going():
@@ -105,8 +102,8 @@ def serve(config: ServeConfig) -> int:
     from pipeline.artifacts import read_manifest
 
     ranks = dist.init()
-    engine = Engine.from_config(config, ranks, own_requests=None)  # each data-parallel rank its own, where it can
-    engine.spread = engine.own and ranks.rank == 0
+    # each data-parallel rank its own requests where it can, rank 0 taking them all (export/serve/coordinator.py)
+    engine = Engine.from_config(config, ranks, own_requests=None, front=True)
     if ranks.rank != 0:
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, then tells us
             signal.signal(sig, signal.SIG_IGN)

@@ -9,14 +9,22 @@ rank runs (an expert all-to-all in each MoE layer joins all ranks); each `Forwar
 data-parallel rank, the `Row`s that rank runs: a sequence's new tokens, the position they start at,
 the KV blocks appended to its block table, whether to sample its next token or score its prompt.
 The placement directive (export/serve/placement/controller.py `Directive`) rides along opaquely. A `RowResult` comes back
-from the rank that holds the row. Everything here is plain data: no torch, JSON both ways
-(`pipeline.dist.broadcast_json`; no pickle between processes).
+from the rank that holds the row.
+
+Where each data-parallel rank schedules its own requests (export/serve/coordinator.py `OwnRequests`), no `Step` crosses
+the ranks: each step every rank gives one `Sync` to a small gather (its forwards' sizes, its `Books`, and rank 0's
+`Orders` to the others or another rank's results for rank 0's stand-ins of its requests).
+
+Everything here is plain data: no torch, JSON both ways (`pipeline.dist.broadcast_json`, `gather_json`; no pickle
+between processes), each type with one `to_json` / `from_json`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
+
+from export.serve.request import SamplingParams
 
 
 _NAMES: dict[type, tuple[str, ...]] = {}  # each class's field names, looked up once (`fields` costs ~2 us a call)
@@ -142,3 +150,86 @@ class RowResult:
     @classmethod
     def from_json(cls, raw: list) -> "RowResult":
         return cls(*raw)
+
+
+# -- each rank its own requests: what a step's gather carries ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Order:
+    """A request rank 0 took and gives another rank to run (`rank`): its id, prompt and sampling parameters."""
+
+    seq: int
+    rank: int
+    prompt: list[int]
+    params: SamplingParams
+
+    def to_json(self) -> list:
+        return [self.seq, self.rank, self.prompt, asdict(self.params)]
+
+    @classmethod
+    def from_json(cls, raw: list) -> "Order":
+        return cls(raw[0], raw[1], raw[2], SamplingParams(**raw[3]))
+
+
+@dataclass(frozen=True)
+class Orders:
+    """What rank 0 (taking every request behind the server) tells the other ranks in a step's gather: requests to
+    start, requests to abort (ids), and a ping (every rank answers with its status after the step)."""
+
+    submit: list[Order] = field(default_factory=list)
+    abort: list[int] = field(default_factory=list)
+    ping: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.submit or self.abort or self.ping)
+
+    def to_json(self) -> list:
+        return [[o.to_json() for o in self.submit], list(self.abort), self.ping]
+
+    @classmethod
+    def from_json(cls, raw: list) -> "Orders":
+        return cls([Order.from_json(o) for o in raw[0]], list(raw[1]), bool(raw[2]))
+
+
+@dataclass(frozen=True)
+class Books:
+    """One rank's books at a step: sequences running and waiting, KV blocks in use, the step's decode rows, and the
+    scheduler's counters (export/serve/scheduler.py `SCHED_STATS`)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks: int = 0
+    decode_rows: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+
+    def to_json(self) -> list:
+        return _row(self)
+
+    @classmethod
+    def from_json(cls, raw: list) -> "Books":
+        return cls(*raw)
+
+
+@dataclass(frozen=True)
+class Sync:
+    """A rank's part of a step's gather: the tokens of each of its forwards (the other ranks stand in for its rows by
+    these counts), whether it has requests pending, its books, and its note: rank 0's `orders` for the others, or
+    another rank's `results` of its last step for rank 0's stand-ins of its requests (rank 0 behind the server)."""
+
+    tokens: list[int]
+    pending: bool
+    books: Books
+    orders: Orders | None = None
+    results: list[RowResult] | None = None
+
+    def to_json(self) -> list:
+        return [self.tokens, self.pending, self.books.to_json(), self.orders.to_json() if self.orders else None,
+                [r.to_json() for r in self.results] if self.results is not None else None]
+
+    @classmethod
+    def from_json(cls, raw: list) -> "Sync":
+        return cls(list(raw[0]), bool(raw[1]), Books.from_json(raw[2]),
+                   Orders.from_json(raw[3]) if raw[3] is not None else None,
+                   [RowResult.from_json(r) for r in raw[4]] if raw[4] is not None else None)

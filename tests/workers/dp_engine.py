@@ -11,7 +11,7 @@ rank that held it, and the engine's counters; the other ranks follow its steps. 
   * burst: 6 prompts at once (one batched prefill forward) and the same prompts one at a time;
   * chunked: a long prompt under a step budget of 8 tokens (prefilled in chunks) next to a decoding one;
   * scored: echo + logprobs of a prompt chunked over several steps.
-On 2 ranks without --placement, then `own`: each rank its own requests and scheduler (`Engine.step_own`): the
+On 2 ranks without --placement, then `own`: each rank its own requests and scheduler (coordinator.py `OwnRequests`): the
 prompts split between the ranks, then one rank with a request and the other with none; and `own_served`: the same
 engine as the server runs it (rank 0 `lead`s, spreading the requests it is given; the others `follow`).
 """
@@ -101,17 +101,17 @@ def scenarios(engine: Engine) -> dict:
 
 
 def own_requests(engine: Engine, ranks) -> dict:
-    """Each rank its own requests (`Engine.step_own`, every rank stepping until every rank is done): the prompts
+    """Each rank its own requests (coordinator.py `OwnRequests`, every rank stepping until every rank is done): the prompts
     split between the ranks in a burst, then PROMPTS[0] on rank 0 alone while the other ranks have nothing. Every
     prompt's greedy tokens, in order, on every rank."""
     greedy = SamplingParams(max_tokens=8, temperature=0)
     mine = {i: engine.submit(engine.encode(p), greedy) for i, p in enumerate(PROMPTS) if i % ranks.world == ranks.rank}
     steps = 0
-    while engine.step_own() is not None:
+    while engine.step() is not None:
         steps += 1
     alone = [engine.submit(engine.encode(PROMPTS[0]), greedy)] if ranks.rank == 0 else []
     alone_steps = 0
-    while engine.step_own() is not None:
+    while engine.step() is not None:
         alone_steps += 1
     got = {int(i): t for part in dist.gather_json({i: s.generated for i, s in mine.items()}) for i, t in part.items()}
     return {"tokens": [got[i] for i in range(len(PROMPTS))], "steps": steps, "alone_steps": alone_steps,
@@ -120,7 +120,7 @@ def own_requests(engine: Engine, ranks) -> dict:
 
 
 def served(engine: Engine, ranks) -> dict | None:
-    """Behind the server (rank 0 `lead`s with `spread`, the others `follow`): every prompt submitted on rank 0 and
+    """Behind the server (rank 0 the front of OwnRequests, the others `follow`): every prompt submitted on rank 0 and
     spread over the ranks (streamed tokens counted), pings while the ranks step and while idle, a request another rank
     runs aborted mid-way, echo + logprobs of a prompt another rank runs. Rank 0's record (None elsewhere), with every
     rank's KV blocks in use at the end."""
@@ -128,7 +128,7 @@ def served(engine: Engine, ranks) -> dict | None:
     if ranks.rank != 0:
         engine.follow()
     else:
-        engine.spread = True
+        engine.coordinator.front = True
         greedy = lambda n: SamplingParams(max_tokens=n, temperature=0)  # noqa: E731
         streamed: dict[int, int] = {}
 
@@ -137,23 +137,23 @@ def served(engine: Engine, ranks) -> dict | None:
 
         def lead_until(seqs):
             while not all(s.finished for s in seqs):
-                engine.lead()
-            while engine.busy:  # the step that finds nothing to do
-                engine.lead()
+                engine.step()
+            while engine.coordinator.busy:  # the step that finds nothing to do
+                engine.step()
 
         try:
             before = [engine.scheduler_stats()["prefix_queries"], engine.scheduler.stats["prefix_queries"]]
             burst = [engine.submit(engine.encode(p), greedy(8), on_token=count) for p in PROMPTS]
-            remote = [s.id in engine.remote for s in burst]
+            remote = [s.id in engine.coordinator.remote for s in burst]
             lead_until(burst)
             engine.ping()  # idle: a Ping message
             idle_status = list(engine.rank_status)
             # a request another rank runs, aborted while it decodes; a ping while the ranks step
             here = engine.submit(engine.encode(PROMPTS[0]), greedy(30))
             there = engine.submit(engine.encode(PROMPTS[1]), greedy(30))
-            aborted_remote = there.id in engine.remote
+            aborted_remote = there.id in engine.coordinator.remote
             for _ in range(4):
-                engine.lead()
+                engine.step()
             queues = [engine.queue_lengths(), round(engine.kv_usage() * engine.kv.blocks * ranks.world, 6)]
             engine.rank_status = []
             engine.ping()  # busy: in the next step's gather
@@ -164,7 +164,7 @@ def served(engine: Engine, ranks) -> dict | None:
             first = engine.submit(engine.encode(PROMPTS[0]), greedy(4))
             scored = engine.submit(engine.encode(LONG), SamplingParams(max_tokens=2, temperature=0, echo=True,
                                                                         logprobs=2))
-            scored_remote = scored.id in engine.remote
+            scored_remote = scored.id in engine.coordinator.remote
             lead_until([first, scored])
             # /metrics' prefix-cache queries over both ranks since `before`: every prompt but the scored one (no
             # cache lookup)
@@ -176,7 +176,7 @@ def served(engine: Engine, ranks) -> dict | None:
                    "reasons": [s.finish_reason for s in burst], "idle_status": idle_status,
                    "busy_status": busy_status, "aborted": [there.finish_reason, len(there.generated), aborted_remote],
                    "here": here.generated, "scored": scored.prompt_logprobs, "scored_tokens": scored.generated,
-                   "scored_remote": scored_remote, "left": [len(engine.remote), engine.pending()],
+                   "scored_remote": scored_remote, "left": [len(engine.coordinator.remote), engine.pending()],
                    "queues": queues + [engine.queue_lengths(), engine.kv_usage()],
                    "stats": dict(engine.stats), "queried": queried}
         finally:
