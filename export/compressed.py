@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.families import FAMILIES
 from pipeline.model import GPT, ModelConfig
 
 SCHEMES = {"int8": "W8A16", "int4": "W4A16", "w8a8": "W8A8"}  # ours -> llm-compressor's preset name
@@ -75,12 +76,9 @@ def ct_scheme(scheme: str, group: int):
 
 def ignored(cfg: ModelConfig, head_quantized: bool) -> list[str]:
     """The modules a scheme targeting every Linear leaves alone, as llm-compressor's recipes for these families list
-    them: the routers (they choose every token's experts), Qwen2-MoE's shared-expert gate, the output layer."""
-    out = [] if head_quantized else ["lm_head"]
-    out.append("re:.*block_sparse_moe.gate$" if cfg.family == "mixtral" else "re:.*mlp.gate$")
-    if cfg.family == "qwen2_moe":
-        out.append("re:.*mlp.shared_expert_gate$")
-    return out
+    them: the routers (they choose every token's experts), Qwen2-MoE's shared-expert gate (each family's
+    `compressed_ignore`, pipeline/families/), the output layer."""
+    return ([] if head_quantized else ["lm_head"]) + list(FAMILIES[cfg.family].compressed_ignore)
 
 
 def quantization_config(cfg: ModelConfig, scheme: str, group: int, head_quantized: bool):

@@ -34,11 +34,12 @@ import numpy as np
 import torch
 
 from pipeline.artifacts import DONE, TOKENIZER, read_model_config
+from pipeline.families import FAMILIES
 from pipeline.model import ModelConfig
 
 TYPES = ("q8_0", "q4_0", "bf16")
-# our family -> gguf-py's MODEL_ARCH member (llama.cpp runs Mixtral as llama with experts)
-ARCHES = {"qwen3_moe": "QWEN3MOE", "qwen2_moe": "QWEN2MOE", "olmoe": "OLMOE", "mixtral": "LLAMA"}
+# our family -> gguf-py's MODEL_ARCH member (each family's `gguf_arch`, pipeline/families/: Mixtral runs as llama)
+ARCHES = {name: fam.gguf_arch for name, fam in FAMILIES.items() if fam.gguf_arch is not None}
 # the Qwen2 tokenizer's pre-tokenizer regex (tokenizer.json), which llama.cpp names "qwen2"
 QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
@@ -60,10 +61,8 @@ def check_gguf(cfg: ModelConfig, qtype: str) -> None:
     if dense:
         raise GGUFExportError(f"--format gguf: layers {dense} are dense; llama.cpp's {ARCHES[cfg.family].lower()} has an "
                               f"MoE in every layer (a student keeping only MoE layers can be written); {ours}")
-    if cfg.family == "olmoe" and cfg.kv_heads != cfg.heads:
-        raise GGUFExportError(f"--format gguf: this OLMoE model has {cfg.kv_heads} key/value heads of {cfg.heads}; "
-                              f"llama.cpp's olmoe takes its k norm over the whole hidden size (multi-head attention, "
-                              f"as OLMoE's own checkpoints); {ours}")
+    if (why := FAMILIES[cfg.family].gguf_refusal(cfg)) is not None:  # e.g. OLMoE with grouped-query attention
+        raise GGUFExportError(f"--format gguf: {why}; {ours}")
     if len(set(cfg.experts)) > 1:
         raise GGUFExportError(f"--format gguf: its MoE layers have different expert counts {list(cfg.experts)}; "
                               f"llama.cpp has one count per model; {ours}")
@@ -136,25 +135,24 @@ def gguf_tensors(model, arch) -> dict[str, torch.Tensor]:
 
     from export.native import native_tensors
 
-    cfg = model.cfg
+    cfg, fam = model.cfg, FAMILIES[model.cfg.family]
     hf = native_tensors(model, torch.float32)
     names = gguf.get_tensor_name_map(arch, cfg.layers)
     out, experts = {}, {}
     for key, t in hf.items():
-        if e := re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", key):
+        if e := re.fullmatch(rf"model\.layers\.(\d+)\.{re.escape(fam.moe_prefix)}\.experts\.(\d+)\.(\w+)\.weight", key):
             experts.setdefault((int(e.group(1)), e.group(3)), {})[int(e.group(2))] = t
             continue
-        if arch == gguf.MODEL_ARCH.LLAMA and key.endswith(("q_proj.weight", "q_proj.bias")):
+        if fam.gguf_permute_qk and key.endswith(("q_proj.weight", "q_proj.bias")):
             t = rope_permuted(t, cfg.heads)
-        elif arch == gguf.MODEL_ARCH.LLAMA and key.endswith(("k_proj.weight", "k_proj.bias")):
+        elif fam.gguf_permute_qk and key.endswith(("k_proj.weight", "k_proj.bias")):
             t = rope_permuted(t, cfg.kv_heads)
         new = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise GGUFExportError(f"--format gguf: no GGUF name for {key}")
         out[new] = t
     for (b, proj), by_expert in sorted(experts.items()):
-        key = (f"layers.{b}.feed_forward.experts.{proj}.weight" if cfg.family == "mixtral"
-               else f"model.layers.{b}.mlp.experts.{proj}.weight")
+        key = fam.gguf_experts_key.format(layer=b, proj=proj)
         out[names.get_name(key, try_suffixes=(".weight",))] = torch.stack([by_expert[e] for e in sorted(by_expert)])
     return out
 
@@ -197,13 +195,9 @@ def write_gguf(model, tokenizer, out: Path, qtype: str, name: str, force: bool =
         w.add_file_type({"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                          "bf16": gguf.LlamaFileType.MOSTLY_BF16}[qtype])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        if cfg.family in ("qwen3_moe", "qwen2_moe"):  # the keys each family's converter adds
-            w.add_expert_feed_forward_length(cfg.expert_hidden)
+        FAMILIES[cfg.family].gguf_metadata(w, cfg)  # the keys each family's converter adds
         if cfg.shared_expert_hidden:
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_hidden)
-        if cfg.family == "mixtral":
-            w.add_vocab_size(cfg.vocab_size)
-            w.add_rope_dimension_count(cfg.head_dim)
         tokens, token_types = vocab(tokenizer, cfg.vocab_size)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)

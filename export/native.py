@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.artifacts import CONFIG, DONE, DTYPE_NAMES, DTYPES, MANIFEST, TOKENIZER, read_model_config, sha256_file
+from pipeline.families import FAMILIES
 from pipeline.hf_import import SUPPORTED, hf_sources
 from pipeline.model import GPT, ModelConfig
 
 if TYPE_CHECKING:
     from export.package import Quantize
 
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 DEFAULT_SHARD_BYTES = 5 << 30
 
 
@@ -42,44 +41,34 @@ class NativeExportError(ValueError):
 
 
 def native_config(cfg: ModelConfig, dtype: torch.dtype, bos: int | None = None, eos: int | None = None) -> dict:
-    """The family's config.json for a model of `cfg` (an imported teacher or one of its students)."""
-    fam = cfg.family
+    """The family's config.json for a model of `cfg` (an imported teacher or one of its students): the keys every
+    family shares, and the family's own (pipeline/families/: `write_hf`)."""
+    fam = FAMILIES.get(cfg.family)
     ours = "our package (`moe-pipeline export RUN`, loaded with trust_remote_code=True) is its format"
-    if fam not in SUPPORTED:
-        raise NativeExportError(f"--format hf: this model is a {fam} model, not one imported from "
+    if fam is None:
+        raise NativeExportError(f"--format hf: this model is a {cfg.family} model, not one imported from "
                                 f"{', '.join(SUPPORTED)}; {ours}")
     if len(set(cfg.experts)) > 1:
         raise NativeExportError(f"--format hf: its MoE layers have different expert counts {list(cfg.experts)} (a "
-                                f"pyramid, or experts pruned per layer); {fam} has one count per model; {ours}")
+                                f"pyramid, or experts pruned per layer); {cfg.family} has one count per model; {ours}")
     if cfg.mlp_type != "standard":
-        raise NativeExportError(f"--format hf: a {cfg.mlp_type} MoE (PR-MoE's residual MLP) has no {fam} form; {ours}")
+        raise NativeExportError(f"--format hf: a {cfg.mlp_type} MoE (PR-MoE's residual MLP) has no {cfg.family} form; "
+                                f"{ours}")
     dense = [i for i in range(cfg.layers) if not cfg.is_moe(i)]
-    if dense and fam in ("mixtral", "olmoe"):
-        raise NativeExportError(f"--format hf: layers {dense} are dense; every {fam} layer is an MoE layer; {ours}")
+    if dense and not fam.dense_layers:
+        raise NativeExportError(f"--format hf: layers {dense} are dense; every {cfg.family} layer is an MoE layer; "
+                                f"{ours}")
     experts = cfg.experts[0] if cfg.experts else 0
-    out = {
-        "architectures": [ARCHITECTURES[fam]], "model_type": fam, "vocab_size": cfg.vocab_size,
+    return {
+        "architectures": [fam.architecture], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
         "num_key_value_heads": cfg.kv_heads, "max_position_embeddings": cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "attention_dropout": 0.0,
         "num_experts_per_tok": cfg.top_k, "router_aux_loss_coef": cfg.aux_loss_coef,
         "torch_dtype": DTYPE_NAMES[dtype], "bos_token_id": bos, "eos_token_id": eos, "use_cache": True,
+        **fam.write_hf(cfg, experts, dense),
     }
-    if fam == "mixtral":
-        out.update(intermediate_size=cfg.expert_hidden, num_local_experts=experts, sliding_window=None)
-    elif fam == "olmoe":
-        out.update(intermediate_size=cfg.expert_hidden, num_experts=experts, norm_topk_prob=cfg.renormalize,
-                   attention_bias=cfg.qkv_bias, clip_qkv=None)
-    else:
-        out.update(intermediate_size=cfg.ffn_hidden, moe_intermediate_size=cfg.expert_hidden, num_experts=experts,
-                   norm_topk_prob=cfg.renormalize, decoder_sparse_step=1, mlp_only_layers=dense,
-                   use_sliding_window=False)
-        if fam == "qwen2_moe":
-            out.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.shared_expert_hidden)
-        else:
-            out.update(attention_bias=cfg.qkv_bias, head_dim=cfg.head_dim)
-    return out
 
 
 def native_tensors(model: GPT, dtype: torch.dtype, skip=()) -> dict[str, torch.Tensor]:

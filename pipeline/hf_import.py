@@ -6,6 +6,8 @@ map (`hf_sources`, in the style of gpt-fast's convert_hf_checkpoint), tensor by 
 nothing is converted or copied on disk, no second copy is held in memory, and a rank reads only its own experts
 (`load_hf_weights`). The Hub's per-expert names are read (what `save_pretrained` writes by default); a gate and
 an up projection fill the two halves of our SwiGLU `fc1` ([gate; up], transformers 5's `gate_up_proj` layout).
+What differs between the families (their config keys, refusals, expert names) is each one's record in
+pipeline/families/; this module reads the keys and tensors they share.
 
     .venv/bin/python -m pipeline.hf_import /models/OLMoE-1B-7B-0924    # its ModelConfig and parameter counts
 
@@ -21,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline.families import FAMILIES
 from pipeline.model import GPT, ModelConfig
 
-SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED = tuple(FAMILIES)  # the model_types of pipeline/families/, in the order messages list them
 CONFIG = "config.json"
 
 
@@ -74,8 +77,9 @@ def _get(raw: dict, path: Path, *names, default=...):
 
 
 def model_config(raw: dict, path: Path = Path(CONFIG)) -> ModelConfig:
-    """The `ModelConfig` of a supported family's config.json (`raw`); what we cannot run exactly is refused."""
-    family = raw["model_type"]
+    """The `ModelConfig` of a supported family's config.json (`raw`); what we cannot run exactly is refused. The
+    keys every family shares are read here, the rest by the family's record (pipeline/families/)."""
+    fam = FAMILIES[raw["model_type"]]
     g = lambda *names, default=...: _get(raw, path, *names, default=default)
     layers, hidden, heads = g("num_hidden_layers"), g("hidden_size"), g("num_attention_heads")
     experts = g("num_local_experts", "num_experts")
@@ -85,40 +89,24 @@ def model_config(raw: dict, path: Path = Path(CONFIG)) -> ModelConfig:
                             "(only the default rotary embedding)")
     if g("hidden_act", default="silu") != "silu":
         raise HFImportError(f"{path}: hidden_act {raw['hidden_act']!r}: these families use silu (SwiGLU)")
-    if family == "mixtral" and raw.get("sliding_window") is not None:
-        raise HFImportError(f"{path}: sliding_window {raw['sliding_window']}: sliding-window attention is not "
-                            "supported; set it to null if the model was trained with full attention")
-    if family in ("qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):
-        raise HFImportError(f"{path}: use_sliding_window true: sliding-window attention is not supported")
-    if family == "olmoe" and raw.get("clip_qkv") is not None:
-        raise HFImportError(f"{path}: clip_qkv {raw['clip_qkv']}: clipping q/k/v is not supported")
-    if family in ("mixtral", "olmoe"):
-        moe_layers = list(range(layers))
-        expert_width = dense_width = g("intermediate_size")
-    else:  # Qwen: layer i is MoE unless in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0
-        step, dense = g("decoder_sparse_step", default=1), set(g("mlp_only_layers", default=[]))
-        moe_layers = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
-        expert_width, dense_width = g("moe_intermediate_size"), g("intermediate_size")
-    if family == "qwen2_moe":
-        qkv_bias, out_bias = bool(g("qkv_bias", default=True)), False
-    elif family == "mixtral":
-        qkv_bias = out_bias = False
-    else:
-        qkv_bias = out_bias = bool(g("attention_bias", default=False))
+    for refusal in fam.refusals:
+        if (why := refusal.message(raw)) is not None:
+            raise HFImportError(f"{path}: {why}")
+    shape = fam.read_hf(raw, g, layers, experts)
     head_dim = raw.get("head_dim")
     return ModelConfig(
         vocab_size=g("vocab_size"), seq_len=g("max_position_embeddings"), layers=layers, hidden=hidden, heads=heads,
-        experts=tuple(experts for _ in moe_layers), moe_layers=tuple(moe_layers), mlp_type="standard",
+        experts=tuple(experts for _ in shape.moe_layers), moe_layers=shape.moe_layers, mlp_type="standard",
         top_k=g("num_experts_per_tok"), capacity_factor=1.0, eval_capacity_factor=None, min_capacity=4,
         aux_loss_coef=float(g("router_aux_loss_coef", default=0.01)), ffn_mult=4, dropout=0.0,
         tie_embeddings=bool(g("tie_word_embeddings", default=False)), init_std=float(g("initializer_range", default=0.02)),
-        family=family, norm="rmsnorm", norm_eps=float(g("rms_norm_eps")), positions="rope",
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1e6 if family == "mixtral" else 10000.0))),
+        family=fam.model_type, norm="rmsnorm", norm_eps=float(g("rms_norm_eps")), positions="rope",
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", fam.rope_theta))),
         head_dim=None if head_dim is None or head_dim * heads == hidden else int(head_dim),
-        kv_heads=g("num_key_value_heads", default=heads), qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
-        qkv_bias=qkv_bias, out_bias=out_bias, activation="swiglu", mlp_bias=False, ffn_hidden=dense_width,
-        expert_hidden=expert_width, renormalize=True if family == "mixtral" else bool(g("norm_topk_prob", default=False)),
-        shared_expert_hidden=int(g("shared_expert_intermediate_size", default=0)) if family == "qwen2_moe" else 0)
+        kv_heads=g("num_key_value_heads", default=heads), qk_norm=fam.qk_norm, qkv_bias=shape.qkv_bias,
+        out_bias=shape.out_bias, activation="swiglu", mlp_bias=False, ffn_hidden=shape.ffn_hidden,
+        expert_hidden=shape.expert_hidden, renormalize=shape.renormalize,
+        shared_expert_hidden=shape.shared_expert_hidden)
 
 
 # -- the name map: our global parameter name -> the checkpoint's tensors ---------------------------------------
@@ -140,8 +128,11 @@ def hf_sources(cfg: ModelConfig, name: str) -> list[str]:
     if m is None:
         raise HFImportError(f"{name}: no {cfg.family} tensor maps to it")
     layer, rest = f"model.layers.{m.group(1)}", m.group(2)
-    mixtral = cfg.family == "mixtral"
-    moe = f"{layer}.block_sparse_moe" if mixtral else f"{layer}.mlp"
+    fam = FAMILIES.get(cfg.family)
+    if fam is None:
+        raise HFImportError(f"{name}: no {cfg.family} tensor maps to it (a Hugging Face family is one of "
+                            f"{', '.join(SUPPORTED)})")
+    moe = f"{layer}.{fam.moe_prefix}"
     swiglu = {"fc1.weight": ["gate_proj.weight", "up_proj.weight"], "fc2.weight": ["down_proj.weight"]}
     if rest in ("ln_1.weight", "ln_2.weight"):
         return [f"{layer}.{'input_layernorm' if rest == 'ln_1.weight' else 'post_attention_layernorm'}.weight"]
@@ -150,9 +141,9 @@ def hf_sources(cfg: ModelConfig, name: str) -> list[str]:
     if rest == "mlp.moe.deepspeed_moe.gate.wg.weight":
         return [f"{moe}.gate.weight"]
     if e := re.fullmatch(r"mlp\.moe\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(fc[12]\.weight)", rest):
-        if mixtral:
-            return [f"{moe}.experts.{e.group(1)}.{w}.weight" for w in (("w1", "w3") if e.group(2) == "fc1.weight" else ("w2",))]
-        return [f"{moe}.experts.{e.group(1)}.{w}" for w in swiglu[e.group(2)]]
+        gate, up, down = fam.expert_names  # fc1 = [gate; up], fc2 = down
+        names = (gate, up) if e.group(2) == "fc1.weight" else (down,)
+        return [f"{moe}.experts.{e.group(1)}.{w}.weight" for w in names]
     if s := re.fullmatch(r"mlp\.shared\.(fc[12]\.weight)", rest):
         return [f"{layer}.mlp.shared_expert.{w}" for w in swiglu[s.group(1)]]
     if rest == "mlp.shared_gate.weight":
