@@ -14,13 +14,14 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_nproc(p: argparse.ArgumentParser, help: str) -> None:
-    """--nproc N: N ranks on this machine; a command started with more than the running ranks restarts itself
-    under the DeepSpeed launcher (`relaunch_if_asked`)."""
-    p.add_argument("--nproc", type=positive_int, default=None, help=f"ranks on this machine{help}")
+def add_nproc(p: argparse.ArgumentParser, more_help: str) -> None:
+    """--nproc N, the one flag of that name for teacher, distill, eval and serve: N ranks on this machine (the
+    command restarts itself under the DeepSpeed launcher); `more_help` ends its help line."""
+    p.add_argument("--nproc", type=positive_int, default=None, help=f"ranks on this machine{more_help}")
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
+    """argv without --nproc N (or --nproc=N): what each relaunched rank runs."""
     out, skip = [], False
     for a in argv:
         if skip:
