@@ -32,9 +32,9 @@ def cpu_line(cpu: dict) -> str:
 
 
 def cli_command() -> list[str]:
-    """`moe-pipeline` from this interpreter's environment (or `python -m pipeline.cli`)."""
+    """`moe-pipeline` from this interpreter's environment (or `python -m cli`)."""
     script = Path(sys.executable).parent / "moe-pipeline"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "pipeline.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "cli"]
 
 
 def child_env() -> dict[str, str]:

@@ -75,7 +75,7 @@ class Server:
         env = child_env()
         env["PYTHONPATH"] = str(cwd)  # the revision's own code, with this environment's packages
         self.log = open(Path("/tmp") / f"kv_memory_server_{self.port}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", str(pkg), "--port",
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", str(pkg), "--port",
                                       str(self.port), *flags], cwd=cwd, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         for _ in range(1200):

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         r["loss_vs_bf16_pct"] = 100 * (r["val_loss"] / base - 1)
     if args.tasks:
         # the w8a8 rows' packages are the int8 ones: `eval` runs a package as stored (no task scores for them)
-        cmd = [sys.executable, "-m", "pipeline.cli", "eval", *[r["package"] for r in rows if r["scheme"] != "w8a8"],
+        cmd = [sys.executable, "-m", "cli", "eval", *[r["package"] for r in rows if r["scheme"] != "w8a8"],
                "--out", str(out / "eval")]
         if args.limit:
             cmd += ["--limit", str(args.limit)]

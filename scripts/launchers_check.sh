@@ -93,7 +93,7 @@ free_port() { "$PY" -c 'from pipeline.dist import free_port; print(free_port())'
 launch() {  # NAME MODULE ARGS...: `python -m MODULE ARGS` on 2 ranks through launcher NAME (local, openmpi, pdsh)
   local name=$1 module=$2; shift 2
   case $name in
-    local) if [ "$module" = pipeline.cli ]; then "$PY" -m pipeline.cli "$@" --nproc 2  # relaunches itself
+    local) if [ "$module" = cli ]; then "$PY" -m cli "$@" --nproc 2  # relaunches itself
            else runner --num_gpus 2 --master_port "$(free_port)" --no_local_rank --module "$module" "$@"; fi ;;
     openmpi) runner --hostfile "$T/hostfile-mpi" --launcher openmpi --force_multi --no_ssh_check \
                     --master_addr 127.0.0.1 --launcher_args "$MPI_ARGS" --module "$module" "$@" ;;
@@ -102,21 +102,21 @@ launch() {  # NAME MODULE ARGS...: `python -m MODULE ARGS` on 2 ranks through la
   esac
 }
 
-"$PY" -m pipeline.cli prepare recipes/tiny.yaml "${SETS[@]}" >"$OUT/prepare.log" 2>&1 || { tail -5 "$OUT/prepare.log" >&2; exit 1; }
+"$PY" -m cli prepare recipes/tiny.yaml "${SETS[@]}" >"$OUT/prepare.log" 2>&1 || { tail -5 "$OUT/prepare.log" >&2; exit 1; }
 status=0
 for name in local openmpi pdsh; do
   echo "[launchers] $name: python -m pipeline.dist"
   launch "$name" pipeline.dist >"$OUT/$name-group.log" 2>&1 </dev/null || { echo "  failed ($OUT/$name-group.log)"; status=1; }
   echo "[launchers] $name: teacher, 2 ranks"
   t0=$SECONDS
-  if launch "$name" pipeline.cli teacher recipes/tiny.yaml --run-dir "$T/$name" "${SETS[@]}" >"$OUT/$name-teacher.log" 2>&1 </dev/null
+  if launch "$name" cli teacher recipes/tiny.yaml --run-dir "$T/$name" "${SETS[@]}" >"$OUT/$name-teacher.log" 2>&1 </dev/null
   then echo "  $((SECONDS - t0))s"; else echo "  failed ($OUT/$name-teacher.log)"; status=1; fi
   if [ "$name" = local ] && [ -f "$T/local/teacher/DONE.json" ]; then
-    "$PY" -m pipeline.cli export "$T/local" --stage teacher --out "$T/package" >"$OUT/export.log" 2>&1
+    "$PY" -m cli export "$T/local" --stage teacher --out "$T/package" >"$OUT/export.log" 2>&1
   fi
   echo "[launchers] $name: serve --smoke, 2 ranks"
   t0=$SECONDS
-  if launch "$name" pipeline.cli serve "$T/package" --port 0 --smoke "And God said" >"$OUT/$name-serve.log" 2>&1 </dev/null
+  if launch "$name" cli serve "$T/package" --port 0 --smoke "And God said" >"$OUT/$name-serve.log" 2>&1 </dev/null
   then echo "  $((SECONDS - t0))s"; else echo "  failed ($OUT/$name-serve.log)"; status=1; fi
 done
 

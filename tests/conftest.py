@@ -81,7 +81,7 @@ def launch_ranks(script: str, *args: str, timeout: float = 300) -> None:
 
 def cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run `moe-pipeline ARGS` as a user would (a real process, from the repository root)."""
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env=child_env())
     if check and proc.returncode != 0:
         raise AssertionError(f"moe-pipeline {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
@@ -95,7 +95,7 @@ def killed_at_checkpoint(*args: str, latest: Path) -> None:
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=child_env(), start_new_session=True)
     deadline = time.time() + 300
     while not latest.exists() and proc.poll() is None and time.time() < deadline:

@@ -45,7 +45,7 @@ def main(*args: str) -> tuple[int, str]:
     import contextlib
     import io
 
-    from pipeline.cli import main as cli_main
+    from cli.main import main as cli_main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

@@ -63,10 +63,10 @@ def test_a_relaunch_names_no_hostfile_so_a_clusters_job_hostfile_is_not_used():
     """DeepSpeed's runner reads /job/hostfile unless told otherwise, and would spread `--nproc 2` over its hosts."""
     from deepspeed.launcher import runner
 
-    cmd = dist.launcher_command(2, "pipeline.cli", ["teacher", "recipes/tiny.yaml"])
+    cmd = dist.launcher_command(2, "cli", ["teacher", "recipes/tiny.yaml"])
     args = runner.parse_args(cmd[3:])
     assert args.hostfile == os.devnull and runner.fetch_hostfile(args.hostfile) is None
-    assert args.num_gpus == 2 and args.module and args.user_script == "pipeline.cli"
+    assert args.num_gpus == 2 and args.module and args.user_script == "cli"
 
 
 @pytest.mark.slow

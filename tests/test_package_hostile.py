@@ -82,7 +82,7 @@ def edit_json(pkg: Path, name: str, change) -> None:
 
 def verify_fails(pkg: Path, capsys, *expected: str) -> str:
     """`moe-pipeline verify PKG` (the CLI's entry point, in this process): exit 1, each of `expected` listed."""
-    from pipeline.cli import main
+    from cli.main import main
 
     capsys.readouterr()
     rc = main(["verify", str(pkg)])
@@ -117,7 +117,7 @@ def refused(pkg, capsys, monkeypatch, *expected):
 
 def test_the_untouched_packages_verify_and_load(packages, capsys):
     from export.inference import load_package
-    from pipeline.cli import main
+    from cli.main import main
 
     for p in packages.values():
         assert main(["verify", str(p)]) == 0, capsys.readouterr().err
@@ -243,7 +243,7 @@ def test_a_malformed_config_is_a_listed_problem(pkg, capsys, monkeypatch, damage
 def test_an_inconsistent_config_is_refused_under_python_O_too(pkg):
     """The checks of config.json are exceptions, not asserts, which `python -O` would drop."""
     edit_json(pkg, "config.json", lambda c: c.update(moe_layers=list(reversed(c["moe_layers"])) + [0]))
-    proc = subprocess.run([sys.executable, "-O", "-m", "pipeline.cli", "verify", str(pkg)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-O", "-m", "cli", "verify", str(pkg)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "config.json: inconsistent fields (model config: one experts entry per MoE layer)" in proc.stderr

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, cli, sets
-from pipeline.cli import main
+from cli.main import main
 from pipeline.recipe import KDSpec, Recipe, RecipeError, diff_recipes, dump_recipe, load_recipe, validate
 from pipeline.train import deepspeed_config
 

@@ -23,7 +23,7 @@ def start(pkg: Path, *extra: str, nproc: int = 1, **env: str) -> tuple[subproces
     from pipeline.dist import free_port
 
     port = free_port()
-    args = [sys.executable, "-m", "pipeline.cli", "serve", str(pkg), "--port", str(port), *extra]
+    args = [sys.executable, "-m", "cli", "serve", str(pkg), "--port", str(port), *extra]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     proc = subprocess.Popen(args, cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -199,8 +199,8 @@ def test_two_ranks_serve_the_same_tokens_and_a_killed_rank_stops_the_server(serv
     try:
         assert requests.get(f"{url}/health", timeout=10).json()["ranks"] == 2
         assert complete(url, prompt="And God said", max_tokens=10, temperature=0).json()["choices"][0]["text"] == one
-        # the two rank processes the DeepSpeed launcher started (`python -u -m pipeline.cli serve ...`)
-        ranks = subprocess.run(["pgrep", "-f", "--", f"-u -m pipeline.cli serve {package} --port {url.rsplit(':', 1)[1]}"],
+        # the two rank processes the DeepSpeed launcher started (`python -u -m cli serve ...`)
+        ranks = subprocess.run(["pgrep", "-f", "--", f"-u -m cli serve {package} --port {url.rsplit(':', 1)[1]}"],
                                capture_output=True, text=True).stdout.split()
         children = [int(p) for p in ranks if int(p) != proc.pid]
         assert len(children) == 2
@@ -300,7 +300,7 @@ def test_killing_the_launching_command_stops_every_rank(package):
 
     proc, url = start(package, nproc=2)
     port = url.rsplit(":", 1)[1]
-    pattern = f"-u -m pipeline.cli serve {package} --port {port}"
+    pattern = f"-u -m cli serve {package} --port {port}"
     ranks = [int(p) for p in subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True,
                                             text=True).stdout.split()]
     assert len(ranks) == 2

@@ -37,7 +37,7 @@ def test_a_bad_setting_names_its_flag(tmp_path, flags, message):
 def test_every_cli_flag_is_a_config_field():
     """`moe-pipeline serve`'s flags are exactly ServeConfig's fields (plus the launcher's --nproc), so a setting
     cannot be parsed and dropped on the way, and its default lives in one place."""
-    from pipeline.cli import build_parser
+    from cli.main import build_parser
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     dests = {a.dest for a in serve._actions if a.dest not in ("help", argparse.SUPPRESS)}
