@@ -51,7 +51,8 @@ def test_rank_messages_survive_the_json_trip():
     import json
 
     from export.serve import ranks
-    from export.serve.step import Forward, NewSeq, Row, Sampling, Step
+    from export.serve.request import SamplingParams
+    from export.serve.step import Books, Forward, NewSeq, Order, Orders, Row, RowResult, Sampling, Step, Sync
 
     table = [[[0], [1, 0]], [[0], [0], [1], [1]]]
     step = Step([Forward("prefill", [[Row(3, 0, [5, 7], [4, 1], True, None, 0, [7])], []],
@@ -61,7 +62,15 @@ def test_rank_messages_survive_the_json_trip():
     for msg in (step, Step(), ranks.Ping(), ranks.Stop()):
         assert ranks.decode(json.loads(json.dumps(ranks.encode(msg)))) == msg
     ranks.send(ranks.Ping())  # one rank: nobody to tell, and no error
-    assert ranks.gather_results([{"row": 0, "token": 5}]) == [[{"row": 0, "token": 5}]]  # one rank: its own
+    mine = [RowResult(0, token=5, logprob=-0.25, top=[[5, -0.25]]), RowResult(3, error="ValueError: x")]
+    assert ranks.gather_results(mine) == [mine]  # one rank: its own
+    # each rank its own requests: a step's gather carries one Sync a rank (coordinator.py OwnRequests)
+    orders = Orders([Order(4, 1, [15496, 995], SamplingParams(max_tokens=3, temperature=0.7, stop=["\n"], seed=9))],
+                    abort=[2], ping=True)
+    for sync in (Sync([3, 1], True, Books(2, 1, 5, 2, 40, 16, 1), orders),
+                 Sync([], False, Books(), results=mine), Sync([0], False, Books())):
+        assert Sync.from_json(json.loads(json.dumps(sync.to_json()))) == sync
+    assert Sync.from_json(Sync([0], False, Books(), Orders()).to_json()).orders is None  # nothing to tell: none sent
     status = ranks.gather_status(0, 7)  # one rank: its own row
     assert [(s.rank, s.forwards) for s in status] == [(0, 7)] and status[0].rss_mib > 0
     assert set(status[0].to_dict()) == {"rank", "pid", "forwards", "rss_mib", "forward_s", "expert_s",

@@ -27,23 +27,18 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING
-
 from export.serve import ranks as rank_msgs
 from export.serve.request import Request
 from export.serve.scheduler import SCHED_STATS
 from export.serve.step import Books, Forward, Order, Orders, Row, RowResult, Step, Sync
-
-if TYPE_CHECKING:
-    from export.serve.engine import Engine
 
 
 class Coordinator:
     """What both ways share: the requests' queues as /metrics reads them, failing every request, pings, the other
     ranks' loop (`follow`)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine):
+        self.engine = engine  # export/serve/engine.py's Engine of this rank, which holds this coordinator
         self.busy = False  # the ranks are stepping together (OwnRequests behind the server); idle ranks wait
 
     # -- requests (any thread) -----------------------------------------------------------------------------------
@@ -150,7 +145,7 @@ class OwnRequests(Coordinator):
     and spreading them (see the module's docstring). Without `front` every rank submits its own requests and calls
     `step` until it returns None, which every rank does at the same step."""
 
-    def __init__(self, engine: Engine, front: bool = False):
+    def __init__(self, engine, front: bool = False):
         super().__init__(engine)
         self.front = front
         self.remote: dict[int, tuple[Request, int]] = {}  # front: stand-ins of requests other ranks run
@@ -353,7 +348,7 @@ class OwnRequests(Coordinator):
         super().ping()
 
 
-def coordinator_for(engine: Engine, own_requests: bool, front: bool = False) -> Coordinator:
+def coordinator_for(engine, own_requests: bool, front: bool = False) -> Coordinator:
     """`OwnRequests` where each data-parallel rank runs its own requests (`front`: this is rank 0 behind the server),
     else `RankZero`."""
     if not own_requests:

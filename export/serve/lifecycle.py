@@ -1,7 +1,7 @@
 """The server's processes: `serve --nproc N` relaunched under the DeepSpeed launcher, stopped gracefully.
 
     from export.serve.lifecycle import relaunch_server, parent_alive
-    relaunch_server(2, "pipeline.cli", ["serve", "runs/tiny/package", "--ep-size", "2"])   # the launching process
+    relaunch_server(2, "cli", ["serve", "runs/tiny/package", "--ep-size", "2"])   # the launching process
     parent_alive()                                                                             # rank 0, in a thread
 
 SIGTERM/SIGINT sent to the launching process go to rank 0 alone, which drains and then stops the other
