@@ -6,6 +6,7 @@ import json
 import sys
 
 from pipeline.artifacts import is_run_dir
+from pipeline.schemes import written_by
 
 
 def cmd_export(args) -> int:
@@ -17,8 +18,7 @@ def cmd_export(args) -> int:
             "gguf": f"gguf/model-{(args.quantize or 'q8_0').upper()}.gguf"}.get(args.format, "package")
     out = args.out or (args.run / name if is_run_dir(args.run) else src.parent / name)
     try:
-        formats = {"package": ("int8", "int4"), "hf": ("int8", "int4", "w8a8"),
-                   "gguf": ("q8_0", "q4_0", "bf16")}[args.format]
+        formats = written_by(args.format)
         if args.quantize and args.quantize not in formats:
             raise ValueError(f"--quantize {args.quantize} with --format {args.format}: one of {', '.join(formats)}")
         if args.quantize_head and not args.quantize:

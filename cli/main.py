@@ -31,6 +31,7 @@ from cli.export import cmd_export, cmd_verify
 from cli.serve import add_serve_flags, cmd_predictor, cmd_serve
 from cli.train import cmd_plan, cmd_prepare, cmd_stages
 from pipeline.recipe import RecipeError
+from pipeline.schemes import SCHEMES
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "teacher's own family (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) with the student's depth, for "
                         "plain transformers, vLLM, SGLang (default out RUN/hf); gguf: a file llama.cpp loads "
                         "(Qwen3-MoE, Qwen2-MoE; --quantize q8_0|q4_0|bf16; default out RUN/gguf/model-TYPE.gguf)")
-    p.add_argument("--quantize", choices=["int8", "int4", "w8a8", "q8_0", "q4_0", "bf16"], default=None,
+    p.add_argument("--quantize", choices=list(SCHEMES), default=None,
                    help="package: weight-only int8 (one scale per output row) or int4 (one per --group-size inputs of a "
                         "row), routers, norms, embeddings and the output layer staying in --dtype; hf: compressed-tensors "
                         "as llm-compressor writes it, int8 (W8A16), int4 (W4A16) or w8a8 (int8 weights and per-token "

@@ -33,8 +33,10 @@ import torch
 
 from pipeline.families import FAMILIES
 from pipeline.model import GPT, ModelConfig
+from pipeline.schemes import SCHEMES as ALL_SCHEMES, named
 
-SCHEMES = {"int8": "W8A16", "int4": "W4A16", "w8a8": "W8A8"}  # ours -> llm-compressor's preset name
+# ours -> llm-compressor's preset name (pipeline/schemes.py)
+SCHEMES = {name: s.compressed_preset for name, s in ALL_SCHEMES.items() if s.compressed_preset}
 
 
 class CompressedExportError(ValueError):
@@ -52,8 +54,9 @@ def require() -> None:
 
 
 def weight_scheme(scheme: str) -> str:
-    """The weights' kind (pipeline/quantize.py SCHEMES) of a compressed-tensors scheme: int8 for W8A16 and W8A8."""
-    return "int4" if scheme == "int4" else "int8"
+    """The weights' kind (pipeline/schemes.py `Scheme.stored`) of a compressed-tensors scheme: int8 for W8A16 and
+    W8A8."""
+    return named(scheme, "--quantize", among=tuple(SCHEMES)).stored
 
 
 def ct_scheme(scheme: str, group: int):

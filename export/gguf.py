@@ -36,8 +36,9 @@ import torch
 from pipeline.artifacts import DONE, TOKENIZER, read_model_config
 from pipeline.families import FAMILIES
 from pipeline.model import ModelConfig
+from pipeline.schemes import SCHEMES, written_by
 
-TYPES = ("q8_0", "q4_0", "bf16")
+TYPES = written_by("gguf")  # what --quantize takes with --format gguf (pipeline/schemes.py)
 # our family -> gguf-py's MODEL_ARCH member (each family's `gguf_arch`, pipeline/families/: Mixtral runs as llama)
 ARCHES = {name: fam.gguf_arch for name, fam in FAMILIES.items() if fam.gguf_arch is not None}
 # the Qwen2 tokenizer's pre-tokenizer regex (tokenizer.json), which llama.cpp names "qwen2"
@@ -113,9 +114,10 @@ def tensor_type(name: str, data: np.ndarray, qtype: str):
     T = gguf.GGMLQuantizationType
     if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or ".ffn_gate_inp" in name:
         return T.F32
-    if qtype == "q4_0" and name == "output.weight":
-        return T.Q8_0
-    return {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "bf16": T.BF16}[qtype]
+    scheme = SCHEMES[qtype]
+    if name == "output.weight" and scheme.gguf_head_type:
+        return T[scheme.gguf_head_type]
+    return T[scheme.gguf_type]
 
 
 def rope_permuted(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -192,8 +194,7 @@ def write_gguf(model, tokenizer, out: Path, qtype: str, name: str, force: bool =
         if "head_dim" in hf:
             w.add_key_length(hf["head_dim"])
             w.add_value_length(hf["head_dim"])
-        w.add_file_type({"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-                         "bf16": gguf.LlamaFileType.MOSTLY_BF16}[qtype])
+        w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{SCHEMES[qtype].gguf_type}"])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         FAMILIES[cfg.family].gguf_metadata(w, cfg)  # the keys each family's converter adds
         if cfg.shared_expert_hidden:

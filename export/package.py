@@ -66,6 +66,7 @@ from pipeline.artifacts import (CONFIG, DONE, DTYPE_ALIASES, DTYPE_NAMES, DTYPE_
 from pipeline.build import load_stage_model, meta_counts, meta_model
 from pipeline.data import TOKENIZER_FILES
 from pipeline.model import ModelConfig
+from pipeline.schemes import STORED, named
 from pipeline.weights import SAFETENSORS_DTYPES, index_weight_map, read_header
 
 FORMAT_VERSION = 1
@@ -170,7 +171,7 @@ class _QuantizationSchema(BaseModel):
     """A quantised package's scheme (export --quantize): what verification needs to know which tensors it holds."""
 
     model_config = _STRICT
-    scheme: Literal["int8", "int4"] = Field(description='"int8" or "int4"')
+    scheme: Literal[STORED] = Field(description=" or ".join(f'"{s}"' for s in STORED))
     group: int = Field(ge=64, multiple_of=64, description="a multiple of 64 (inputs per int4 scale)")
     head: bool = Field(description="true or false (the output layer quantised)")
     method: Literal["gptq", "rtn"] = Field(description='"gptq" or "rtn"')
@@ -379,10 +380,7 @@ class Quantize:
 
     def __post_init__(self):
         from export.gptq import METHODS
-        from pipeline.quantize import SCHEMES
-
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"--quantize {self.scheme!r}: one of {', '.join(SCHEMES)}")
+        named(self.scheme, among=STORED)
         if self.method not in METHODS:
             raise ValueError(f"--quantize-method {self.method!r}: one of {', '.join(METHODS)}")
         if self.group < 64 or self.group % 64:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-SCHEMES = ("int8", "int4")
+from pipeline.schemes import STORED, named  # the weights' kinds a package holds: int8, int4
+
 INT4_GROUP = 128
 KEEP = ("wg", "coefficient", "shared_gate", "lm_head")  # module names whose weights stay in their dtype
 
@@ -92,8 +93,8 @@ def fake_quantize_(model: nn.Module, scheme: str) -> dict:
     """Every quantised linear weight of `model` replaced, in place, by the weight its `scheme` form stands for, in the
     weight's own dtype and device: the model computes what the quantised one would, up to the kernels' sums.
     Returns {"tensors": how many, "weights": their elements, "bytes": what they hold quantised (values and scales)}."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"quantisation {scheme!r}: one of {', '.join(SCHEMES)}")
+    if scheme not in STORED:
+        raise ValueError(f"quantisation {scheme!r}: one of {', '.join(STORED)}")
     tensors = weights = nbytes = 0
     seen = set()
     for name, module in model.named_modules():
@@ -130,8 +131,7 @@ def weight_kinds(model: nn.Module, scheme: str, head: bool = False, group: int =
     serving runtime quantises them (export/serve/linears.py `quantized_weights`): int4 where its rows fit the groups,
     else int8, and an expert's fc1 and fc2 of one kind (the expert kernels take one kind a layer). The output layer
     only with `head`, and never when it is the (tied) embedding."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"--quantize {scheme!r}: one of {', '.join(SCHEMES)}")
+    named(scheme, among=STORED)
     tied = getattr(getattr(model, "lm_head", None), "weight", None) is getattr(getattr(model, "wte", None), "weight", 0)
     kinds = {}
     for name, module in model.named_modules():

@@ -19,6 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.schemes import SERVED
+
 API_KEY_ENV = "MOE_PIPELINE_API_KEY"
 PREDICTOR_CONFIG = "predictor.json"  # written by `moe-pipeline predictor train` (export/serve/placement/predictor.py)
 
@@ -59,7 +61,7 @@ class ServeConfig(BaseModel):
     # quantisation at load (export/serve/linears.py `quantize_linears`): weight-only int8, int4 (groups of 128 inputs;
     # int8 where a row does not divide into them), w8a8 (int8 weights and each row of a linear's inputs rounded to
     # int8, vLLM's dynamic per-token W8A8; also on a package exported with --quantize int8), or None (the package's)
-    quantize: Literal["int8", "int4", "w8a8"] | None = None
+    quantize: Literal[SERVED] | None = None  # pipeline/schemes.py: the schemes serving quantises to
     quantize_head: bool = False  # the output layer too (its logits change; greedy rows through its own screen)
     # expert placement by a replica table: a policy of export/serve/placement/controller.py (`make_controller`)
     placement: Literal["none", "reactive", "predictive"] | None = None

@@ -47,6 +47,7 @@ from export.serve.scheduler import Plan, Scheduler
 from export.serve.step import Forward, RowResult, Step
 from export.serve.worker import Worker
 from pipeline.model import GPT, ModelConfig
+from pipeline.schemes import SCHEMES
 
 if TYPE_CHECKING:
     from export.inference import Layout
@@ -150,15 +151,16 @@ class Engine:
         stored = verified.manifest.get("quantization")  # export --quantize: the package's int8/int4 weights
         quantize, quantize_head = config.quantize, config.quantize_head
         if stored is not None:
-            if quantize not in (None, stored["scheme"]) and (quantize, stored["scheme"]) != ("w8a8", "int8"):
+            if quantize is not None and SCHEMES[quantize].stored != stored["scheme"]:
                 raise ValueError(f"--quantize {quantize}: this package holds {stored['scheme']} weights (exported with "
                                  f"--quantize {stored['scheme']}; an int8 one also serves --quantize w8a8); drop "
                                  f"--quantize, or serve a package exported without it")
             quantize, quantize_head = (quantize or stored["scheme"], quantize_head or stored["head"]) if dp \
                 else (None, False)  # an int8 package under --quantize w8a8: its weights, int8 inputs
-        if quantize == "w8a8" and not hasattr(linears.kernel(), "w8a8_linear"):
-            raise ValueError("--quantize w8a8: its int8 x int8 kernels need a CPU with AVX512_VNNI (and the GEMV "
-                             "kernel built); serve --quantize int8 (weight-only) instead")
+        scheme = SCHEMES[quantize] if quantize is not None else None
+        if scheme is not None and scheme.needs and not hasattr(linears.kernel(), scheme.kernel_op):
+            raise ValueError(f"--quantize {quantize}: its kernels need a CPU with {scheme.needs} (and the GEMV "
+                             f"kernel built); serve --quantize int8 (weight-only) instead")
         if not dp and config.quantize is not None and stored is None:
             raise ValueError(f"--quantize {config.quantize}: the data-parallel layout only, and this package's experts "
                              f"{list(verified.cfg.experts)} do not split evenly over {ranks.world} ranks")
