@@ -38,10 +38,9 @@ class Decoder:
 
     # a packed forward's tokens up to which `packed` runs it: a decode step's rows beside prompt chunks, past
     # `native_rows` too (its grouped expert kernel there still beats the model's forward, which sends experts of more
-    # rows to oneDNN one at a time: the Qwen3-MoE peer package, 31 decode rows + a 128-token prompt 47.0 against
-    # 62.9 ms, 2 prompts of 128 64.2 / 80.1, 4 of 128 121.1 / 131.9, 8 of 128 230.7 / 226.6; AMD EPYC, 2 threads);
-    # with quantised weights up to export/serve/linears.py DEQUANTIZE_ABOVE rows, past which the model's own forward
-    # dequantises them for oneDNN (`packs`)
+    # rows to oneDNN one at a time; past this many tokens the two are even); with quantised weights up to
+    # DEQUANTIZE_ABOVE rows,
+    # past which the model's own forward dequantises them for oneDNN (`packs`)
     PACKED_TOKENS = 256
 
     def __init__(self, model: GPT, kernel, cache=None):

@@ -486,8 +486,7 @@ class PlacedMoE(nn.Module):
             weights, token, choice, per_expert = serving_route(xs, wg, cfg.top_k, E, cfg.renormalize)
             y, counts = self.exchange.run(self.index, xs[token], per_expert)  # [pairs, C]: each pair's expert output
             # back in (token, choice) order, each token's choices weighted and added: a gather, where a scatter-add
-            # (index_add_) starts every intra-op thread even for one token (~0.2 ms a layer at batch 1 when they
-            # sleep)
+            # (index_add_) starts every intra-op thread even for one token, a cost at batch 1 when they sleep
             k = cfg.top_k
             mine = y.index_select(0, (token * k + choice).argsort()).view(-1, k, C)  # [S, k, C]
             w = weights.to(y.dtype)
