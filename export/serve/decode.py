@@ -39,8 +39,7 @@ class Decoder:
     # a packed forward's tokens up to which `packed` runs it: a decode step's rows beside prompt chunks, past
     # `native_rows` too (its grouped expert kernel there still beats the model's forward, which sends experts of more
     # rows to oneDNN one at a time; past this many tokens the two are even); with quantised weights up to
-    # DEQUANTIZE_ABOVE rows,
-    # past which the model's own forward dequantises them for oneDNN (`packs`)
+    # DEQUANTIZE_ABOVE rows, past which the model's own forward dequantises them for oneDNN (`packs`)
     PACKED_TOKENS = 256
 
     def __init__(self, model: GPT, kernel, cache=None):
