@@ -105,6 +105,28 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         f"on demand")
     p.add_argument("--max-body-bytes", type=positive_int, default=quiet,
                    help=f"larger request bodies get 413 (default {d['max_body_bytes']})")
+    p.add_argument("--no-checksums", dest="checksums", action="store_false", default=quiet,
+                   help="load without verifying every file's sha256 (on by default)")
+    kernels = p.add_argument_group("CPU kernels (what /health lists under \"kernels\"; the defaults are the fastest)")
+    kernels.add_argument("--cpu-linears", choices=_literal(ServeConfig, "cpu_linears"), default=quiet,
+                         help=f"who runs the linears: kernel (our few-row kernel, oneDNN for more rows), onednn (every "
+                              f"row count), aten (PyTorch's F.linear, every layer as it is) (default {d['cpu_linears']})")
+    kernels.add_argument("--no-head-screen", dest="head_screen", action="store_false", default=quiet,
+                         help="greedy and top-k rows read the whole output layer instead of its int8 screen (the same "
+                              "tokens; the screen reads about half the bytes)")
+    kernels.add_argument("--no-map-weights", dest="map_weights", action="store_false", default=quiet,
+                         help="keep the weights in anonymous memory instead of a file mapping (2 MB pages)")
+    kernels.add_argument("--no-local-reduce", dest="local_reduce", action="store_false", default=quiet,
+                         help="data parallel on one machine: the ranks' sums through DeepSpeed's shared-memory "
+                              "all-reduce (it spins while it waits) instead of the kernel's")
+    kernels.add_argument("--prefetch", choices=_literal(ServeConfig, "prefetch"), default=quiet,
+                         help=f"the kernel's weight prefetch hint: t0 (into every cache level), nta (non-temporal); "
+                              f"auto: by CPU vendor (default {d['prefetch']})")
+    kernels.add_argument("--attention-kernel-rows", type=int, metavar="TOKENS", default=quiet,
+                         help=f"a mixed step's rows of up to this many new tokens attend in the paged-attention kernel, "
+                              f"longer ones in scaled_dot_product_attention (default {d['attention_kernel_rows']})")
+    kernels.add_argument("--no-malloc-tuning", dest="malloc_tuning", action="store_false", default=quiet,
+                         help="leave glibc malloc's thresholds alone (by default tuned for large short-lived tensors)")
     p.add_argument("--smoke", metavar="PROMPT", default=quiet,
                    help="serve, send this one completion over HTTP, print it and shut down (port 0: a free port)")
 

@@ -41,7 +41,7 @@ def test_every_cli_flag_is_a_config_field():
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     dests = {a.dest for a in serve._actions if a.dest not in ("help", argparse.SUPPRESS)}
-    assert dests == set(ServeConfig.model_fields) - {"checksums", "api_key"}  # a key never on a command line
+    assert dests == set(ServeConfig.model_fields) - {"api_key"}  # a key never on a command line
     defaults = serve.parse_args(["pkg"])
     assert set(vars(defaults)) == {"package", "nproc"}  # nothing else defaulted outside ServeConfig
 

@@ -68,6 +68,20 @@ class ServeConfig(BaseModel):
     replica_budget: float = Field(0.25, ge=0)  # replicas a rank may hold, a fraction of its own expert memory
     resident_experts: float = Field(1.0, gt=0, le=1)  # fraction of a rank's experts in memory (the rest mapped)
     checksums: bool = True  # verify every file's sha256 before loading
+    # the CPU kernels (export/serve/kernels/), what /health reports under "kernels": who runs a served model's linears
+    # (kernel: our few-row kernel, oneDNN past it; onednn: oneDNN at every row count; aten: every layer as it is,
+    # PyTorch's F.linear); greedy rows through the output layer's int8 screen (the same tokens, fewer bytes read); the
+    # large weights moved into a file mapping (2 MB pages); the data-parallel ranks' sums through the kernel's
+    # shared-memory reduce, which waits without spinning; the kernel's weight prefetch hint (auto: by CPU vendor); a
+    # packed forward's rows of up to this many new tokens attending in the kernel (longer ones in SDPA); glibc malloc
+    # tuned for many large short-lived tensors
+    cpu_linears: Literal["kernel", "onednn", "aten"] = "kernel"
+    head_screen: bool = True
+    map_weights: bool = True
+    local_reduce: bool = True
+    prefetch: Literal["auto", "t0", "nta"] = "auto"
+    attention_kernel_rows: int = Field(128, ge=0)
+    malloc_tuning: bool = True
     smoke: str | None = None  # serve, send this one prompt over HTTP, print the answer, shut down
 
     @model_validator(mode="after")
