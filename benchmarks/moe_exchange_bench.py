@@ -14,7 +14,7 @@ benchmarks/moe_exchange_bench.py ...`). Each rank holds different tokens and hal
     (MAX over the ranks) and pads every expert to it, so each rank sends a [experts, capacity, C] tensor in an
     all-to-all, every expert runs over 2 x capacity rows (padding included), and the outputs come back the same way;
   * B, `export.serve.placement.exchange.PlacedMoE` with a native table: an all-gather of the per-expert counts, then
-    an all-to-all with variable splits (`pipeline.dist.all_to_all_`) of exactly the routed tokens, each expert once
+    an all-to-all with variable splits (`export/serve/transport.py` `all_to_all_`) of exactly the routed tokens, each expert once
     over what it received, and back.
 
 Both get the same weights (gate, experts, the residual MLP and its coefficient when the config is residual; the

@@ -318,12 +318,6 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 # there. Each helper builds its tensors on `on` (default: `device()`) and refuses a tensor elsewhere, so
 # a call that would fail at the first collective on a GPU fails the same way on this machine's tests.
 
-def _check_device(t: torch.Tensor, dev: torch.device, what: str) -> None:
-    if t.device != dev:
-        raise ValueError(f"{what}: a tensor on {t.device}, but the process group's device is {dev}; build "
-                         f"collective tensors with pipeline.dist.device()")
-
-
 def all_reduce_(t: torch.Tensor, group=None, on: torch.device | None = None) -> torch.Tensor:
     """Sum `t` over the ranks of `group` (all ranks by default), in place; `t` must be on the group's device
     (checked whenever a collective runs, and whenever `on` names the device: one rank needs no collective)."""
@@ -331,7 +325,7 @@ def all_reduce_(t: torch.Tensor, group=None, on: torch.device | None = None) -> 
 
     several = td.is_initialized() and td.get_world_size(group) > 1
     if several or on is not None:
-        _check_device(t, on or device(), "all_reduce_")
+        check_device(t, on or device(), "all_reduce_")
     if several:
         td.all_reduce(t, group=group)
     return t
@@ -357,200 +351,10 @@ def json_tensors(obj, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([data.numel()], dtype=torch.long, device=on), data
 
 
-BROADCAST_BYTES = 16384  # one broadcast carries a message of up to this many bytes (with its length); more: a second
-
-
-def broadcast_json(obj=None, on: torch.device | None = None):
-    """Rank 0's JSON-serialisable `obj` on every rank (the others pass None). Every rank on this machine: through a
-    named pipe from rank 0 to each other rank (`_Pipes`: ~30 us, where gloo's broadcast takes ~0.4 ms here). Else
-    one broadcast of BROADCAST_BYTES (an 8-byte length, then UTF-8 bytes), a second for the rest of a longer message,
-    through a gloo group of every rank (`init`), whatever the accelerator. Either way a rank waiting for the message
-    sleeps (no spinning). `on`: through the process group on that device instead. For control messages between our
-    own ranks (the serving plan); no pickle involved.
-    """
-    import json
-
-    import torch.distributed as td
-
-    if not td.is_initialized() or td.get_world_size() == 1:
-        return obj
-    if on is None and _LOCAL_WORLD == td.get_world_size():
-        return _pipes().broadcast(obj)
-    group = _CONTROL if on is None else None
-    dev = torch.device("cpu") if group is not None else on or device()
-    head = torch.zeros(BROADCAST_BYTES, dtype=torch.uint8, device=dev)
-    if td.get_rank() == 0:
-        data = json.dumps(obj).encode()
-        size = len(data)
-        head[:8] = torch.frombuffer(bytearray(size.to_bytes(8, "little")), dtype=torch.uint8)
-        first = data[:BROADCAST_BYTES - 8]
-        if first:
-            head[8:8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-    td.broadcast(head, src=0, group=group)
-    head = head.cpu()
-    size = int.from_bytes(bytes(head[:8].numpy()), "little")
-    payload = bytes(head[8:8 + min(size, BROADCAST_BYTES - 8)].numpy())
-    if size > BROADCAST_BYTES - 8:
-        rest = torch.zeros(size - (BROADCAST_BYTES - 8), dtype=torch.uint8, device=dev)
-        if td.get_rank() == 0:
-            rest.copy_(torch.frombuffer(bytearray(data[BROADCAST_BYTES - 8:]), dtype=torch.uint8))
-        td.broadcast(rest, src=0, group=group)
-        payload += bytes(rest.cpu().numpy())
-    return json.loads(payload.decode())
-
-
-class _Pipes:
-    """Rank 0's messages to the other ranks of this machine: a named pipe (FIFO, in /dev/shm, named by the group's
-    rendezvous address and port) to each, opened at the first message (an open waits for the other end), unlinked
-    once both ends hold it. A message is an 8-byte length, then its UTF-8 JSON. A reader whose writer is gone (rank 0
-    died) gets end-of-file: an error, where gloo would have timed out."""
-
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-        self.fds: dict[int, int] = {}
-
-    @staticmethod
-    def path(rank: int) -> Path:
-        return Path("/dev/shm") / (f"moe_pipeline_msgs_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-                                   f"{os.environ.get('MASTER_PORT', '')}_{rank}")
-
-    def _open(self, rank: int, flags: int) -> int:
-        import stat
-
-        path = self.path(rank)
-        try:
-            os.mkfifo(path, 0o600)
-        except FileExistsError:
-            if not stat.S_ISFIFO(path.stat().st_mode):  # not ours to read: refuse rather than read a stranger's file
-                raise RuntimeError(f"{path} exists and is not a named pipe; remove it") from None
-        return os.open(path, flags)
-
-    def broadcast(self, obj):
-        import json
-
-        if self.rank == 0:
-            data = json.dumps(obj).encode()
-            message = len(data).to_bytes(8, "little") + data
-            for r in range(1, self.world):
-                if r not in self.fds:
-                    self.fds[r] = self._open(r, os.O_WRONLY)  # returns once rank r has it open too
-                    self.path(r).unlink(missing_ok=True)
-                view = memoryview(message)
-                while view:
-                    view = view[os.write(self.fds[r], view):]
-            return obj
-        if self.rank not in self.fds:
-            self.fds[self.rank] = self._open(self.rank, os.O_RDONLY)
-        size = int.from_bytes(self._read(8), "little")
-        return json.loads(self._read(size).decode())
-
-    def _read(self, n: int) -> bytes:
-        chunks, left = [], n
-        while left:
-            chunk = os.read(self.fds[self.rank], min(left, 1 << 20))
-            if not chunk:
-                raise RuntimeError(f"rank {self.rank}: rank 0 closed its messages (it has exited)")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
-
-_PIPES: _Pipes | None = None
-
-
-def _pipes() -> _Pipes:
-    import torch.distributed as td
-
-    global _PIPES
-    if _PIPES is None:
-        _PIPES = _Pipes(td.get_rank(), td.get_world_size())
-    return _PIPES
-
-
-FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the types DeepSpeed's shared-memory kernel reduces
-
-_LOCAL_REDUCE = None  # `use_local_reduce`'s sum, or None (DeepSpeed's kernel)
-_LOCAL_GATHER = None  # `use_local_reduce`'s gather, or None (`gather_json` through two sums)
-
-
-def use_local_reduce(fn, gather=None) -> None:
-    """`fast_all_reduce_` between the ranks of this machine through `fn(t)` (t summed in place) instead of DeepSpeed's
-    shared-memory kernel, or through DeepSpeed's again with None. Every rank alike, between collectives. The serving
-    runtime's sum waits without holding a core (export/serve/linears.py `attach_local_reduce`). `gather(bytes)`:
-    (every rank's length, every rank's bytes, empty where they did not fit), for `gather_json` in one wait."""
-    global _LOCAL_REDUCE, _LOCAL_GATHER
-    _LOCAL_REDUCE, _LOCAL_GATHER = fn, gather if fn is not None else None
-
-
-def region_prefix() -> str:
-    """How the /dev/shm files of `shared_region` start for this user and this launch (its rendezvous address and
-    port); rank 0's pid ends each name."""
-    return f"moe_pipeline_region_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_"
-
-
-def shared_region(nbytes: int) -> torch.Tensor:
-    """A region of `nbytes` bytes of zeros every rank of this machine maps (uint8, MAP_SHARED): rank 0 makes a file in
-    /dev/shm (named by the group's rendezvous address and port), the others map it once its name reaches them, and it
-    is unlinked once every rank holds it, before any rank returns. Collective; every rank on this machine."""
-    import torch.distributed as td
-
-    path = Path("/dev/shm") / f"{region_prefix()}{os.getpid()}"
-    if td.get_rank() == 0:
-        tmp = path.with_name(path.name + ".partial")
-        with open(tmp, "wb") as f:
-            f.truncate(nbytes)  # zeros
-        tmp.rename(path)
-    name = broadcast_json(str(path) if td.get_rank() == 0 else None)
-    region = torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8)
-    gather_numbers([1.0])  # every rank holds it
-    if td.get_rank() == 0:
-        Path(name).unlink(missing_ok=True)
-    gather_numbers([1.0])  # and no rank returns before it is gone (nothing is left behind if a rank dies later)
-    return region
-
-
-def fast_all_reduce_(t: torch.Tensor) -> torch.Tensor:
-    """Sum `t` over all ranks in place with DeepSpeed's low-latency inference all-reduce: through shared memory
-    between the ranks of one machine on its CPU accelerator (microseconds, where gloo takes ~0.3-1 ms here), the
-    process group's all-reduce otherwise (NCCL on GPUs). For the serving ranks' per-step data, while every rank
-    is inside the step: the shared-memory kernel waits by spinning, so an idle rank must wait in gloo instead
-    (`broadcast_json`). `t` on the group's device, float32/bf16/fp16 (the kernel's types)."""
-    import torch.distributed as td
-
-    if not td.is_initialized() or td.get_world_size() == 1:
-        return t
-    _check_device(t, device(), "fast_all_reduce_")
-    if t.dtype not in FAST_DTYPES:  # the shared-memory kernel would leave other types unreduced
-        raise ValueError(f"fast_all_reduce_: {t.dtype}; use float32, bfloat16 or float16 (or all_reduce_)")
-    if os.environ.get("LOCAL_SIZE") != str(td.get_world_size()):  # what DeepSpeed's kernel checks
-        td.all_reduce(t)  # ranks on several machines: no shared memory between them
-        return t
-    if _LOCAL_REDUCE is not None:
-        _LOCAL_REDUCE(t)
-        return t
-    import deepspeed.comm as dc
-
-    dc.inference_all_reduce(t)
-    return t
-
-
-def gather_rows(values: list[float], on: torch.device | None = None) -> list[list[float]]:
-    """Every rank's `values` (the same count on each) through one `fast_all_reduce_` of a [ranks, n] float32 table
-    (each rank fills its row): exact for integers below 2^24. In-step data of the serving ranks."""
-    import torch.distributed as td
-
-    if not td.is_initialized() or td.get_world_size() == 1:
-        return [list(values)]
-    table = torch.zeros(td.get_world_size(), len(values), dtype=torch.float32, device=on or device())
-    table[td.get_rank()] = torch.tensor(values, dtype=torch.float32, device=table.device)
-    return fast_all_reduce_(table).tolist()
-
-
 def gather_json(obj, on: torch.device | None = None) -> list:
-    """Every rank's JSON-serialisable `obj`, in rank order, on every rank (no pickle): the UTF-8 bytes through the
-    serving runtime's shared-memory gather where it is attached (`use_local_reduce`: one wait, where two sums took
-    ~0.3 ms a step of 2 ranks here), else the sizes, then the bytes (one float32 per byte, padded to the longest)
-    through `fast_all_reduce_`. For the serving ranks' per-step results."""
+    """Every rank's JSON-serialisable `obj`, in rank order, on every rank (no pickle): the sizes, then the UTF-8 bytes
+    (one float32 per byte, padded to the longest) in two sums of the process group. For a stage's occasional
+    exchanges (the serving ranks' per-step ones: export/serve/transport.py)."""
     import json
 
     import torch.distributed as td
@@ -559,51 +363,27 @@ def gather_json(obj, on: torch.device | None = None) -> list:
         return [obj]
     dev = on or device()
     data = json.dumps(obj).encode()
-    if _LOCAL_GATHER is not None and dev.type == "cpu":  # one wait for the other ranks, no sums
-        lengths, rows = _LOCAL_GATHER(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        if all(r.numel() == n for r, n in zip(rows, lengths)):  # every rank's fitted its slot (so says every rank)
-            return [json.loads(bytes(r.numpy()).decode()) for r in rows]
-    sizes = [int(n[0]) for n in gather_rows([len(data)], dev)]
+    sizes = [int(n[0]) for n in gather_numbers([len(data)], dev)]
     table = torch.zeros(len(sizes), max(sizes), dtype=torch.float32, device=dev)
     table[td.get_rank(), :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev, torch.float32)
-    rows = fast_all_reduce_(table).to("cpu", torch.uint8)
+    rows = all_reduce_(table).to("cpu", torch.uint8)
     return [json.loads(bytes(r[:n].numpy()).decode()) for r, n in zip(rows, sizes)]
 
 
-def shared_memory_reduce(dtype: torch.dtype | None = None) -> bool:
-    """Whether `fast_all_reduce_` goes through DeepSpeed's shared-memory kernel (its CPU accelerator, every rank on
-    this machine, the kernel built) rather than the process group; with `dtype`, for tensors of that type too
-    (DeepSpeed reduces bf16 and fp16 there only on a CPU with AVX-512BW, fp32 with AVX2: its `vector_kernel_level`)."""
-    import torch.distributed as td
-    from deepspeed.accelerator import get_accelerator
-
-    if not (get_accelerator().device_name() == "cpu" and td.is_initialized()
-            and os.environ.get("LOCAL_SIZE") == str(td.get_world_size())
-            and hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
-        return False
-    if dtype is None:
-        return True
-    import deepspeed.comm as dc
-
-    level = getattr(dc.comm.cdb, "shm_vector_kernel_level", 0)
-    return dtype in FAST_DTYPES and level >= (1 if dtype == torch.float32 else 2)
+def local_world() -> int:
+    """The ranks on this machine (`init`'s count; 1 before it)."""
+    return _LOCAL_WORLD or 1
 
 
-def all_to_all_(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group=None) -> torch.Tensor:
-    """DeepSpeed's `all_to_all_single` with variable splits: rows `inp[sum(in_splits[:r]):][:in_splits[r]]` go to
-    rank r, and `out` receives rank r's rows at `sum(out_splits[:r])`. Both tensors on the group's device
-    (checked). Alone: `out` is `inp`'s copy. The serving runtime's expert exchange (export/serve/placement/exchange.py)."""
-    import torch.distributed as td
+def control_group():
+    """`init`'s gloo group of every rank (None alone): control messages on the CPU, whatever the accelerator."""
+    return _CONTROL
 
-    _check_device(inp, device(), "all_to_all_")
-    _check_device(out, device(), "all_to_all_")
-    if not td.is_initialized() or td.get_world_size(group) == 1:
-        return out.copy_(inp)
-    import deepspeed.comm as dc
 
-    dc.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
-    return out
+def check_device(t: torch.Tensor, dev: torch.device, what: str) -> None:
+    if t.device != dev:
+        raise ValueError(f"{what}: a tensor on {t.device}, but the process group's device is {dev}; build "
+                         f"collective tensors with pipeline.dist.device()")
 
 
 def world_size() -> int:

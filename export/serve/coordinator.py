@@ -28,6 +28,7 @@ import dataclasses
 import threading
 import time
 from export.serve import ranks as rank_msgs
+from export.serve import transport
 from export.serve.request import Request
 from export.serve.scheduler import SCHED_STATS
 from export.serve.step import Books, Forward, Order, Orders, Row, RowResult, Step, Sync
@@ -250,8 +251,6 @@ class OwnRequests(Coordinator):
         as many forwards as the rank with the most has (this rank's rows; another rank's stand in by their token
         count; a rank with none joins with no rows); take this rank's results. None once no rank has a forward, a
         pending request or orders; else the tokens generated on this rank."""
-        from pipeline import dist
-
         e = self.engine
         plan, own = e.plan()
         mine = own.forwards
@@ -263,7 +262,7 @@ class OwnRequests(Coordinator):
                       sum(pool.used() for pool in e.scheduler.pools), plan.decode_rows,
                       *(e.scheduler.stats[key] for key in SCHED_STATS))
         sync = Sync([sum(len(row.tokens) for row in fwd.rows[0]) for fwd in mine], pending, books, orders, results)
-        table = [Sync.from_json(raw) for raw in dist.gather_json(sync.to_json())]
+        table = [Sync.from_json(raw) for raw in transport.gather_json(sync.to_json())]
         self.books = [s.books for s in table]
         self._heard(table)
         ping = table[0].orders is not None and table[0].orders.ping

@@ -28,7 +28,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from export.serve import linears
+from export.serve import linears, transport
 from pipeline.model import GPT, Output, rope_tables
 
 
@@ -265,7 +265,7 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
     def gathered(moe) -> bool:  # ranks of one machine in the shared-memory all-reduce: Exchange.run_gathered's layer
         ex = getattr(moe, "exchange", None)
         return (ex is not None and ex.ep > 1 and ex.transport == "all-reduce" and experts_held(moe, ex.ep)
-                and dist.shared_memory_reduce(dtype))
+                and transport.shared_memory_reduce(dtype))
 
     from pipeline import dist
 

@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from export.serve import transport
 from pipeline.quantize import (INT4_GROUP, dequantized, fits_int4, int8_rows, pack_int4, quantize_int4, quantize_int8,
                                unpack_int4)
 
@@ -195,8 +196,8 @@ REDUCE_SLOT_BYTES = 4 << 20  # a rank's slot in the shared region (two a rank): 
 
 
 def attach_local_reduce() -> bool:
-    """Between the ranks of one machine on the CPU accelerator (`dist.shared_memory_reduce`), the serving ranks' sums
-    (`dist.fast_all_reduce_`: the expert exchange, the step results; the decode kernel's gathered layers) through
+    """Between the ranks of one machine on the CPU accelerator (`transport.shared_memory_reduce`), the serving ranks' sums
+    (`transport.fast_all_reduce_`: the expert exchange, the step results; the decode kernel's gathered layers) through
     csrc/gemv.cpp `local_reduce_`, which waits for the other ranks without holding a core, instead of DeepSpeed's
     kernel, which spins. Collective (every rank, once, before the first forward); False where it does not apply
     (1 rank, several machines, no kernel here, or MOE_PIPELINE_LOCAL_REDUCE=0 on any rank: they agree first)."""
@@ -204,16 +205,16 @@ def attach_local_reduce() -> bool:
 
     from pipeline import dist
 
-    if not (td.is_initialized() and td.get_world_size() > 1 and dist.shared_memory_reduce()):
+    if not (td.is_initialized() and td.get_world_size() > 1 and transport.shared_memory_reduce()):
         return False
     k = kernel()
     wanted = os.environ.get(REDUCE_ENV, "1") != "0" and k is not None and hasattr(k, "local_reduce_")
     if not all(row[0] for row in dist.gather_numbers([float(wanted)])):
         return False
     world = td.get_world_size()
-    region = dist.shared_region(world * 64 + 2 * world * REDUCE_SLOT_BYTES)
+    region = transport.shared_region(world * 64 + 2 * world * REDUCE_SLOT_BYTES)
     k.local_reduce_attach(region, td.get_rank(), world, REDUCE_SLOT_BYTES)
-    dist.use_local_reduce(k.local_reduce_, getattr(k, "local_gather", None))
+    transport.use_local_reduce(k.local_reduce_, getattr(k, "local_gather", None))
     return True
 
 

@@ -10,7 +10,7 @@ dead rank within the collective's timeout. `Stop` ends `follow`. With each rank 
 (export/serve/coordinator.py `OwnRequests`) rank 0 sends `Wake` when work arrives for idle ranks: every rank then
 steps together, each step's orders, results and pings in its one gather (step.py `Sync`), until none has work.
 
-Messages travel as JSON (no pickle), tagged with their kind: `pipeline.dist.broadcast_json` (a named pipe to each
+Messages travel as JSON (no pickle), tagged with their kind: `export/serve/transport.py` `broadcast_json` (a named pipe to each
 rank of this machine, gloo between machines: a rank waiting for the next message sleeps), `gather_json`.
 """
 
@@ -20,6 +20,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
+from export.serve import transport
 from export.serve.step import RowResult, Step
 
 if TYPE_CHECKING:
@@ -65,21 +66,21 @@ def send(message: Message) -> None:
     from pipeline import dist
 
     if dist.world_size() > 1:
-        dist.broadcast_json(encode(message))
+        transport.broadcast_json(encode(message))
 
 
 def receive() -> Message:
     """Ranks > 0: the next message rank 0 sends."""
     from pipeline import dist
 
-    return decode(dist.broadcast_json(None))
+    return decode(transport.broadcast_json(None))
 
 
 def gather_results(mine: list[RowResult]) -> list[list[RowResult]]:
     """Collective: every rank's results of a step (export/serve/worker.py `Worker.execute`), in rank order."""
     from pipeline import dist
 
-    return [[RowResult.from_json(r) for r in rows] for rows in dist.gather_json([r.to_json() for r in mine])]
+    return [[RowResult.from_json(r) for r in rows] for rows in transport.gather_json([r.to_json() for r in mine])]
 
 
 # -- status ------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ Where each data-parallel rank schedules its own requests (export/serve/coordinat
 the ranks: each step every rank gives one `Sync` to a small gather (its forwards' sizes, its `Books`, and rank 0's
 `Orders` to the others or another rank's results for rank 0's stand-ins of its requests).
 
-Everything here is plain data: no torch, JSON both ways (`pipeline.dist.broadcast_json`, `gather_json`; no pickle
+Everything here is plain data: no torch, JSON both ways (`export/serve/transport.py` `broadcast_json`, `gather_json`; no pickle
 between processes), each type with one `to_json` / `from_json`.
 """
 

@@ -1,9 +1,11 @@
-"""Worker for tests/test_dist.py: pipeline/dist.py's collective helpers on the launcher's ranks.
+"""Worker for tests/test_dist.py: pipeline/dist.py's and the serving transport's (export/serve/transport.py) collective
+helpers on the launcher's ranks.
 
     deepspeed --num_gpus 2 tests/workers/dist_helpers.py OUT.json
 
 Each rank checks what it received and rank 0 writes every check's outcome: broadcast_json (a small
-message and one past BROADCAST_BYTES, through the named pipes and through gloo), gather_json of different sizes, gather_rows, the
+message and one past BROADCAST_BYTES, through the named pipes and through gloo), gather_json of different sizes (the
+stages' and the serving transport's), gather_rows, the
 low-latency all-reduce (fp32, bf16; float64 refused), all_to_all_ with uneven and empty splits, and the serving
 runtime's own shared-memory sum (export/serve/linears.py `attach_local_reduce`) against DeepSpeed's, and gather_json
 through its slots.
@@ -15,26 +17,28 @@ from pathlib import Path
 
 import torch
 
+from export.serve import transport
 from pipeline import dist
 
 ranks = dist.init()
 r, w = ranks.rank, ranks.world
 checks = {}
 small = {"step": [1, 2, 3], "text": "é"}
-checks["broadcast_small"] = dist.broadcast_json(small if r == 0 else None) == small
+checks["broadcast_small"] = transport.broadcast_json(small if r == 0 else None) == small
 big = {"rows": list(range(6000))}  # ~30 KB of JSON: two broadcasts
-checks["broadcast_big"] = dist.broadcast_json(big if r == 0 else None) == big
+checks["broadcast_big"] = transport.broadcast_json(big if r == 0 else None) == big
 cpu = torch.device("cpu")  # through the process group (gloo), as between machines
-checks["broadcast_small_gloo"] = dist.broadcast_json(small if r == 0 else None, on=cpu) == small
-checks["broadcast_big_gloo"] = dist.broadcast_json(big if r == 0 else None, on=cpu) == big
+checks["broadcast_small_gloo"] = transport.broadcast_json(small if r == 0 else None, on=cpu) == small
+checks["broadcast_big_gloo"] = transport.broadcast_json(big if r == 0 else None, on=cpu) == big
 mine = {"rank": r, "tokens": list(range(r * 500))}
-checks["gather_json"] = dist.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
-checks["gather_rows"] = dist.gather_rows([r, 7, 2 ** 20 + r]) == [[i, 7, 2 ** 20 + i] for i in range(w)]
+checks["gather_json_stage"] = dist.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
+checks["gather_json"] = transport.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
+checks["gather_rows"] = transport.gather_rows([r, 7, 2 ** 20 + r]) == [[i, 7, 2 ** 20 + i] for i in range(w)]
 for dtype in (torch.float32, torch.bfloat16):
     t = torch.full((33, 5), float(r + 1), dtype=dtype)
-    checks[f"fast_all_reduce_{dtype}"] = bool((dist.fast_all_reduce_(t) == w * (w + 1) / 2).all())
+    checks[f"fast_all_reduce_{dtype}"] = bool((transport.fast_all_reduce_(t) == w * (w + 1) / 2).all())
 try:
-    dist.fast_all_reduce_(torch.zeros(3, dtype=torch.float64))
+    transport.fast_all_reduce_(torch.zeros(3, dtype=torch.float64))
     checks["float64_refused"] = False
 except ValueError:
     checks["float64_refused"] = True
@@ -43,16 +47,16 @@ send = [0 if (r == 0 and d == 1) else r + 1 + d for d in range(w)]
 recv = [0 if (s == 0 and r == 1) else s + 1 + r for s in range(w)]
 x = torch.cat([torch.full((n, 4), float(10 * r + d)) for d, n in enumerate(send)])
 y = torch.empty(sum(recv), 4)
-dist.all_to_all_(y, x, recv, send)
+transport.all_to_all_(y, x, recv, send)
 want = torch.cat([torch.full((n, 4), float(10 * s + r)) for s, n in enumerate(recv)])
 checks["all_to_all_uneven"] = bool(torch.equal(y, want))
 empty = torch.empty(0, 4)
-dist.all_to_all_(torch.empty(0, 4), empty, [0] * w, [0] * w)
+transport.all_to_all_(torch.empty(0, 4), empty, [0] * w, [0] * w)
 checks["all_to_all_empty"] = True
-checks["shared_memory"] = dist.shared_memory_reduce()
-checks["shared_memory_fp32"] = dist.shared_memory_reduce(torch.float32)
-checks["shared_memory_float64_never"] = not dist.shared_memory_reduce(torch.float64)
-checks["pipes_unlinked"] = not any(dist._Pipes.path(i).exists() for i in range(w))
+checks["shared_memory"] = transport.shared_memory_reduce()
+checks["shared_memory_fp32"] = transport.shared_memory_reduce(torch.float32)
+checks["shared_memory_float64_never"] = not transport.shared_memory_reduce(torch.float64)
+checks["pipes_unlinked"] = not any(transport._Pipes.path(i).exists() for i in range(w))
 # the serving runtime's sum that waits without spinning (csrc/gemv.cpp `local_reduce_`), against DeepSpeed's kernel:
 # the same bits (2 ranks: one addition, either order); a tensor of several slots; a late rank; the gather through it
 import time  # noqa: E402
@@ -61,29 +65,29 @@ from export.serve import linears  # noqa: E402
 
 torch.manual_seed(r)
 samples = [torch.randn(33, 7), torch.randn(4, 1000).bfloat16(), torch.randn(3 * linears.REDUCE_SLOT_BYTES // 4 // 2 + 5)]
-by_deepspeed = [dist.fast_all_reduce_(t.clone()) for t in samples]
+by_deepspeed = [transport.fast_all_reduce_(t.clone()) for t in samples]
 checks["local_reduce_attached"] = linears.attach_local_reduce()
-checks["local_reduce_region_unlinked"] = not any(p.name.startswith(dist.region_prefix())  # this launch's only
+checks["local_reduce_region_unlinked"] = not any(p.name.startswith(transport.region_prefix())  # this launch's only
                                                  for p in Path("/dev/shm").iterdir())
 for i, (t, want) in enumerate(zip(samples, by_deepspeed)):
-    checks[f"local_reduce_as_deepspeed_{i}"] = bool(torch.equal(dist.fast_all_reduce_(t.clone()), want))
+    checks[f"local_reduce_as_deepspeed_{i}"] = bool(torch.equal(transport.fast_all_reduce_(t.clone()), want))
 if r == 1:
     time.sleep(0.3)  # rank 0 waits past its spin, yielding
 t0 = time.perf_counter()
-late = dist.fast_all_reduce_(torch.full((5,), float(r + 1)))
+late = transport.fast_all_reduce_(torch.full((5,), float(r + 1)))
 checks["local_reduce_waits_for_a_late_rank"] = bool((late == w * (w + 1) / 2).all()) and (
     r == 1 or time.perf_counter() - t0 > 0.2)
-checks["gather_json_local"] = dist.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
+checks["gather_json_local"] = transport.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
 # one wait through the slots (csrc/gemv.cpp `local_gather`); a message past its slot on one rank: every rank takes
 # the sums' path for that gather, and the calls after it still pair up
-checks["gather_json_local_one_wait"] = dist._LOCAL_GATHER is not None
+checks["gather_json_local_one_wait"] = transport._LOCAL_GATHER is not None
 long = {"rank": r, "pad": "x" * (linears.REDUCE_SLOT_BYTES if r == 1 else 3)}
-checks["gather_json_local_past_a_slot"] = dist.gather_json(long) == [
+checks["gather_json_local_past_a_slot"] = transport.gather_json(long) == [
     {"rank": i, "pad": "x" * (linears.REDUCE_SLOT_BYTES if i == 1 else 3)} for i in range(w)]
-checks["gather_json_local_after"] = dist.gather_json([r]) == [[i] for i in range(w)] and bool(
-    (dist.fast_all_reduce_(torch.full((3,), float(r + 1))) == w * (w + 1) / 2).all())
-dist.use_local_reduce(None)
-everyone = dist.gather_json(checks)
+checks["gather_json_local_after"] = transport.gather_json([r]) == [[i] for i in range(w)] and bool(
+    (transport.fast_all_reduce_(torch.full((3,), float(r + 1))) == w * (w + 1) / 2).all())
+transport.use_local_reduce(None)
+everyone = transport.gather_json(checks)
 if r == 0:
     with open(sys.argv[1], "w") as fh:
         json.dump(everyone, fh)

@@ -8,7 +8,7 @@ the MoE layer that uses it (`PlacedMoE`), and the model built of those layers (`
 
 On the data-parallel serving path (export/serve/engine.py: no tensor or expert slicing) the MoE
 layers run `PlacedMoE`. Each rank routes its own tokens, and the ranks exchange them in an
-all-to-all with variable splits (`pipeline.dist.all_to_all_`, DeepSpeed's comm; no capacity
+all-to-all with variable splits (export/serve/transport.py `all_to_all_`, DeepSpeed's comm; no capacity
 padding): first one all-gather of every rank's tokens per expert, from which every rank computes
 the same send and receive sizes (`algo.route_pairs`: each expert's tokens water-filled over its
 holders in the replica table in force), then the tokens go to the ranks holding their experts, each
@@ -39,6 +39,7 @@ from export.serve import linears
 from export.serve.linears import linear, serving_linears
 from export.serve.placement.algo import balancedness, native_table, route_pairs
 from export.serve.placement.residency import ExpertStore, Residency, ResidencyStats
+from export.serve.transport import all_to_all_, fast_all_reduce_, gather_rows, shared_memory_reduce
 from pipeline.model import GPT, MLP, Gate, ModelConfig, add_shared, mix_residual, mlp_activation, router_logits
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ class Exchange:
         from pipeline import dist
 
         t0 = self.seconds.mark()
-        gather = dist.gather_rows if self.transport == "all-reduce" else dist.gather_numbers
+        gather = gather_rows if self.transport == "all-reduce" else dist.gather_numbers
         counts = [[int(c) for c in row] for row in gather(per_expert)]  # [rank][expert]
         self.seconds.add("exchange", t0, self.seconds.mark())
         send = route_pairs(counts, self.table[layer], world)  # [src][dst][expert] pairs
@@ -235,14 +236,14 @@ class Exchange:
         off = sum(self.tokens[:me])
         every = xs.new_zeros(sum(self.tokens), C)
         every[off:off + S] = xs
-        dist.fast_all_reduce_(every)
+        fast_all_reduce_(every)
         t1 = self.seconds.mark()
         mix, experts, counts = linears.route(every, wg, top_k, renormalize)
         mine, loads = self._my_pairs(layer, experts, counts.tolist())
         pairs = linears.expert_pairs(every, mine, mix, lambda e: self.residency.weights(layer, e),
                                      self.cfg.activation == "swiglu")
         t2 = self.seconds.mark()
-        dist.fast_all_reduce_(pairs)
+        fast_all_reduce_(pairs)
         t3 = self.seconds.mark()
         out = linears.combine_pairs(pairs[off:off + S], mix[off:off + S])
         self.meter.observe(layer, loads)
@@ -346,12 +347,12 @@ class Exchange:
         out_splits = [sum(send[s][me]) for s in range(world)]
         got = xs.new_empty(sum(out_splits), xs.shape[1])
         t0 = self.seconds.mark()
-        dist.all_to_all_(got, xs[order].contiguous(), out_splits, in_splits)
+        all_to_all_(got, xs[order].contiguous(), out_splits, in_splits)
         t1 = self.seconds.mark()
         done = self._run_experts(layer, got, sizes)
         back = xs.new_empty(len(order), xs.shape[1])
         t2 = self.seconds.mark()
-        dist.all_to_all_(back, done, in_splits, out_splits)
+        all_to_all_(back, done, in_splits, out_splits)
         self.seconds.add("exchange", t0, t1)
         self.seconds.add("exchange", t2, self.seconds.mark())
         y = torch.empty_like(xs)
@@ -373,7 +374,7 @@ class Exchange:
         table = xs.new_zeros(sum(sent), xs.shape[1])
         table[start[me]:start[me] + sent[me]] = xs[order]
         t0 = self.seconds.mark()
-        dist.fast_all_reduce_(table)
+        fast_all_reduce_(table)
         t1 = self.seconds.mark()
         got = torch.cat([table[mine[s]:mine[s] + n_in[s]] for s in range(world)])
         done = self._run_experts(layer, got, sizes)
@@ -383,7 +384,7 @@ class Exchange:
             back[mine[s]:mine[s] + n_in[s]] = done[pos:pos + n_in[s]]
             pos += n_in[s]
         t2 = self.seconds.mark()
-        dist.fast_all_reduce_(back)
+        fast_all_reduce_(back)
         self.seconds.add("exchange", t0, t1)
         self.seconds.add("exchange", t2, self.seconds.mark())
         y = torch.empty_like(xs)
@@ -564,7 +565,7 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
             raise ValueError(f"--placement on {ranks.world} ranks: every MoE layer's experts {list(cfg.experts)} must "
                              f"divide evenly; choose --nproc accordingly")
     if transport == "auto":
-        transport = "all-reduce" if ranks.world > 1 and dist.shared_memory_reduce() else "all-to-all"
+        transport = "all-reduce" if ranks.world > 1 and shared_memory_reduce() else "all-to-all"
     if quantize is not None and dist.device().type != "cpu":
         raise ValueError(f"--quantize {quantize}: the int8 kernels are the CPU's (csrc/gemv.cpp); on a GPU serve the "
                          f"package's dtype, or its --format hf export in vLLM")
