@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from export.serve import linears
+from export.serve import kernels
 from export.serve import ranks as rank_msgs
 from export.serve.config import ServeConfig
 from export.serve.kv_cache import block_bytes, free_memory, pool_blocks, served_kv
@@ -219,7 +219,7 @@ class Engine:
                      local_ranks=ranks.local_world if ranks is not None else 1)
         # the data-parallel ranks' sums (expert exchange, step results) wait without spinning where they share a machine
         if self.dp > 1:
-            linears.attach_local_reduce()
+            kernels.attach_local_reduce()
         if world > 1:  # every rank's pool alike: the scheduler hands out the same block ids on each
             from pipeline import dist
 
@@ -229,7 +229,7 @@ class Engine:
         self.max_model_len = kv.max_model_len
         # the weights into a file mapping (2 MB pages where anonymous memory gets 4 KB ones), before any kernel holds
         # them; on the CPU
-        self.mapped_bytes = linears.map_weights(model, exchange) if device.type == "cpu" else 0
+        self.mapped_bytes = kernels.map_weights(model, exchange) if device.type == "cpu" else 0
         self.worker = Worker(model, kv.blocks, kv.block_size, rank if self.dp > 1 else 0, single=world == 1,
                              exchange=exchange, tokenizer=tokenizer)
         self.device = self.worker.device
@@ -277,7 +277,7 @@ class Engine:
                                  f"--quantize, or serve a package exported without it")
             quantize, quantize_head = (quantize or stored["scheme"], quantize_head or stored["head"]) if dp \
                 else (None, False)  # an int8 package under --quantize w8a8: its weights, int8 inputs
-        if quantize == "w8a8" and not hasattr(linears.kernel(), "w8a8_linear"):
+        if quantize == "w8a8" and not hasattr(kernels.kernel(), "w8a8_linear"):
             raise ValueError("--quantize w8a8: its int8 x int8 kernels need a CPU with AVX512_VNNI (and the GEMV "
                              "kernel built); serve --quantize int8 (weight-only) instead")
         if not dp and config.quantize is not None and stored is None:
