@@ -20,7 +20,7 @@ read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches),
       dense MLPs, each MoE layer's gate + residual MLP + coefficient + top_k experts, the norms, the lm_head (the
       tied embedding: all of it), the embedding rows. The KV cache a step reads is shown beside (not in the bound).
       The bound counts the head in its stored dtype. Greedy steps read it through its int8 screen
-      (export/serve/linears.py `HeadScreen`: 1 byte a weight plus a few exact rows); the table also shows the bytes
+      (export/serve/kernels/heads.py `HeadScreen`: 1 byte a weight plus a few exact rows); the table also shows the bytes
       read that way and the ratio on them.
 
 bound = bandwidth / active bytes; ratio = decode tok/s (best run) / bound (also shown against the mv bandwidth);
@@ -206,7 +206,7 @@ def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
 
 # -- (d) the same engine on the other linears ---------------------------------------------------------------------
 
-# variant -> MOE_PIPELINE_CPU_LINEARS (export/serve/linears.py): the engine as it serves (the few-row GEMV kernel,
+# variant -> MOE_PIPELINE_CPU_LINEARS (export/serve/kernels): the engine as it serves (the few-row GEMV kernel,
 # oneDNN for more rows), oneDNN for every row count, and every layer left to F.linear (MKL on this torch build)
 BACKENDS = {"engine": "1", "onednn": "onednn", "F.linear": "0"}
 
@@ -236,7 +236,7 @@ def measure(pkg: Path, threads: int, new_tokens: int, repeats: int, buffer_gib: 
     engine at a time). The bandwidth is sampled before every decode run and after the last (best of 2 each, the
     engine's memory held), and the best sample is the bound's: decode and bandwidth both best-of over the same
     stretch of time."""
-    from export.serve.linears import ENV
+    from export.serve.kernels import ENV
 
     samples, variants = [], {}
 
@@ -253,7 +253,7 @@ def measure(pkg: Path, threads: int, new_tokens: int, repeats: int, buffer_gib: 
             act = active_bytes(engine.model.cfg, dtype)
             kv = kv_bytes_per_token(engine.model.cfg, dtype, len(prompt) + new_tokens / 2)
             v = timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}, {name}", sample)
-            # the greedy head read through its int8 screen (export/serve/linears.py `HeadScreen`): 1 byte a weight
+            # the greedy head read through its int8 screen (export/serve/kernels/heads.py `HeadScreen`): 1 byte a weight
             screened = getattr(engine.model.lm_head, "screen", None) is not None
             head_read = act["lm_head"] / dtype.itemsize if screened else act["lm_head"]
             v["head_screen"], v["head_read_bytes"] = screened, head_read

@@ -69,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "head_screen")
     args = p.parse_args(argv)
 
-    from export.serve import linears
-    from export.serve.linears import HeadScreen, ServingWeight
+    from export.serve import kernels
+    from export.serve.kernels import HeadScreen, ServingWeight
 
-    k = linears.kernel()
+    k = kernels.kernel()
     if k is None or not hasattr(k, "screen_argmax"):
         raise SystemExit("no GEMV kernel on this machine: nothing to compare")
     cpu = cpu_info()
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
         x += w[torch.randint(0, O, (M,))].float() * 20  # peaked logits
         x = x.to(torch.bfloat16).contiguous()
-        want = linears.argmax_rows(torch.cat([k.linear(x[i:i + 8], w, None) for i in range(0, M, 8)]))
-        ways = {"whole": lambda: linears.argmax_rows(served.linear(x))}
+        want = kernels.argmax_rows(torch.cat([k.linear(x[i:i + 8], w, None) for i in range(0, M, 8)]))
+        ways = {"whole": lambda: kernels.argmax_rows(served.linear(x))}
         if M <= k.MAX_ROWS:
             ways["bf16 x int8"] = lambda: k.screen_argmax(x, w, q, screen.scale, screen.err, O)
         if vnni and M <= k.VNNI_MAX_ROWS:

@@ -6,7 +6,7 @@
 
 One run, side by side: for each weight shape (the output layer 50,304 x 1024, the fused q/k/v 1536 x 1024, the
 attention output 1024 x 1024, an expert's fused gate/up 1536 x 1024 and down 1024 x 768) and row count, csrc/gemv.cpp
-`linear` on a bf16 weight against `int8_linear` on the same weight quantised by export/serve/linears.py
+`linear` on a bf16 weight against `int8_linear` on the same weight quantised by export/serve/kernels
 `quantize_int8` (one scale per output row), and `int4_linear` on it quantised by pipeline/quantize.py `quantize_int4`
 (a scale per 128 inputs of a row, two values a byte), bf16 inputs. Each call reads a weight not in the caches (copies of it
 past 256 MB taken in turn), as a decode step reads its layers. More than 8 rows: `linear` 8 rows at a time, as
@@ -63,7 +63,8 @@ def timed(fn, repeats: int, inner: int = 20) -> float:
 def run(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int, cold_bytes: float) -> list[dict]:
     import torch
 
-    from export.serve.linears import kernel, quantize_int8
+    from export.serve.kernels import kernel
+    from pipeline.quantize import quantize_int8
     from pipeline.quantize import INT4_GROUP, pack_int4, quantize_int4
 
     gemv = kernel()
@@ -109,7 +110,7 @@ def run_experts(experts: int, top_k: int, hidden: int, width: int, tokens: list[
     routed layers do); cold weights as `run`."""
     import torch
 
-    from export.serve.linears import Int8Weight, expert_mlps
+    from export.serve.kernels import Int8Weight, expert_mlps
 
     torch.manual_seed(0)
     one = 3 * hidden * width * 2  # an expert's bf16 bytes
@@ -186,7 +187,7 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int, bandwidth_gib
     from decode_bandwidth import decode_run
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine
-    from export.serve.linears import SCREEN_ENV, kernel
+    from export.serve.kernels import SCREEN_ENV, kernel
 
     engines, read = {}, {}
     w8a8 = (("w8a8", "w8a8", False),) if hasattr(kernel(), "w8a8_linear") else ()  # AVX512_VNNI builds

@@ -59,11 +59,11 @@ def score(pkg: Path, val, micro: int, w8a8: bool = False) -> tuple[float, "torch
 
 def int8_inputs_(model) -> int:
     """Every linear layer an int8 package stores quantised (`weight_kinds`) computes, from here on, what a W8A8 linear
-    computes on its dequantised weight (export/serve/linears.py `w8a8_reference`: its input rounded to int8 steps, one
+    computes on its dequantised weight (export/serve/kernels/quantized.py `w8a8_reference`: its input rounded to int8 steps, one
     scale a row, F.linear in fp32); returns how many."""
     import functools
 
-    from export.serve.linears import w8a8_reference
+    from export.serve.kernels import w8a8_reference
     from pipeline.quantize import weight_kinds
 
     modules = dict(model.named_modules())

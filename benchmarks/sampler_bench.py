@@ -83,7 +83,7 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
 def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
     import torch
 
-    from export.serve import linears
+    from export.serve import kernels
     from export.serve.sampling import Sampler, sample_batch, sparse_logits
     from export.serve.step import Sampling
 
@@ -91,7 +91,7 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
     logits = (torch.randn(rows, vocab) * 3).bfloat16()
     hidden = torch.randn(rows, 1024).bfloat16()
     w = torch.randn(vocab, 1024).bfloat16() * 0.02
-    head = linears.ServingWeight(w, pack=True) if linears.serves(w) else w  # as the served head (ServingLinear)
+    head = kernels.ServingWeight(w, pack=True) if kernels.serves(w) else w  # as the served head (ServingLinear)
     fresh: dict[str, list] = {}
     for kind in ("sampled", "mixed"):
         made = [Sampler.of(s, vocab) for s in settings(kind, rows)]
@@ -106,17 +106,17 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
     for s in topk:
         for t in range(128):
             s.took(t * 389 % vocab)
-    screen = linears.HeadScreen.of(head, None) if isinstance(head, linears.ServingWeight) else None
+    screen = kernels.HeadScreen.of(head, None) if isinstance(head, kernels.ServingWeight) else None
 
     def whole_topk():
-        return sample_batch(topk, linears.linear(hidden, head))
+        return sample_batch(topk, kernels.linear(hidden, head))
 
     def screen_topk():
         got = screen.topk(hidden, [40] * rows, [s.edited(None) for s in topk])
         return whole_topk() if got is None else sample_batch(topk, sparse_logits(*got, vocab))
 
     calls = {
-        "head read": lambda: linears.linear(hidden, head),
+        "head read": lambda: kernels.linear(hidden, head),
         "per-row sampled": lambda: per_row_sampler(logits, 0.8, 0.95, gens),
         "reference sampled": lambda: sample_batch(fresh["sampled"], logits, fast=False),
         "kernel sampled": lambda: sample_batch(fresh["sampled"], logits),

@@ -128,7 +128,7 @@ def fits_int4(inputs: int, group: int = INT4_GROUP) -> bool:
 
 def weight_kinds(model: nn.Module, scheme: str, head: bool = False, group: int = INT4_GROUP) -> dict[str, str]:
     """{parameter name ("....weight"): "int8" or "int4"} of every weight a `scheme` package holds quantised, as the
-    serving runtime quantises them (export/serve/linears.py `quantized_weights`): int4 where its rows fit the groups,
+    serving runtime quantises them (export/serve/kernels/quantized.py `quantized_weights`): int4 where its rows fit the groups,
     else int8, and an expert's fc1 and fc2 of one kind (the expert kernels take one kind a layer). The output layer
     only with `head`, and never when it is the (tied) embedding."""
     named(scheme, among=STORED)

@@ -80,9 +80,9 @@ def test_head_screen_times_the_screens_against_the_whole_layer(tmp_path):
     against the few-row kernel's (the script stops otherwise), candidates counted, the JSON and the plot written."""
     import head_screen
 
-    from export.serve import linears
+    from export.serve import kernels
 
-    if linears.kernel() is None:
+    if kernels.kernel() is None:
         pytest.skip("no kernel on this machine")
     assert head_screen.main(["--random", "3000", "200", "--rows", "1", "9", "--repeats", "1", "--out",
                              str(tmp_path)]) == 0
@@ -90,7 +90,7 @@ def test_head_screen_times_the_screens_against_the_whole_layer(tmp_path):
     assert r["shape"] == [3000, 200] and [x["rows"] for x in r["results"]] == [1, 9]
     one, nine = r["results"]
     assert one["ms"]["whole"] > 0 and one["ms"]["bf16 x int8"] > 0 and one["candidates"]["bf16 x int8"] >= 1
-    vnni = hasattr(linears.kernel(), "screen_argmax_vnni")
+    vnni = hasattr(kernels.kernel(), "screen_argmax_vnni")
     assert ("int8 x int8" in nine["ms"]) == vnni and "bf16 x int8" not in nine["ms"]  # past its 8 rows
     assert (tmp_path / "head_screen.png").stat().st_size > 0
 
@@ -101,7 +101,7 @@ def test_int8_kernels_decodes_a_package_both_ways(tmp_path):
     import common
     from common import random_package
 
-    from export.serve.linears import kernel
+    from export.serve.kernels import kernel
 
     pkg = random_package(tmp_path / "pkg", layers=4, overrides=["model.hidden=128", "model.heads=4",
                                                                 "model.experts=[4, 8]", "data.seq_len=128"], dtype="fp32")

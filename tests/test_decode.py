@@ -17,12 +17,12 @@ def served(model, tmp_path, dtype, monkeypatch, resident=1.0, quantize=None):
     """`model`'s weights through the serving runtime's loader (placed MoE layers, the CPU linears on every weight,
     q/k/v fused, the norms' kernel; `quantize`: int8 or int4 weights, as `serve --quantize`): what the engine decodes
     with."""
-    from export.serve import linears
+    from export.serve import kernels
     from export.serve.placement.exchange import placed_model
     from pipeline import dist
     from pipeline.weights import save_weights
 
-    monkeypatch.setattr(linears, "SERVE_FROM", 0)  # these small weights too
+    monkeypatch.setattr(kernels.weights, "SERVE_FROM", 0)  # these small weights too
     (tmp_path / "w").mkdir()
     save_weights(model, tmp_path / "w")
     return placed_model(model.cfg, tmp_path / "w", dist.init(), dtype, resident_fraction=resident,
@@ -99,7 +99,7 @@ def check_packs_alike(model, experts_native=True):
     hidden states and expert counts. Each forward's keys are written by the model, then once more by the Decoder."""
     from unittest import mock
 
-    from export.serve import linears
+    from export.serve import kernels
     from export.serve.decode import Decoder
     from export.serve.kv_cache import PagedCache, served_kv
 
@@ -127,7 +127,7 @@ def check_packs_alike(model, experts_native=True):
             cache.extend(seq, [next(free) for _ in range(max(0, -(-(need - have) // 4)))])
         seqs, starts, counts = [r[0] for r in rows], [done.get(r[0], 0) for r in rows], [r[1] for r in rows]
         tokens = torch.randint(0, model.cfg.vocab_size, (1, sum(counts)), generator=gen)
-        with torch.no_grad(), mock.patch.object(linears, "GROUPED_MAX_ROWS", 1 << 30):
+        with torch.no_grad(), mock.patch.object(kernels.experts, "GROUPED_MAX_ROWS", 1 << 30):
             want = model(tokens, cache=cache.select(seqs, starts, counts, packed=True), hidden_only=True)
         got = decoder.packed(tokens, cache.select(seqs, starts, counts, packed=True))
         assert got.hidden.shape == want.hidden.shape and got.hidden.dtype == want.hidden.dtype
@@ -158,21 +158,21 @@ def test_the_decoder_gives_the_model_s_hidden_states_for_the_pr_moe(dtype, tmp_p
 def test_the_decoder_gives_the_model_s_hidden_states_with_quantised_weights(quantize, tmp_path, monkeypatch):
     """`serve --quantize`: the quantised linears and experts in one kernel call as in the model's forward, decode steps
     and packed forwards alike (up to PACKED_TOKENS rows, where the model's quantised linears run their kernels too)."""
-    from export.serve import linears
+    from export.serve import kernels
     from export.serve.decode import Decoder
     from export.serve.kv_cache import PagedCache, served_kv
 
-    if not hasattr(linears.kernel(), "int4_linear"):
+    if not hasattr(kernels.kernel(), "int4_linear"):
         pytest.skip("the CPU GEMV kernel is not built here")
     model = served(imported("qwen3_moe", tmp_path), tmp_path, torch.bfloat16, monkeypatch, quantize=quantize)
-    assert any(isinstance(m.served, linears.QuantizedWeight) for m in model.modules()
-               if isinstance(m, linears.ServingLinear))
+    assert any(isinstance(m.served, kernels.QuantizedWeight) for m in model.modules()
+               if isinstance(m, kernels.ServingLinear))
     check_decodes_alike(model)
     check_packs_alike(model)
     decoder = Decoder.of(model, PagedCache(model.cfg, blocks=8, block_size=4, heads=served_kv(model)[0],
                                            dtype=torch.bfloat16))
-    assert decoder.quantized and decoder.packs([linears.DEQUANTIZE_ABOVE])
-    assert not decoder.packs([linears.DEQUANTIZE_ABOVE + 1])
+    assert decoder.quantized and decoder.packs([kernels.DEQUANTIZE_ABOVE])
+    assert not decoder.packs([kernels.DEQUANTIZE_ABOVE + 1])
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "pr_moe"])
@@ -192,17 +192,17 @@ def test_the_decoder_beyond_the_kernel_s_rows(family, more, dtype, tmp_path, mon
     """12 rows, more than the few-row kernel takes: each linear as ServingWeight.linear runs it then, oneDNN on its
     packed weight (rows bucketed), the kernel 8 rows at a time (bf16 where oneDNN has no bf16 GEMM), or F.linear (a
     weight too small for oneDNN)."""
-    from export.serve import linears
+    from export.serve import kernels
 
     if more == "onednn" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no oneDNN bf16 GEMM (AVX-512 BF16 or AMX): bf16 takes the chunks path, tested here")
     if more != "aten":
-        monkeypatch.setattr(linears, "ONEDNN_FROM", 0)
+        monkeypatch.setattr(kernels.weights, "ONEDNN_FROM", 0)
     if more == "chunks":
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     model = served(pr_moe() if family == "pr_moe" else imported(family, tmp_path), tmp_path, dtype, monkeypatch)
     weights = [block.attn.qkv.weight for block in model.blocks] + \
-        [m.served for m in model.modules() if isinstance(m, linears.ServingLinear)]
+        [m.served for m in model.modules() if isinstance(m, kernels.ServingLinear)]
     for w in weights:
         w.amx = None  # AMX would take these rows (bf16 on a CPU with it): the paths after it are the ones under test
     assert all(w.onednn == (more == "onednn") for w in weights)
@@ -234,10 +234,10 @@ def test_qkv_heads_is_the_attention_s_operators(norm, dtype):
     """The kernel's split, q/k norm and RoPE against the serving norm (`rms_norm`) and pipeline/model.py's
     `apply_rope` on the fused projection's output (strided views): equal to the bit, 5 rows at their own positions,
     head size 48 (not a vector's multiple)."""
-    from export.serve import linears
+    from export.serve import kernels
     from pipeline.model import apply_rope, rope_tables
 
-    k = linears.kernel()
+    k = kernels.kernel()
     B, H, Hkv, D = 5, 4, 2, 48
     cfg = model_config(hidden=96, heads=H, kv_heads=Hkv, head_dim=D, positions="rope", norm="rmsnorm")
     gen = torch.Generator().manual_seed(0)

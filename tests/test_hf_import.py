@@ -97,11 +97,11 @@ def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, t
     """The serving runtime's MoE layer (export/serve/placement/exchange.py: experts from the store, the exchange, SwiGLU
     experts without biases, a shared expert, unnormalised top-k) and its CPU linears on every weight (q, k, v fused
     into one product even where k and v are narrower), from our weights' files."""
-    from export.serve import linears
-    from export.serve.linears import FusedQKV
+    from export.serve import kernels
+    from export.serve.kernels import FusedQKV
     from export.serve.placement.exchange import placed_model
 
-    monkeypatch.setattr(linears, "SERVE_FROM", 0)  # these small weights too: the fused q, k, v and the kernel
+    monkeypatch.setattr(kernels.weights, "SERVE_FROM", 0)  # these small weights too: the fused q, k, v and the kernel
     from pipeline import dist
     from pipeline.weights import save_weights
 

@@ -1,4 +1,4 @@
-"""export/serve/linears.py: CPU serving linears (the few-row GEMV kernel, oneDNN) and the paged decode attention kernel
+"""export/serve/kernels: CPU serving linears (the few-row GEMV kernel, oneDNN) and the paged decode attention kernel
 give the model's own outputs."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from conftest import model_config
 def test_the_gemv_kernel_builds_here_and_equals_f_linear():
     """csrc/gemv.cpp on this machine (AVX-512 or AVX2): every row count 1-8, both dtypes, odd sizes (a tail of
     input columns past the vector width, output rows past the row group), with and without a bias."""
-    from export.serve.linears import kernel
+    from export.serve.kernels import kernel
 
     gemv = kernel()
     assert gemv is not None, "the GEMV kernel did not build on this machine (see the warning)"
@@ -30,7 +30,7 @@ def test_the_kernel_s_threads_share_out_a_weight_and_give_one_thread_s_result():
     the routed experts (`run_tasks`)."""
     import threading
 
-    from export.serve.linears import kernel
+    from export.serve.kernels import kernel
 
     gemv = kernel()
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def test_served_weights_move_into_a_file_mapping_and_keep_their_values(monkeypat
     """map_weights: every large CPU weight reachable from a model (its ServingWeights' detached copies too, which
     share a storage) reads the same values from an unlinked file's mapping (in /proc/self/maps), the kernel gives
     the same outputs, small tensors stay where they are; MOE_PIPELINE_MAP_WEIGHTS=0 leaves everything alone."""
-    from export.serve.linears import MAP_ENV, ServingLinear, kernel, map_weights
+    from export.serve.kernels import MAP_ENV, ServingLinear, kernel, map_weights
 
     gemv = kernel()
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def test_served_weights_move_into_a_file_mapping_and_keep_their_values(monkeypat
 def test_the_gemv_kernel_avx2_build_equals_f_linear():
     """The AVX2 + FMA variant (CPUs without AVX-512: most laptops), built here too where the CPU can run it, with the
     prefetch hint this CPU's own build does not take (so that both hints' code is compiled and checked here)."""
-    from export.serve.linears import build, prefetch_hint
+    from export.serve.kernels import build, prefetch_hint
 
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("this CPU runs neither variant")
@@ -116,7 +116,7 @@ def test_the_gemv_kernel_avx2_build_equals_f_linear():
 
 
 def test_the_prefetch_hint_follows_the_cpu_or_the_environment(monkeypatch):
-    from export.serve.linears import PREFETCH_ENV, prefetch_hint
+    from export.serve.kernels import PREFETCH_ENV, prefetch_hint
 
     vendor = next(line for line in open("/proc/cpuinfo") if line.startswith("vendor_id"))
     monkeypatch.delenv(PREFETCH_ENV, raising=False)
@@ -132,7 +132,7 @@ def test_the_prefetch_hint_follows_the_cpu_or_the_environment(monkeypatch):
 def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear():
     """On a CPU with AVX512_BF16 the kernel's bf16 path is VDPBF16PS; the AVX-512 build without it (Skylake, Ice
     Lake, Zen 4 before the flag is read) widens bf16 by a shift instead: built and checked here too."""
-    from export.serve.linears import build, cpu_isa
+    from export.serve.kernels import build, cpu_isa
 
     if cpu_isa() not in ("AVX512_BF16", "AMX_BF16"):  # AMX_BF16's build holds AVX512_BF16's code and AMX's ops
         pytest.skip("this CPU has no AVX512_BF16: the default build is already the plain AVX-512 one")
@@ -168,8 +168,9 @@ def check_w8a8(gemv):
     activation in turn, an expert without rows and one of 70 (two row blocks), SwiGLU and GeLU."""
     import torch.nn.functional as F
 
-    from export.serve import linears
-    from export.serve.linears import W8A8Weight, int8_activations, quantize_int8
+    from export.serve import kernels
+    from export.serve.kernels import W8A8Weight, int8_activations
+    from pipeline.quantize import quantize_int8
 
     torch.manual_seed(0)
     w = torch.randn(200, 130) * 0.05
@@ -201,7 +202,7 @@ def check_w8a8(gemv):
                 v.gemv = gemv
             ws.append((w1, torch.randn(w1.shape[0]), w2, torch.randn(C)))
         x = torch.randn(sum(counts), C)
-        w1s, b1s, w2s, b2s, s1s, s2s = linears._expert_tensors(ws)
+        w1s, b1s, w2s, b2s, s1s, s2s = kernels.expert_tensors(ws)
         y = gemv.expert_mlps(x, counts, w1s, b1s, w2s, b2s, swiglu, s1s, s2s)
         ref, r = [], 0
         for (w1, b1, w2, b2), n in zip(ws, counts):
@@ -245,7 +246,7 @@ def check_int8(gemv):
     """int8_linear against F.linear on the dequantised weight (scale * q) in fp32: 1 to 19 rows (several passes of 8, a
     partial one), sizes off the vector widths, fp32 and bf16 inputs, with and without a bias; a pass's rows the same as
     those rows alone; quantize_int8's rows within half a step of the weight; bad input named."""
-    from export.serve.linears import quantize_int8
+    from pipeline.quantize import quantize_int8
 
     torch.manual_seed(0)
     for out_f, in_f in [(512, 256), (7, 100), (513, 257), (3, 33), (1024, 1024)]:
@@ -331,7 +332,7 @@ def check_experts(kernel, C=200, width=70, counts=(1, 3, 5, 2, 9, 4)):
     kernel's blocks, both dtypes; bf16 equal to the bit where F.linear's sums round alike. int8 and int4 experts (their
     packed weights, and scales per row or per group of 64 as s1, s2; `quantize_int8`,
     the scales as s1, s2) against the same on their dequantised weights."""
-    from export.serve.linears import quantize_int8
+    from pipeline.quantize import quantize_int8
     from pipeline.quantize import dequantized, pack_int4, quantize_int4
 
     torch.manual_seed(0)
@@ -420,7 +421,7 @@ def few_row_argmax(kernel, x, w):
 
 
 def check_screen(kernel):
-    """HeadScreen (export/serve/linears.py) over this build's screen (`screen_argmax`, or `screen_argmax_vnni` where
+    """HeadScreen (export/serve/kernels) over this build's screen (`screen_argmax`, or `screen_argmax_vnni` where
     the build has AVX512_VNNI): each row's token is argmax_rows of the few-row kernel's logits, to the index, for 1-8
     rows (and up to VNNI_MAX_ROWS with VNNI: several passes of the few-row kernel), fp32 and bf16 weights, sizes off
     the vector widths, with exact ties between output rows (duplicated weight rows: the first index wins) and near
@@ -428,7 +429,7 @@ def check_screen(kernel):
     rounded to int8 cannot: one input 300x the others, which all round to 0; logits all equal (every output a
     candidate) and a non-finite input are declined (None: the caller runs the whole head); a row count that keeps
     declining stops being tried."""
-    from export.serve.linears import HeadScreen, ServingWeight
+    from export.serve.kernels import HeadScreen, ServingWeight
 
     torch.manual_seed(0)
     O, I = 3000, 200  # a tail past the int8 and bf16 vectors' widths, past the candidate scan's and the VNNI tiles'
@@ -512,7 +513,7 @@ def check_screen_topk(kernel):
     few-row kernel's to the bit (so sampling from them, every other logit -inf, is sampling from the whole layer's);
     1 to 64 rows (8 without VNNI), fp32 and bf16, k from 1 to 60; logits all equal (every output a candidate) and
     a non-finite input give None."""
-    from export.serve.linears import HeadScreen, ServingWeight
+    from export.serve.kernels import HeadScreen, ServingWeight
 
     torch.manual_seed(2)
     O, I = 3000, 200
@@ -557,7 +558,7 @@ def check_quantized_screen(kernel):
     bf16 x, int4 groups of 128 and 256, int8 rows off the 64-byte load, a row count off the vector width; exact ties
     (duplicated rows: the first index wins) and near ties (a row's scale a step apart) at the top; a winner only the
     inputs x rounds to zero can pick, kept by the bound; flat logits and a non-finite input declined (None)."""
-    from export.serve.linears import Int4Weight, Int8Weight, QuantizedHeadScreen
+    from export.serve.kernels import Int4Weight, Int8Weight, QuantizedHeadScreen
     from pipeline.quantize import pack_int4
 
     torch.manual_seed(0)
@@ -623,7 +624,7 @@ def check_quantized_screen(kernel):
 def test_only_an_output_layer_that_fits_gets_a_screen(monkeypatch):
     """`serving_linears` gives the model's lm_head a HeadScreen (and no other layer); none with a bias, a weight that
     is not finite, or MOE_PIPELINE_HEAD_SCREEN=0."""
-    from export.serve.linears import SCREEN_ENV, HeadScreen, ServingLinear, ServingWeight, kernel, serving_linears
+    from export.serve.kernels import SCREEN_ENV, HeadScreen, ServingLinear, ServingWeight, kernel, serving_linears
 
     if kernel() is None:
         pytest.skip("no kernel on this machine")
@@ -646,7 +647,7 @@ def check_routed(kernel):
     time, each token's choices weighted and added as PlacedMoE does: top-1 and top-2, renormalised or not, fp32
     and bf16, an expert with no token; int8 experts (routed_experts and expert_pairs) against their dequantised
     weights."""
-    from export.serve.linears import quantize_int8
+    from pipeline.quantize import quantize_int8
     from pipeline.model import route
 
     torch.manual_seed(0)
@@ -748,7 +749,7 @@ def test_the_serving_cache_attends_with_the_kernel_and_gives_the_model_s_tokens(
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_a_serving_linear_is_the_linear(dtype, tol):
-    from export.serve.linears import ServingLinear
+    from export.serve.kernels import ServingLinear
 
     layer = nn.Linear(256, 512).to(dtype).eval()
     served = ServingLinear(layer)
@@ -764,7 +765,7 @@ def test_a_serving_linear_is_the_linear(dtype, tol):
 
 
 def test_a_large_serving_linear_pads_rows_for_onednn():
-    from export.serve.linears import ONEDNN_FROM, ServingLinear
+    from export.serve.kernels import ONEDNN_FROM, ServingLinear
 
     layer = nn.Linear(1024, ONEDNN_FROM // 1024).eval()
     served = ServingLinear(layer)
@@ -777,7 +778,7 @@ def test_a_large_serving_linear_pads_rows_for_onednn():
 def test_a_large_bf16_serving_linear_takes_2_to_256_rows_to_amx():
     """On a CPU with AMX a large bf16 weight's second copy is the kernel's AMX packing (not oneDNN's): 1 row goes to
     the GEMV kernel, 2-256 rows to amx_linear, more to oneDNN on the plain weight; all F.linear's outputs."""
-    from export.serve.linears import ONEDNN_FROM, ServingLinear, cpu_isa, kernel
+    from export.serve.kernels import ONEDNN_FROM, ServingLinear, cpu_isa, kernel
 
     if cpu_isa() != "AMX_BF16":
         pytest.skip("this CPU has no AMX: bf16 rows past the GEMV kernel's go to oneDNN's packed weight")
@@ -795,7 +796,7 @@ def test_a_large_bf16_serving_linear_takes_2_to_256_rows_to_amx():
 
 
 def test_row_buckets_bound_the_shapes_onednn_compiles():
-    from export.serve.linears import bucket
+    from export.serve.kernels import bucket
 
     sizes = [bucket(n) for n in range(1, 2049)]
     assert sizes[:8] == list(range(1, 9))  # few rows as they are
@@ -805,7 +806,7 @@ def test_row_buckets_bound_the_shapes_onednn_compiles():
 
 
 def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
-    from export.serve.linears import ENV, FusedQKV, ServingLinear, serving_linears
+    from export.serve.kernels import ENV, FusedQKV, ServingLinear, serving_linears
     from pipeline.model import GPT, init_weights
 
     cfg = model_config(hidden=128, heads=4)
@@ -832,7 +833,7 @@ def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
 def test_a_large_serving_linear_takes_many_rows_on_any_cpu(dtype, tol):
     """Past the kernel's rows a weight of 1M+ elements goes to oneDNN, which has no bf16 primitive on a CPU without
     AVX-512 (it raised 'could not create a primitive descriptor' on an AVX2 machine): F.linear there."""
-    from export.serve.linears import ONEDNN_FROM, ServingLinear
+    from export.serve.kernels import ONEDNN_FROM, ServingLinear
 
     layer = nn.Linear(1024, ONEDNN_FROM // 1024).to(dtype).eval()
     served = ServingLinear(layer)
@@ -842,12 +843,12 @@ def test_a_large_serving_linear_takes_many_rows_on_any_cpu(dtype, tol):
 
 
 def test_int8_weights_through_the_serving_linears():
-    """linears.Int8Weight: its linear on [batch, tokens, in] inputs against F.linear on the weight it stands for
+    """kernels.Int8Weight: its linear on [batch, tokens, in] inputs against F.linear on the weight it stands for
     (fp32 and bf16, with a bias); int8 experts through expert_mlps and routed_layer against the same experts
     dequantised; a layer mixing int8 and plain experts, and a wrong weight, refused by name; Int4Weight's linear, and
     a row its groups do not divide."""
-    from export.serve import linears
-    from export.serve.linears import Int4Weight, Int8Weight
+    from export.serve import kernels
+    from export.serve.kernels import Int4Weight, Int8Weight
 
     torch.manual_seed(0)
     w, b = torch.randn(96, 80), torch.randn(96)
@@ -865,17 +866,17 @@ def test_int8_weights_through_the_serving_linears():
                for e in range(E)}
     plain = {e: (x[0].dequantized(), None, x[2].dequantized(), None) for e, x in experts.items()}
     x = torch.randn(6, C)
-    got = linears.expert_mlps(x, [2, 0, 3, 1], [experts[e] for e in range(E)], True)
-    want = linears.expert_mlps(x, [2, 0, 3, 1], [plain[e] for e in range(E)], True)
+    got = kernels.expert_mlps(x, [2, 0, 3, 1], [experts[e] for e in range(E)], True)
+    want = kernels.expert_mlps(x, [2, 0, 3, 1], [plain[e] for e in range(E)], True)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     wg = torch.randn(E, C)
-    (got, counts), (want, counts_) = (linears.routed_layer(x, wg, 2, True, lambda e: table[e], True)
+    (got, counts), (want, counts_) = (kernels.routed_layer(x, wg, 2, True, lambda e: table[e], True)
                                       for table in (experts, plain))
     assert torch.equal(counts, counts_)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     mixed = [experts[0], plain[1]]
     with pytest.raises(ValueError, match="all or none, fc1 and fc2 alike"):
-        linears.expert_mlps(x[:2], [1, 1], mixed, True)
+        kernels.expert_mlps(x[:2], [1, 1], mixed, True)
     with pytest.raises(ValueError, match="q int8 \\[out, in\\] and scale fp32 \\[out\\]"):
         Int8Weight(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))
     # int4, groups of 128: its linear against the weight it stands for; a row that does not fit its groups refused

@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from export.serve import linears
+from export.serve import kernels
 
 BLOCKS, BS = 12, 4  # the pool: 12 blocks of 4 positions
 STARTS = [0, 8, 11]  # tokens cached before the new one: the first token; a new block; the new token filling 3 blocks
 
 
 def gemv(dtype: torch.dtype):
-    if not linears.available(dtype, torch.device("cpu")):
+    if not kernels.available(dtype, torch.device("cpu")):
         pytest.skip(f"the CPU serving kernels are not available for {dtype} here")
-    kernel = linears.kernel()
+    kernel = kernels.kernel()
     assert kernel is not None, "the GEMV kernel did not build on this machine (see the warning)"
     return kernel
 

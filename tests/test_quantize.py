@@ -1,5 +1,5 @@
 """Weight-only quantisation (issue 29): the schemes (pipeline/quantize.py), and int8 in the serving runtime.
-`serve --quantize int8` quantises a package's linears and experts as it loads (export/serve/linears.py
+`serve --quantize int8` quantises a package's linears and experts as it loads (export/serve/kernels
 `quantize_linears`, `Int8Weight`; the experts in export/serve/placement/residency.py `ExpertStore.load`), and the
 engine runs them through csrc/gemv.cpp's int8 kernels, the native decoder's included. The reference: the same engine
 on the dequantised weights, through the plain kernels."""
@@ -29,7 +29,7 @@ def dequantised_twin(quantised, plain) -> int:
     """`plain` (an engine of the same package) given `quantised`'s int8 weights, dequantised, as plain served weights
     (the linears, the fused q/k/v, every resident expert), its native decoder rebuilt on them; returns how many."""
     from export.serve.decode import Decoder
-    from export.serve.linears import FusedQKV, HeadScreen, Int4Weight, Int8Weight, ServingLinear, ServingWeight
+    from export.serve.kernels import FusedQKV, HeadScreen, Int4Weight, Int8Weight, ServingLinear, ServingWeight
 
     count, kinds = 0, (Int8Weight, Int4Weight)
     for mq, mp in zip(quantised.worker.model.modules(), plain.worker.model.modules()):
@@ -56,7 +56,7 @@ def test_quantised_at_load_serves_what_its_dequantised_weights_give(package, sch
     the routers and the embeddings left in fp32."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate
-    from export.serve.linears import QUANTIZED, ServingWeight
+    from export.serve.kernels import QUANTIZED, ServingWeight
     from export.serve.request import SamplingParams
 
     quantised = Engine.from_config(ServeConfig(package=package, quantize=scheme, kv_cache_memory=0.05))
@@ -94,7 +94,7 @@ def test_the_output_layer_quantised_too(package):
     the same engine on the dequantised weights, head included."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate
-    from export.serve.linears import Int8Weight
+    from export.serve.kernels import Int8Weight
     from export.serve.request import SamplingParams
 
     quantised = Engine.from_config(ServeConfig(package=package, quantize="int8", quantize_head=True,
@@ -116,12 +116,12 @@ def test_the_output_layer_quantised_too(package):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_a_quantised_output_layer_screens_its_greedy_rows(package, monkeypatch, scheme):
     """--quantize int8|int4 --quantize-head: the greedy rows go through the quantised head's screen
-    (export/serve/linears.py `QuantizedHeadScreen`: its stored weights x int8, the candidates then exact), with the
+    (export/serve/kernels/heads.py `QuantizedHeadScreen`: its stored weights x int8, the candidates then exact), with the
     same tokens as the same engine reading its whole output layer (MOE_PIPELINE_HEAD_SCREEN=0), one prompt and four
     decoded together; rows that ask for log-probabilities read the whole layer."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate
-    from export.serve.linears import QUANTIZED, SCREEN_ENV, QuantizedHeadScreen, kernel
+    from export.serve.kernels import QUANTIZED, SCREEN_ENV, QuantizedHeadScreen, kernel
     from export.serve.request import SamplingParams
 
     if not hasattr(kernel(), "screen_argmax_i4"):
@@ -258,7 +258,7 @@ def test_a_quantized_package_serves_its_stored_weights(quantized_packages, schem
 
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate
-    from export.serve.linears import QUANTIZED, QuantizedWeight
+    from export.serve.kernels import QUANTIZED, QuantizedWeight
     from export.serve.request import SamplingParams
     from pipeline.quantize import scale_name, values_name
 
@@ -341,7 +341,7 @@ def w8a8_twin(quantised, plain) -> int:
     F.linear on each row of the inputs rounded to int8 steps and the dequantised weight (`W8A8Weight` unpacked, no
     kernel), its decode forwards in Python (no native decoder); returns how many. Its MoE layers must also run one
     expert at a time (`python_experts`)."""
-    from export.serve.linears import FusedQKV, ServingLinear, W8A8Weight
+    from export.serve.kernels import FusedQKV, ServingLinear, W8A8Weight
 
     def ref(w):
         assert isinstance(w, W8A8Weight) and w.rows is None  # the kernel's tiles
@@ -363,10 +363,10 @@ def w8a8_twin(quantised, plain) -> int:
 
 def python_experts(monkeypatch):
     """Every MoE layer's experts one at a time in Python (export/serve/placement/exchange.py's loop), not the kernel."""
-    from export.serve import linears
+    from export.serve import kernels
 
-    monkeypatch.setattr(linears, "grouped_experts", lambda *a: False)
-    monkeypatch.setattr(linears, "local_layer", lambda *a: False)
+    monkeypatch.setattr(kernels, "grouped_experts", lambda *a: False)
+    monkeypatch.setattr(kernels, "local_layer", lambda *a: False)
 
 
 def test_w8a8_serves_what_int8_inputs_through_the_dequantised_weights_give(package, quantized_packages, monkeypatch):
@@ -379,7 +379,7 @@ def test_w8a8_serves_what_int8_inputs_through_the_dequantised_weights_give(packa
     scheme."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate
-    from export.serve.linears import W8A8Weight, kernel
+    from export.serve.kernels import W8A8Weight, kernel
     from export.serve.request import SamplingParams
 
     if not hasattr(kernel(), "w8a8_linear"):
@@ -410,8 +410,8 @@ def test_w8a8_serves_what_int8_inputs_through_the_dequantised_weights_give(packa
                 assert ta.keys() == tb.keys() and list(ta.values()) == pytest.approx(list(tb.values()), abs=3e-3)
     with pytest.raises(ValueError, match="--quantize w8a8: this package holds int4 weights"):
         Engine.from_config(ServeConfig(package=quantized_packages / "int4", quantize="w8a8", kv_cache_memory=0.05))
-    from export.serve import linears
+    from export.serve import kernels
 
-    monkeypatch.setattr(linears, "kernel", lambda: None)  # a CPU without the kernel (or without AVX512_VNNI)
+    monkeypatch.setattr(kernels, "kernel", lambda: None)  # a CPU without the kernel (or without AVX512_VNNI)
     with pytest.raises(ValueError, match="--quantize w8a8: its kernels need a CPU with AVX512_VNNI"):
         Engine.from_config(ServeConfig(package=package, quantize="w8a8", kv_cache_memory=0.05))

@@ -13,9 +13,9 @@ from export.serve.step import Sampling
 
 
 def kernel_built() -> bool:
-    from export.serve import linears
+    from export.serve import kernels
 
-    k = linears.kernel()
+    k = kernels.kernel()
     return k is not None and hasattr(k, "sample_rows")
 
 

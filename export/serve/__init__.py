@@ -10,7 +10,7 @@
   engine.py     the loop: schedule -> send -> execute -> gather -> update
   worker.py     one rank's side of a step: its paged KV cache (kv_cache.py), samplers (sampling.py), forwards
   ranks.py      rank 0 <-> other ranks: typed messages, status gathering
-  linears.py    CPU serving linears and kernels (csrc/gemv.cpp)
+  kernels/      CPU serving kernels: our C++ extension (kernels/csrc/) and the linears, experts, screens on it
   lifecycle.py  `serve --nproc N`: relaunched under the DeepSpeed launcher, stopped gracefully
   placement/    expert replicas, placement policies, the expert-demand predictor, offload and prefetch,
                 the data-parallel path's expert exchange

@@ -28,7 +28,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from export.serve import linears, transport
+from export.serve import kernels, transport
 from pipeline.model import GPT, Output, rope_tables
 
 
@@ -54,7 +54,7 @@ class Decoder:
             if cache is not None else (None, 0, "")
         # int8/int4 weights (a ServingLinear's `served`, the fused q/k/v's `weight`): `packs` stops where the model's
         # own forward dequantises them
-        self.quantized = any(isinstance(w, linears.QuantizedWeight) for m in model.modules()
+        self.quantized = any(isinstance(w, kernels.QuantizedWeight) for m in model.modules()
                              for w in (getattr(m, "served", None), getattr(m, "weight", None)))
         # the MoE layers' exchange: its meter and residency counts, for the MoE layers DecodeModel runs itself
         self._exchange = next((getattr(block.mlp, "exchange", None) for block in model.blocks if block.is_moe), None)
@@ -65,7 +65,7 @@ class Decoder:
     def of(cls, model: GPT, cache) -> "Decoder | None":
         """A `Decoder` for `model` where every layer is one it runs and `cache` attends on the CPU kernel; else None
         (the model's own forward then runs every decode step)."""
-        kernel = linears.kernel()
+        kernel = kernels.kernel()
         if kernel is None or not hasattr(kernel, "qkv_heads") or not getattr(cache, "packs", False):
             return None
         cfg = model.cfg
@@ -75,7 +75,7 @@ class Decoder:
             attn = block.attn
             if not all(_norm_runs(n) for n in (block.ln_1, block.ln_2)):
                 return None
-            if cfg.qk_norm != "none" and not all(isinstance(n, linears.ServingRMSNorm)
+            if cfg.qk_norm != "none" and not all(isinstance(n, kernels.ServingRMSNorm)
                                                  for n in (attn.q_norm, attn.k_norm)):
                 return None
         return cls(model, kernel, cache)
@@ -127,7 +127,7 @@ class Decoder:
         PACKED_TOKENS tokens in all, every row short enough for the cache's attention kernel."""
         from export.serve.kv_cache import PagedCache
 
-        most = min(self.PACKED_TOKENS, linears.DEQUANTIZE_ABOVE if self.quantized else 1 << 30)
+        most = min(self.PACKED_TOKENS, kernels.DEQUANTIZE_ABOVE if self.quantized else 1 << 30)
         return self.native is not None and 0 < sum(counts) <= most and max(counts) <= PagedCache.KERNEL_ROWS
 
     @torch.no_grad()
@@ -185,7 +185,7 @@ class Decoder:
         for i, moe in layers:
             single = all(len(holders) == 1 for holders in table[moe.index])
             weights = [ex.residency.resident[(moe.index, e)] for e in held[i]]
-            self.native.hold(i, held[i], *(linears._expert_tensors(weights) if weights else ([],) * 6),
+            self.native.hold(i, held[i], *(kernels.expert_tensors(weights) if weights else ([],) * 6),
                              None if single else functools.partial(ex.split_pairs, moe.index))
         self._table = table
         self.tables_held += 1
@@ -202,7 +202,7 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
     """csrc/gemv.cpp's `DecodeModel` holding every layer's tensors, the rows it runs (the grouped expert kernel's
     row limit where it runs the experts; any number otherwise), and how it runs the MoE layers' experts ("local",
     "gathered" or "", see `Decoder`); (None, 0, "") where an attention half is not one it runs (projections not
-    served by export/serve/linears.py, a norm on other weights' dtype). The MLP half of a layer is a dense MLP, or
+    served by export/serve/kernels, a norm on other weights' dtype). The MLP half of a layer is a dense MLP, or
     the experts of an MoE layer (with its residual MLP or shared expert) when it runs every MoE layer that way (one
     rank, every expert resident: "local"; or the ranks of one machine in the shared-memory all-reduce, this rank's
     experts resident: "gathered", with the module kept for the forwards it does not gather); else
@@ -211,29 +211,29 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
 
     cfg = model.cfg
     if not hasattr(kernel, "DecodeModel") or not isinstance(getattr(model.blocks[0].attn, "qkv", None),
-                                                               linears.FusedQKV):
+                                                               kernels.FusedQKV):
         return None, 0, ""
     dtype = model.wte.weight.dtype
 
     def norm(module: nn.Module) -> tuple | None:
-        if isinstance(module, linears.ServingRMSNorm) and module.weight.dtype == dtype:
+        if isinstance(module, kernels.ServingRMSNorm) and module.weight.dtype == dtype:
             return module.weight, None, module.eps, False
         if type(module) is nn.LayerNorm and module.weight is not None and module.weight.dtype == dtype:
             return module.weight, module.bias, module.eps, True
         return None
 
     def served(w, bias) -> tuple | None:  # a ServingWeight as its `linear` runs it; a QuantizedWeight: its kernel
-        if isinstance(w, linears.QuantizedWeight) and w.gemv is not None and hasattr(w.gemv, w.KERNEL):
+        if isinstance(w, kernels.QuantizedWeight) and w.gemv is not None and hasattr(w.gemv, w.KERNEL):
             return w.q, None, w.scale, w.MORE, bias
-        if not isinstance(w, linears.ServingWeight) or w.gemv is None or w.weight.dtype != dtype:
+        if not isinstance(w, kernels.ServingWeight) or w.gemv is None or w.weight.dtype != dtype:
             return None
         return w.weight, w.amx, w.packed, w.more, bias
 
     def lin(module) -> tuple | None:  # a served linear, or an nn.Linear left as it is (F.linear at every row count)
-        if isinstance(module, linears.ServingLinear):
+        if isinstance(module, kernels.ServingLinear):
             return served(module.served, module.bias)
         if type(module) is nn.Linear and module.weight.dtype == dtype:
-            return module.weight, None, module.weight, linears.MORE_PLAIN, module.bias
+            return module.weight, None, module.weight, kernels.MORE_PLAIN, module.bias
         return None
 
     def fcs_of(module) -> list | None:  # an MLP's (fc1, fc2)
@@ -275,15 +275,15 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
         native_experts = "local"
     elif moe_layers and all(gathered(moe) for moe in moe_layers):
         native_experts = "gathered"
-    rows = linears.grouped_max_rows(model.wte.weight) * min(cfg.experts) // cfg.top_k \
+    rows = kernels.grouped_max_rows(model.wte.weight) * min(cfg.experts) // cfg.top_k \
         if native_experts == "local" else 1 << 30
     native = kernel.DecodeModel(cfg.head_dim, *model.blocks[0].attn.qkv.sizes[:2], cfg.top_k,
                                 bool(cfg.renormalize), cfg.activation == "swiglu")
     for i, block in enumerate(model.blocks):
         attn, mlp = block.attn, block.mlp
         qkv, out = getattr(attn, "qkv", None), getattr(attn, "out_proj", None)
-        parts = (norm(block.ln_1), served(qkv.weight, qkv.bias) if isinstance(qkv, linears.FusedQKV) else None,
-                 served(out.served, out.bias) if isinstance(out, linears.ServingLinear) else None, norm(block.ln_2))
+        parts = (norm(block.ln_1), served(qkv.weight, qkv.bias) if isinstance(qkv, kernels.FusedQKV) else None,
+                 served(out.served, out.bias) if isinstance(out, kernels.ServingLinear) else None, norm(block.ln_2))
         if any(p is None for p in parts):
             return None, 0, ""
         qk = cfg.qk_norm != "none"
@@ -293,7 +293,7 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
         if block.is_moe and native_experts:
             ex, wg = mlp.exchange, mlp.moe.deepspeed_moe.gate.wg.weight
             if native_experts == "local":
-                native.add_experts(wg.contiguous(), *linears._expert_tensors(
+                native.add_experts(wg.contiguous(), *kernels.expert_tensors(
                     [ex.residency.resident[(mlp.index, e)] for e in range(mlp.num_experts)]))
             else:  # its experts: Decoder._hold, under the table in force
                 native.add_gathered(wg.contiguous(), ex.rank, _module_half(block))
@@ -324,11 +324,11 @@ def _module_half(block: nn.Module):
 
 
 def _norm_runs(module: nn.Module) -> bool:
-    return isinstance(module, (linears.ServingRMSNorm, nn.LayerNorm))
+    return isinstance(module, (kernels.ServingRMSNorm, nn.LayerNorm))
 
 
 def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A norm module over x [B, C]: ServingRMSNorm's kernel call directly, LayerNorm as itself."""
-    if isinstance(module, linears.ServingRMSNorm) and x.dtype == module.weight.dtype:
+    if isinstance(module, kernels.ServingRMSNorm) and x.dtype == module.weight.dtype:
         return module.gemv.rms_norm(x, module.weight, module.eps)
     return module(x)

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from export.serve import linears
+from export.serve import kernels
 from export.serve import ranks as rank_msgs
+from export.serve import transport
 from export.serve.config import ServeConfig
 from export.serve.coordinator import coordinator_for
 from export.serve.kv_cache import plan_kv, served_kv
@@ -98,7 +99,7 @@ class Engine:
                      local_ranks=ranks.local_world if ranks is not None else 1)
         # the data-parallel ranks' sums (expert exchange, step results) wait without spinning where they share a machine
         if self.dp > 1:
-            linears.attach_local_reduce()
+            transport.attach_local_reduce()
         if world > 1:  # every rank's pool alike: the scheduler hands out the same block ids on each
             from pipeline import dist
 
@@ -107,7 +108,7 @@ class Engine:
         self.max_model_len = kv.max_model_len
         # the weights into a file mapping (2 MB pages where anonymous memory gets 4 KB ones), before any kernel holds
         # them; on the CPU
-        self.mapped_bytes = linears.map_weights(model, exchange) if device.type == "cpu" else 0
+        self.mapped_bytes = kernels.map_weights(model, exchange) if device.type == "cpu" else 0
         self.worker = Worker(model, kv.blocks, kv.block_size, rank if self.dp > 1 else 0, single=world == 1,
                              exchange=exchange, tokenizer=tokenizer)
         self.device = self.worker.device
@@ -158,7 +159,7 @@ class Engine:
             quantize, quantize_head = (quantize or stored["scheme"], quantize_head or stored["head"]) if dp \
                 else (None, False)  # an int8 package under --quantize w8a8: its weights, int8 inputs
         scheme = SCHEMES[quantize] if quantize is not None else None
-        if scheme is not None and scheme.needs and not hasattr(linears.kernel(), scheme.kernel_op):
+        if scheme is not None and scheme.needs and not hasattr(kernels.kernel(), scheme.kernel_op):
             raise ValueError(f"--quantize {quantize}: its kernels need a CPU with {scheme.needs} (and the GEMV "
                              f"kernel built); serve --quantize int8 (weight-only) instead")
         if not dp and config.quantize is not None and stored is None:

@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from export.serve import linears
+from export.serve import kernels
 from pipeline.model import Cache, ModelConfig
 
 # what --kv-cache-memory defaults to, as vLLM's --gpu-memory-utilization and VLLM_CPU_KVCACHE_SPACE: on the CPU a
@@ -165,7 +165,7 @@ class PagedCache(Cache):
         self.max_len = cfg.seq_len
         self.tables: dict[int, list[int]] = {}  # sequence -> its blocks, in order
         cpu = torch.device(device if device is not None else "cpu").type == "cpu"
-        kernel = linears.kernel() if cpu and linears.available(dtype, torch.device("cpu")) else None
+        kernel = kernels.kernel() if cpu and kernels.available(dtype, torch.device("cpu")) else None
         self._kernel = kernel if kernel is not None and hasattr(kernel, "paged_attention") else None
         self.select([], [], [])
 

@@ -267,11 +267,11 @@ def _reference(x: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
 def _choose(logits: torch.Tensor, samplers: list[Sampler], edits, allowed: torch.Tensor, fast: bool) -> torch.Tensor:
     """Tokens [n] of logits [n, V] edited by `edits` (`_edits`) and restricted to `allowed` (`_allowed`):
     csrc/sampling.cpp's `sample_rows` on the CPU where the kernel is built, else `_reference` on an fp32 copy."""
-    from export.serve import linears
+    from export.serve import kernels
 
     n, V = logits.shape
     offsets, tokens, values = edits
-    gemv = linears.kernel() if fast and logits.device.type == "cpu" and logits.dtype in (torch.float32,
+    gemv = kernels.kernel() if fast and logits.device.type == "cpu" and logits.dtype in (torch.float32,
                                                                                          torch.bfloat16) else None
     if gemv is None or not hasattr(gemv, "sample_rows"):
         x = logits.float().clone()
@@ -320,7 +320,7 @@ def sample_batch(samplers: list[Sampler], logits: torch.Tensor, banned: list[lis
 
 
 def sparse_logits(offsets: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor, V: int) -> torch.Tensor:
-    """Logits [n, V] fp32 of a screen's candidates (export/serve/linears.py `HeadScreen.topk`: row i's tokens and
+    """Logits [n, V] fp32 of a screen's candidates (export/serve/kernels/heads.py `HeadScreen.topk`: row i's tokens and
     values at offsets[i]:offsets[i + 1]), every other one -inf."""
     n = offsets.numel() - 1
     out = torch.full((n, V), float("-inf"))

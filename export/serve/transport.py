@@ -271,3 +271,30 @@ def all_to_all_(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
     return out
 
 
+REDUCE_ENV = "MOE_PIPELINE_LOCAL_REDUCE"  # 1 (default) | 0: DeepSpeed's shared-memory all-reduce instead
+REDUCE_SLOT_BYTES = 4 << 20  # a rank's slot in the shared region (two a rank): larger tensors go a slot at a time
+
+
+def attach_local_reduce() -> bool:
+    """Between the ranks of one machine on the CPU accelerator (`shared_memory_reduce`), the serving ranks' sums
+    (`fast_all_reduce_`: the expert exchange, the step results; the decode kernel's gathered layers) through the
+    kernels' `local_reduce_` (export/serve/kernels), which waits for the other ranks without holding a core, instead of DeepSpeed's
+    kernel, which spins. Collective (every rank, once, before the first forward); False where it does not apply
+    (1 rank, several machines, no kernel here, or MOE_PIPELINE_LOCAL_REDUCE=0 on any rank: they agree first)."""
+    import torch.distributed as td
+
+    from export.serve.kernels.build import kernel
+    from pipeline import dist
+
+    if not (td.is_initialized() and td.get_world_size() > 1 and shared_memory_reduce()):
+        return False
+    k = kernel()
+    wanted = os.environ.get(REDUCE_ENV, "1") != "0" and k is not None and hasattr(k, "local_reduce_")
+    if not all(row[0] for row in dist.gather_numbers([float(wanted)])):
+        return False
+    world = td.get_world_size()
+    region = shared_region(world * 64 + 2 * world * REDUCE_SLOT_BYTES)
+    k.local_reduce_attach(region, td.get_rank(), world, REDUCE_SLOT_BYTES)
+    use_local_reduce(k.local_reduce_, getattr(k, "local_gather", None))
+    return True
+

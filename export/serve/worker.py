@@ -154,7 +154,7 @@ class Worker:
         """The next token of each row from its last position's hidden state, last [n, C]: {"token"} (with
         "logprob" and "top" where asked), or {"error"} for a row that fails alone. Plain greedy rows (no
         log-probabilities, nothing that changes their logits, no banned token, not scored) take the argmax through the
-        head's screen where it has one (export/serve/linears.py `HeadScreen`, reading half the head's bytes); rows
+        head's screen where it has one (export/serve/kernels/heads.py `HeadScreen`, reading half the head's bytes); rows
         that keep their top_k largest logits (top_k up to TOPK_SCREEN; greedy rows with processors, k = 1) take
         their candidates' exact logits from it too (`HeadScreen.topk`); every other row is projected through the
         head; each group sampled in one batch (export/serve/sampling.py), so sampled rows do not make greedy ones
@@ -173,7 +173,7 @@ class Worker:
                 out[j] = {"token": t}
                 samplers[j].took(t)
         # rows that keep their top_k largest logits (and greedy ones with processors: k = 1): the screen's candidates
-        # for them, computed exactly, and every other logit -inf (export/serve/linears.py `HeadScreen.topk`)
+        # for them, computed exactly, and every other logit -inf (export/serve/kernels/heads.py `HeadScreen.topk`)
         few = [j for j, (row, s) in enumerate(zip(rows, samplers)) if out[j] is None and isinstance(s, Sampler)
                and s.settings.logprobs is None and s.matcher is None and not scored[j]
                and (s.greedy or 0 < s.settings.top_k <= self.TOPK_SCREEN)]

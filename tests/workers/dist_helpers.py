@@ -7,7 +7,7 @@ Each rank checks what it received and rank 0 writes every check's outcome: broad
 message and one past BROADCAST_BYTES, through the named pipes and through gloo), gather_json of different sizes (the
 stages' and the serving transport's), gather_rows, the
 low-latency all-reduce (fp32, bf16; float64 refused), all_to_all_ with uneven and empty splits, and the serving
-runtime's own shared-memory sum (export/serve/linears.py `attach_local_reduce`) against DeepSpeed's, and gather_json
+runtime's own shared-memory sum (export/serve/transport.py `attach_local_reduce`) against DeepSpeed's, and gather_json
 through its slots.
 """
 
@@ -61,12 +61,12 @@ checks["pipes_unlinked"] = not any(transport._Pipes.path(i).exists() for i in ra
 # the same bits (2 ranks: one addition, either order); a tensor of several slots; a late rank; the gather through it
 import time  # noqa: E402
 
-from export.serve import linears  # noqa: E402
+from export.serve import kernels  # noqa: E402
 
 torch.manual_seed(r)
-samples = [torch.randn(33, 7), torch.randn(4, 1000).bfloat16(), torch.randn(3 * linears.REDUCE_SLOT_BYTES // 4 // 2 + 5)]
+samples = [torch.randn(33, 7), torch.randn(4, 1000).bfloat16(), torch.randn(3 * transport.REDUCE_SLOT_BYTES // 4 // 2 + 5)]
 by_deepspeed = [transport.fast_all_reduce_(t.clone()) for t in samples]
-checks["local_reduce_attached"] = linears.attach_local_reduce()
+checks["local_reduce_attached"] = transport.attach_local_reduce()
 checks["local_reduce_region_unlinked"] = not any(p.name.startswith(transport.region_prefix())  # this launch's only
                                                  for p in Path("/dev/shm").iterdir())
 for i, (t, want) in enumerate(zip(samples, by_deepspeed)):
@@ -81,9 +81,9 @@ checks["gather_json_local"] = transport.gather_json(mine) == [{"rank": i, "token
 # one wait through the slots (csrc/gemv.cpp `local_gather`); a message past its slot on one rank: every rank takes
 # the sums' path for that gather, and the calls after it still pair up
 checks["gather_json_local_one_wait"] = transport._LOCAL_GATHER is not None
-long = {"rank": r, "pad": "x" * (linears.REDUCE_SLOT_BYTES if r == 1 else 3)}
+long = {"rank": r, "pad": "x" * (transport.REDUCE_SLOT_BYTES if r == 1 else 3)}
 checks["gather_json_local_past_a_slot"] = transport.gather_json(long) == [
-    {"rank": i, "pad": "x" * (linears.REDUCE_SLOT_BYTES if i == 1 else 3)} for i in range(w)]
+    {"rank": i, "pad": "x" * (transport.REDUCE_SLOT_BYTES if i == 1 else 3)} for i in range(w)]
 checks["gather_json_local_after"] = transport.gather_json([r]) == [[i] for i in range(w)] and bool(
     (transport.fast_all_reduce_(torch.full((3,), float(r + 1))) == w * (w + 1) / 2).all())
 transport.use_local_reduce(None)

@@ -192,9 +192,9 @@ def main() -> None:
     placement = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
     exchange = sys.argv[4] if len(sys.argv) > 4 else "auto"
     if len(sys.argv) > 5 and sys.argv[5] == "native":  # the CPU kernels on these small weights too: decode forwards
-        from export.serve import linears                # in csrc/gemv.cpp's DecodeModel (export/serve/decode.py)
+        from export.serve import kernels                # in csrc/gemv.cpp's DecodeModel (export/serve/decode.py)
 
-        linears.SERVE_FROM = 0
+        kernels.SERVE_FROM = 0
     ranks = dist.init()
     config = ServeConfig(package=pkg, ep_size=ranks.world if ranks.world > 1 else None, placement=placement,
                          replica_budget=0.5, max_batch=4, checksums=False, expert_exchange=exchange,

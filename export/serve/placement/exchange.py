@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from export.serve import linears
-from export.serve.linears import linear, serving_linears
+from export.serve import kernels
+from export.serve.kernels import linear, serving_linears
 from export.serve.placement.algo import balancedness, native_table, route_pairs
 from export.serve.placement.residency import ExpertStore, Residency, ResidencyStats
 from export.serve.transport import all_to_all_, fast_all_reduce_, gather_rows, shared_memory_reduce
@@ -217,7 +217,7 @@ class Exchange:
         the forward's token counts known, and a decode-sized batch over all ranks for the kernels. The same answer on
         every rank."""
         return (self.ep > 1 and self.transport == "all-reduce" and self.tokens is not None
-                and linears.gathered_layer(sum(self.tokens), xs, wg, top_k))
+                and kernels.gathered_layer(sum(self.tokens), xs, wg, top_k))
 
     def run_gathered(self, layer: int, xs: torch.Tensor, wg: torch.Tensor, top_k: int,
                      renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,14 +238,14 @@ class Exchange:
         every[off:off + S] = xs
         fast_all_reduce_(every)
         t1 = self.seconds.mark()
-        mix, experts, counts = linears.route(every, wg, top_k, renormalize)
+        mix, experts, counts = kernels.route(every, wg, top_k, renormalize)
         mine, loads = self._my_pairs(layer, experts, counts.tolist())
-        pairs = linears.expert_pairs(every, mine, mix, lambda e: self.residency.weights(layer, e),
+        pairs = kernels.expert_pairs(every, mine, mix, lambda e: self.residency.weights(layer, e),
                                      self.cfg.activation == "swiglu")
         t2 = self.seconds.mark()
         fast_all_reduce_(pairs)
         t3 = self.seconds.mark()
-        out = linears.combine_pairs(pairs[off:off + S], mix[off:off + S])
+        out = kernels.combine_pairs(pairs[off:off + S], mix[off:off + S])
         self.meter.observe(layer, loads)
         self.gathered += 1
         t4 = self.seconds.mark()
@@ -293,9 +293,9 @@ class Exchange:
     def run_local(self, layer: int, xs: torch.Tensor, wg: torch.Tensor, top_k: int,
                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One rank (every expert here), a decode batch: the layer's routing, experts and weighted sum in two kernel
-        calls (export/serve/linears.py `routed_layer`). Returns (output [S, C], tokens per expert [E])."""
+        calls (export/serve/kernels/experts.py `routed_layer`). Returns (output [S, C], tokens per expert [E])."""
         t0 = self.seconds.mark()
-        out, counts = linears.routed_layer(xs, wg, top_k, renormalize, lambda e: self.residency.weights(layer, e),
+        out, counts = kernels.routed_layer(xs, wg, top_k, renormalize, lambda e: self.residency.weights(layer, e),
                                            self.cfg.activation == "swiglu")
         self.meter.observe(layer, [len(xs) * top_k])
         self.seconds.add("expert", t0, self.seconds.mark())
@@ -394,7 +394,7 @@ class Exchange:
     def _run_experts(self, layer: int, got: torch.Tensor, sizes: list[list[int]]) -> torch.Tensor:
         """Each expert once over the tokens it received: `got` holds, for each source rank in order, `sizes[src][e]`
         tokens of each expert e in order; outputs in the same order. On the CPU with few rows an expert (decode
-        batches), every expert in one call of the kernel (export/serve/linears.py `expert_mlps`); else one expert
+        batches), every expert in one call of the kernel (export/serve/kernels/experts.py `expert_mlps`); else one expert
         at a time, on the few-row kernel or oneDNN."""
         t0 = self.seconds.mark()
         E = len(sizes[0])
@@ -403,12 +403,12 @@ class Exchange:
         offset = [0, *itertools.accumulate(n for row in sizes for n in row)]  # of source s's expert e: s * E + e
         parts = {e: [(offset[s * E + e], sizes[s][e]) for s in range(len(sizes)) if sizes[s][e]] for e in active}
         weights = [self.residency.weights(layer, e) for e in active]
-        if active and linears.grouped_experts(got, [per_expert[e] for e in active]):
+        if active and kernels.grouped_experts(got, [per_expert[e] for e in active]):
             where = None  # the rows in expert order, where they do not lie so already (several source ranks)
             if len(sizes) > 1:
                 where = torch.cat([torch.arange(a, a + n, device=got.device) for e in active for a, n in parts[e]])
             rows = got if where is None else got[where]
-            y = linears.expert_mlps(rows, [per_expert[e] for e in active], weights, self.cfg.activation == "swiglu")
+            y = kernels.expert_mlps(rows, [per_expert[e] for e in active], weights, self.cfg.activation == "swiglu")
             out = y if where is None else torch.empty_like(got).index_copy_(0, where, y)
             self.seconds.add("expert", t0, self.seconds.mark())
             return out
@@ -479,7 +479,7 @@ class PlacedMoE(nn.Module):
         if real is not None:
             xs = xs[real]
         wg = self.moe.deepspeed_moe.gate.wg.weight
-        if self.exchange.ep == 1 and linears.local_layer(xs, wg, cfg.top_k):  # 1 rank, a decode batch: 2 calls
+        if self.exchange.ep == 1 and kernels.local_layer(xs, wg, cfg.top_k):  # 1 rank, a decode batch: 2 calls
             out, counts = self.exchange.run_local(self.index, xs, wg, cfg.top_k, bool(cfg.renormalize))
         elif self.exchange.gathers(xs, wg, cfg.top_k):  # ranks of one machine, a decode batch: 2 all-reduces
             out, counts = self.exchange.run_gathered(self.index, xs, wg, cfg.top_k, bool(cfg.renormalize))
@@ -541,7 +541,7 @@ def _stored_dense(model: GPT, src: Path, stored: dict | None, files: dict | None
     kinds = {n: k for n, k in weight_kinds(meta_model(model.cfg), stored["scheme"], stored["head"], stored["group"]).items()
              if split_expert_key(n) is None}
     raw = read_tensors(src, [t for n, k in kinds.items() for t in (values_name(n, k), scale_name(n))], files)
-    return {n: linears.stored_weight(raw[values_name(n, k)], raw[scale_name(n)]) for n, k in kinds.items()}
+    return {n: kernels.stored_weight(raw[values_name(n, k)], raw[scale_name(n)]) for n, k in kinds.items()}
 
 
 def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
@@ -552,7 +552,7 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
     ServeConfig checks the flags). `files`: what verification saw of each file (export.package.VerifiedPackage);
     every read from the package compares it with the open file first. `quantize` ("int8", "int4"): the experts and
-    the dense linears quantised as they load (export/serve/linears.py `quantize_linears`, `quantized_weights`; CPU
+    the dense linears quantised as they load (export/serve/kernels/swaps.py `quantize_linears`, `quantized_weights`; CPU
     only), and with `quantize_head` the output layer too. `stored`: a quantised package's scheme (its manifest's
     `quantization`): its weights' values and scales are taken as they are (the rest, as `quantize` says)."""
     from export.inference import Layout
@@ -581,8 +581,8 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     cast_keeping_gates(model, dtype)
     load_weights(model, src, files=files)
     model = model.to(device=dist.device()).eval().requires_grad_(False)
-    serving_linears(model)  # on the CPU: the few-row kernel and oneDNN (export/serve/linears.py)
-    linears.serving_norms(model)  # and RMSNorm in one call
+    serving_linears(model)  # on the CPU: the few-row kernel and oneDNN (export/serve/kernels)
+    kernels.serving_norms(model)  # and RMSNorm in one call
     if quantize is not None:
-        linears.quantize_linears(model, quantize, head=quantize_head, stored=_stored_dense(model, src, stored, files))
+        kernels.quantize_linears(model, quantize, head=quantize_head, stored=_stored_dense(model, src, stored, files))
     return PlacedModel(model, exchange, Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world))

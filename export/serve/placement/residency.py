@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from export.serve.linears import serving_weight
+from export.serve.kernels import serving_weight
 from export.serve.placement.algo import Table, native_rank
 from pipeline.model import ModelConfig, expert_key, split_expert_key
 
@@ -42,7 +42,7 @@ class ExpertStore:
     compared with what verification saw (`files`: export/package.py's `VerifiedPackage.files`; without it,
     what the store saw when it opened them): a changed file fails that load with a FileChangedError."""
 
-    file_backed = True  # its tensors are the package's files, mapped: export/serve/linears.py `map_weights` leaves them
+    file_backed = True  # its tensors are the package's files, mapped: export/serve/kernels/transport.py `map_weights` leaves them
 
     def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype, files: dict | None = None,
                  device: torch.device | str = "cpu", quantize: str | None = None):
@@ -53,8 +53,8 @@ class ExpertStore:
         from pipeline.weights import SAFETENSORS_DTYPES, read_header, weight_files
 
         self.src, self.cfg, self.dtype, self.device = Path(src), cfg, dtype, torch.device(device)
-        # "int8", "int4" or "w8a8": each expert quantised as it loads (linears.quantized_weights); on an int8 package,
-        # "w8a8" runs its stored weights with int8 inputs (linears.as_scheme)
+        # "int8", "int4" or "w8a8": each expert quantised as it loads (kernels.quantized_weights); on an int8 package,
+        # "w8a8" runs its stored weights with int8 inputs (kernels.as_scheme)
         self.quantize = quantize
         if quantize == "w8a8" and cfg.activation == "swiglu" and cfg.expert_hidden % 64:
             raise ValueError(f"--quantize w8a8: the W8A8 expert kernel takes SwiGLU experts of a multiple of 64 "
@@ -87,7 +87,7 @@ class ExpertStore:
 
     def load(self, layer: int, expert: int) -> tuple:
         """(fc1 weight, fc1 bias, fc2 weight, fc2 bias) of one expert, resident, in `dtype`; on the CPU the weights
-        wrapped for the few-row kernel and oneDNN (export/serve/linears.py: no copy, nothing reordered)."""
+        wrapped for the few-row kernel and oneDNN (export/serve/kernels: no copy, nothing reordered)."""
         from pipeline.artifacts import FileChangedError, check_unchanged
 
         parts = EXPERT_PARTS if self.cfg.mlp_bias else EXPERT_PARTS[::2]  # the families' experts have no biases
@@ -105,7 +105,7 @@ class ExpertStore:
             tensors = [self._views[k].to(device=self.device, dtype=self.dtype, copy=True) for k in keys]
         w1, b1, w2, b2 = tensors if self.cfg.mlp_bias else (tensors[0], None, tensors[1], None)
         if self.quantize is not None:
-            from export.serve.linears import quantized_weights
+            from export.serve.kernels import quantized_weights
 
             q1, q2 = quantized_weights([w1, w2], self.quantize)
             return q1, b1, q2, b2
@@ -126,7 +126,7 @@ class ExpertStore:
         return out
 
     def _stored(self, keys: list[str]) -> tuple:
-        from export.serve.linears import as_scheme, stored_weight
+        from export.serve.kernels import as_scheme, stored_weight
 
         stored, out = iter(self._stored_keys(keys)), []
         for k in keys:
@@ -168,8 +168,8 @@ class ExpertStore:
             keys = self._stored_keys([self.key(0, 0, p) for p in parts])
             return sum(self._views[k].numel() * self._views[k].element_size() for k in keys if not k.endswith("bias")) \
                 + biases
-        if self.quantize is not None:  # quantised as it loads (linears.quantized_weights)
-            from export.serve.linears import quantized_kind
+        if self.quantize is not None:  # quantised as it loads (kernels.quantized_weights)
+            from export.serve.kernels import quantized_kind
 
             kind = quantized_kind(self.quantize, [h, f])
             return kind.held_bytes(up, h) + kind.held_bytes(h, f) + biases
