@@ -105,9 +105,11 @@ def _collective_calls(path: Path) -> list[str]:
 
 
 def test_every_collective_goes_through_pipeline_dist():
-    """pipeline/dist.py builds every collective's tensors on the accelerator's device (NCCL rejects CPU tensors);
+    """pipeline/dist.py builds every collective's tensors on the accelerator's device (NCCL rejects CPU tensors), and
+    the serving ranks' transport (export/serve/transport.py, on dist's process group and device) its per-step ones;
     nothing else calls torch.distributed or deepspeed.comm collectives directly."""
-    calls = [c for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py")) if path != ROOT / "pipeline" / "dist.py"
+    homes = (ROOT / "pipeline" / "dist.py", ROOT / "export" / "serve" / "transport.py")
+    calls = [c for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py")) if path not in homes
              for c in _collective_calls(path)]
     assert calls == []
-    assert _collective_calls(ROOT / "pipeline" / "dist.py")  # the walker does see them where they are
+    assert all(_collective_calls(home) for home in homes)  # the walker does see them where they are
