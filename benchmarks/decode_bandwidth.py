@@ -75,14 +75,15 @@ def kv_bytes_per_token(cfg, dtype, context: float) -> float:
 
 # -- (b) decode ----------------------------------------------------------------------------------------------------
 
-def load_engine(pkg: Path, threads: int):
-    """The serving engine for `pkg` on this process alone (1 rank, one slot), `threads` threads, end token off."""
+def load_engine(pkg: Path, threads: int, cpu_linears: str = "kernel"):
+    """The serving engine for `pkg` on this process alone (1 rank, one slot), `threads` threads, end token off, its
+    linears on `cpu_linears` (serve --cpu-linears)."""
     import torch
 
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine
 
-    engine = Engine.from_config(ServeConfig(package=pkg, max_batch=1))
+    engine = Engine.from_config(ServeConfig(package=pkg, max_batch=1, cpu_linears=cpu_linears))
     torch.set_num_threads(threads)  # after dist.init, which sizes the pool for the local ranks
     engine.eos = None  # a benchmark: every run decodes exactly --new-tokens tokens
     return engine
@@ -206,9 +207,9 @@ def module_breakdown(engine, prompt: list[int], new_tokens: int) -> dict:
 
 # -- (d) the same engine on the other linears ---------------------------------------------------------------------
 
-# variant -> MOE_PIPELINE_CPU_LINEARS (export/serve/kernels): the engine as it serves (the few-row GEMV kernel,
+# variant -> serve --cpu-linears (export/serve/kernels/options.py): the engine as it serves (the few-row GEMV kernel,
 # oneDNN for more rows), oneDNN for every row count, and every layer left to F.linear (MKL on this torch build)
-BACKENDS = {"engine": "1", "onednn": "onednn", "F.linear": "0"}
+BACKENDS = {"engine": "kernel", "onednn": "onednn", "F.linear": "aten"}
 
 
 # -- one dtype -----------------------------------------------------------------------------------------------------
@@ -236,38 +237,28 @@ def measure(pkg: Path, threads: int, new_tokens: int, repeats: int, buffer_gib: 
     engine at a time). The bandwidth is sampled before every decode run and after the last (best of 2 each, the
     engine's memory held), and the best sample is the bound's: decode and bandwidth both best-of over the same
     stretch of time."""
-    from export.serve.kernels import ENV
-
     samples, variants = [], {}
 
     def sample():
         samples.append(read_bandwidth(threads, buffer_gib, 2))
 
-    before = os.environ.get(ENV)
-    try:
-        for name in backends:
-            os.environ[ENV] = BACKENDS[name]
-            engine = load_engine(pkg, threads)
-            prompt = engine.encode(PROMPT)
-            dtype = model_dtype(engine)
-            act = active_bytes(engine.model.cfg, dtype)
-            kv = kv_bytes_per_token(engine.model.cfg, dtype, len(prompt) + new_tokens / 2)
-            v = timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}, {name}", sample)
-            # the greedy head read through its int8 screen (export/serve/kernels/heads.py `HeadScreen`): 1 byte a weight
-            screened = getattr(engine.model.lm_head, "screen", None) is not None
-            head_read = act["lm_head"] / dtype.itemsize if screened else act["lm_head"]
-            v["head_screen"], v["head_read_bytes"] = screened, head_read
-            v["read_bytes_per_token"] = act["total"] - act["lm_head"] + head_read
-            v["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
-            if variants:
-                v["same_tokens"] = sum(a == b for a, b in zip(v["tokens"], next(iter(variants.values()))["tokens"]))
-            variants[name] = v
-            del engine
-    finally:
-        if before is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = before
+    for name in backends:
+        engine = load_engine(pkg, threads, BACKENDS[name])
+        prompt = engine.encode(PROMPT)
+        dtype = model_dtype(engine)
+        act = active_bytes(engine.model.cfg, dtype)
+        kv = kv_bytes_per_token(engine.model.cfg, dtype, len(prompt) + new_tokens / 2)
+        v = timed_runs(engine, prompt, new_tokens, repeats, f"decode {pkg.name}, {name}", sample)
+        # the greedy head read through its int8 screen (export/serve/kernels/heads.py `HeadScreen`): 1 byte a weight
+        screened = getattr(engine.model.lm_head, "screen", None) is not None
+        head_read = act["lm_head"] / dtype.itemsize if screened else act["lm_head"]
+        v["head_screen"], v["head_read_bytes"] = screened, head_read
+        v["read_bytes_per_token"] = act["total"] - act["lm_head"] + head_read
+        v["breakdown"] = module_breakdown(engine, prompt, breakdown_tokens)
+        if variants:
+            v["same_tokens"] = sum(a == b for a, b in zip(v["tokens"], next(iter(variants.values()))["tokens"]))
+        variants[name] = v
+        del engine
     sample()
     bw = best_bandwidth(samples)
     bound = bw["bytes_per_s"] / act["total"]

@@ -39,7 +39,7 @@ from common import ROOT, cpu_info, cpu_line  # noqa: E402
 
 VARIANTS = (("package", None, False), ("int8", "int8", False), ("int4", "int4", False),
             ("int8+head", "int8", True), ("int4+head", "int4", True))  # --package: serve --quantize [--quantize-head]
-UNSCREENED = "package, no screen"  # --package served with MOE_PIPELINE_HEAD_SCREEN=0 (`decode`)
+UNSCREENED = "package, no screen"  # --package served with --no-head-screen (`decode`)
 # --peer-gguf DIR: the GGUFs of benchmarks/peer_bench.py's work folder, decoded by llama-bench beside ours (`decode`)
 PEER_GGUF = {"BF16": "model-bf16.gguf", "Q8_0": "model-q8_0.gguf", "Q4_0": "ours-q4_0.gguf"}
 LLAMA_BENCH = ROOT / ".peers" / "llama.cpp" / "build" / "bin" / "llama-bench"
@@ -187,14 +187,13 @@ def decode(pkg: Path, threads: int, new_tokens: int, repeats: int, bandwidth_gib
     from decode_bandwidth import decode_run
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine
-    from export.serve.kernels import SCREEN_ENV, kernel
+    from export.serve.kernels import kernel
 
     engines, read = {}, {}
     w8a8 = (("w8a8", "w8a8", False),) if hasattr(kernel(), "w8a8_linear") else ()  # AVX512_VNNI builds
     for name, quantize, head in VARIANTS[:1] + ((UNSCREENED, None, False),) + VARIANTS[1:] + w8a8:
-        with mock.patch.dict(os.environ, {SCREEN_ENV: "0"} if name == UNSCREENED else {}):
-            engines[name] = Engine.from_config(ServeConfig(package=pkg, max_batch=1, quantize=quantize,
-                                                           quantize_head=head))
+        engines[name] = Engine.from_config(ServeConfig(package=pkg, max_batch=1, quantize=quantize,
+                                                       quantize_head=head, head_screen=name != UNSCREENED))
         engines[name].eos = None
         read[name] = read_bytes(engines[name], quantize, head)
     torch.set_num_threads(threads)  # after dist.init, which sizes the pool for the local ranks

@@ -26,7 +26,7 @@ Modes are interleaved (each repeat runs every mode once, in a rotated order) aft
 untimed rounds, so a slow moment of a shared machine hits all of them; the reported ratios are
 the medians of each repeat's mode time over the plain time of the same repeat. On CPU,
 `pipeline.dist.init` raises glibc's mmap threshold as training does (`tune_cpu_allocator`);
-MOE_PIPELINE_MALLOC_TUNING=0 measures without it (plain steps get slower, the KD ratio lower). Targets: KD/plain
+--no-malloc-tuning measures without it (plain steps get slower, the KD ratio lower). Targets: KD/plain
 <= 1.5, after_stop/plain <= 1.05. Results: a table on stdout and `kd_step_time.json` under `--out`
 (default `benchmarks/results/`).
 """
@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="where the JSON goes")
     p.add_argument("--repeats", type=int, default=20, help="timed steps per mode (median)")
+    p.add_argument("--no-malloc-tuning", dest="malloc_tuning", action="store_false",
+                   help="leave glibc malloc alone (pipeline/dist.py tune_cpu_allocator), as training would not")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds of every mode first")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--teacher-dir", type=Path, default=None,
@@ -168,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline import dist
 
-    ranks = dist.init()  # DeepSpeed's MoE needs a process group (here of 1 rank); on CPU it tunes malloc
-    malloc_tuned = torch.device("cpu") == dist.device() and os.environ.get(dist.MALLOC_TUNING_ENV, "1") != "0"
+    # DeepSpeed's MoE needs a process group (here of 1 rank); on CPU it tunes malloc
+    ranks = dist.init(tune_allocator=args.malloc_tuning)
+    malloc_tuned = torch.device("cpu") == dist.device() and args.malloc_tuning
     torch.set_num_threads(args.threads)
     m = build(args, ranks)
     times = time_modes(m, args.warmup)

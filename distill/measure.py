@@ -45,7 +45,8 @@ from pipeline.artifacts import atomic_write_text, cache_root, read_model_config
 from pipeline.build import empty_model, load_frozen, meta_counts
 from pipeline.dist import Ranks, device
 from pipeline.model import ModelConfig
-from pipeline.quantize import INT4_GROUP, SCHEMES, fake_quantize_
+from pipeline.quantize import INT4_GROUP, fake_quantize_
+from pipeline.schemes import STORED
 from pipeline.recipe import Recipe, RecipeError
 from pipeline.train import evaluate
 
@@ -180,7 +181,7 @@ def measure(recipe: Recipe, teacher_dir: Path, blocks: int = 64, progress: bool 
     student_cfg = student_config(teacher_cfg, chosen["kept_teacher_layers"], chosen["experts"])
     for target in tqdm(("teacher", "student"), desc="scoring quantised", unit="model", disable=not progress):
         cfg = teacher_cfg if target == "teacher" else student_cfg
-        for scheme in (None, *SCHEMES):
+        for scheme in (None, *STORED):
             if target == "teacher":
                 model = load_frozen(teacher_dir, 1, None, on, dtype, impl="reference")
             else:

@@ -197,9 +197,6 @@ def _own_shm_buffer() -> None:
     atexit.register(name.unlink, missing_ok=True)
 
 
-MALLOC_TUNING_ENV = "MOE_PIPELINE_MALLOC_TUNING"
-
-
 def tune_cpu_allocator() -> bool:
     """Keep freed tensor memory in the process heap instead of returning it to the OS (glibc only).
 
@@ -209,9 +206,10 @@ def tune_cpu_allocator() -> bool:
     divergence's time and a good part of a plain step's (benchmarks/kd_step_time.py). Raising the
     mmap and trim thresholds makes such blocks come from, and go back to, the heap, as jemalloc or
     tcmalloc (which Intel's PyTorch CPU guide preloads) would. The price: up to 1 GiB of freed memory
-    stays resident. Set MOE_PIPELINE_MALLOC_TUNING=0 to leave malloc alone. Returns True if applied.
+    stays resident. `init(tune_allocator=False)` (serve --no-malloc-tuning) leaves malloc alone. Returns True if
+    applied.
     """
-    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return False
     import ctypes
 
@@ -230,8 +228,9 @@ _LOCAL_WORLD: int | None = None  # init()'s count of the ranks on this machine
 _CONTROL = None
 
 
-def init() -> Ranks:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU) and size the thread pool."""
+def init(tune_allocator: bool = True) -> Ranks:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU) and size the thread pool; on the CPU, with
+    `tune_allocator`, glibc malloc tuned for large short-lived tensors (`tune_cpu_allocator`)."""
     quiet_cpu_accelerator()
     import deepspeed
     import torch.distributed as td
@@ -277,7 +276,8 @@ def init() -> Ranks:
     if get_accelerator().device_name() == "cpu":
         # without core binding every rank would use all cores: split them between the local ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        tune_cpu_allocator()
+        if tune_allocator:
+            tune_cpu_allocator()
     return Ranks(td.get_rank(), td.get_world_size(), int(os.environ["LOCAL_RANK"]), local_world)
 
 

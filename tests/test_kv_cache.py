@@ -173,11 +173,12 @@ def test_a_packed_forward_of_decode_tokens_and_prompt_chunks_equals_each_row_alo
     share a forward) give each row the hidden states, and write the keys, that it gets in a forward of its own: a
     decode token after 5 cached, a prompt from position 0, a chunk after a 4-token prefix, a second decode token;
     rotary positions, grouped-query attention with per-head q/k norms, as Qwen3-MoE. The rows longer than
-    `KERNEL_ROWS` attend in scaled_dot_product_attention, the others in the kernel, a token a row: all of them in
+    `--attention-kernel-rows` attend in scaled_dot_product_attention, the others in the kernel, a token a row: all of them in
     SDPA (1), the 3-token chunk in the kernel and the 7-token prompt in SDPA (3), every row in the kernel (64)."""
+    from export.serve.kernels import options
     from export.serve.kv_cache import PagedCache
 
-    monkeypatch.setattr(PagedCache, "KERNEL_ROWS", kernel_rows)
+    monkeypatch.setattr(options, "_current", options.KernelOptions(attention_kernel_rows=kernel_rows))
     model = qwen_like(dtype)
     cfg = model.cfg
 

@@ -73,8 +73,8 @@ def test_the_kernel_s_threads_share_out_a_weight_and_give_one_thread_s_result():
 def test_served_weights_move_into_a_file_mapping_and_keep_their_values(monkeypatch, tmp_path):
     """map_weights: every large CPU weight reachable from a model (its ServingWeights' detached copies too, which
     share a storage) reads the same values from an unlinked file's mapping (in /proc/self/maps), the kernel gives
-    the same outputs, small tensors stay where they are; MOE_PIPELINE_MAP_WEIGHTS=0 leaves everything alone."""
-    from export.serve.kernels import MAP_ENV, ServingLinear, kernel, map_weights
+    the same outputs, small tensors stay where they are; `serve --no-map-weights` leaves everything alone."""
+    from export.serve.kernels import ServingLinear, kernel, map_weights, options
 
     gemv = kernel()
     torch.manual_seed(0)
@@ -94,9 +94,8 @@ def test_served_weights_move_into_a_file_mapping_and_keep_their_values(monkeypat
                 return "moe-pipeline-weights-" in line and line.rstrip().endswith("(deleted)")
         return False
 
-    monkeypatch.setenv(MAP_ENV, "0")
-    assert map_weights(model, big, directory=str(tmp_path)) == 0 and not mapped(served)
-    monkeypatch.delenv(MAP_ENV)
+    with options.using(map_weights=False):
+        assert map_weights(model, big, directory=str(tmp_path)) == 0 and not mapped(served)
     assert map_weights(model, big, directory=str(tmp_path)) >= served.numel() * 2
     assert mapped(served) and mapped(model[0].weight) and model[1].weight.data_ptr() == small
     assert torch.equal(served, before) and torch.equal(model[0].weight, before)
@@ -115,18 +114,16 @@ def test_the_gemv_kernel_avx2_build_equals_f_linear():
     check_all(gemv)
 
 
-def test_the_prefetch_hint_follows_the_cpu_or_the_environment(monkeypatch):
-    from export.serve.kernels import PREFETCH_ENV, prefetch_hint
+def test_the_prefetch_hint_follows_the_cpu_or_the_option():
+    from export.serve.kernels import options, prefetch_hint
 
     vendor = next(line for line in open("/proc/cpuinfo") if line.startswith("vendor_id"))
-    monkeypatch.delenv(PREFETCH_ENV, raising=False)
-    assert prefetch_hint() == ("t0" if "GenuineIntel" in vendor else "nta")
+    assert options.current().prefetch == "auto" and prefetch_hint() == ("t0" if "GenuineIntel" in vendor else "nta")
     for hint in ("t0", "NTA"):
-        monkeypatch.setenv(PREFETCH_ENV, hint)
-        assert prefetch_hint() == hint.lower()
-    monkeypatch.setenv(PREFETCH_ENV, "l2")
-    with pytest.raises(ValueError, match="MOE_PIPELINE_PREFETCH='l2': use t0 or nta"):
-        prefetch_hint()
+        with options.using(prefetch=hint):
+            assert prefetch_hint() == hint.lower()
+    with pytest.raises(ValueError, match="--prefetch 'l2': use t0, nta or auto"):
+        prefetch_hint("l2")
 
 
 def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear():
@@ -623,8 +620,8 @@ def check_quantized_screen(kernel):
 
 def test_only_an_output_layer_that_fits_gets_a_screen(monkeypatch):
     """`serving_linears` gives the model's lm_head a HeadScreen (and no other layer); none with a bias, a weight that
-    is not finite, or MOE_PIPELINE_HEAD_SCREEN=0."""
-    from export.serve.kernels import SCREEN_ENV, HeadScreen, ServingLinear, ServingWeight, kernel, serving_linears
+    is not finite, or `serve --no-head-screen`."""
+    from export.serve.kernels import HeadScreen, ServingLinear, ServingWeight, kernel, options, serving_linears
 
     if kernel() is None:
         pytest.skip("no kernel on this machine")
@@ -638,8 +635,8 @@ def test_only_an_output_layer_that_fits_gets_a_screen(monkeypatch):
     assert HeadScreen.of(ServingWeight(w), torch.zeros(4096)) is None
     w[3, 3] = float("nan")
     assert HeadScreen.of(ServingWeight(w), None) is None
-    monkeypatch.setenv(SCREEN_ENV, "0")
-    assert HeadScreen.of(ServingWeight(torch.randn(4096, 64)), None) is None
+    with options.using(head_screen=False):
+        assert HeadScreen.of(ServingWeight(torch.randn(4096, 64)), None) is None
 
 
 def check_routed(kernel):
@@ -806,7 +803,7 @@ def test_row_buckets_bound_the_shapes_onednn_compiles():
 
 
 def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
-    from export.serve.kernels import ENV, FusedQKV, ServingLinear, serving_linears
+    from export.serve.kernels import FusedQKV, ServingLinear, options, serving_linears
     from pipeline.model import GPT, init_weights
 
     cfg = model_config(hidden=128, heads=4)
@@ -816,9 +813,8 @@ def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
     with torch.no_grad():
         ref = model(ids).logits
         ref_one = model(ids[:1, :1]).logits  # one row: the kernel's path once served
-    monkeypatch.setenv(ENV, "0")
-    assert serving_linears(model) == 0  # switched off: nothing changes
-    monkeypatch.delenv(ENV)
+    with options.using(linears="aten"):
+        assert serving_linears(model) == 0  # switched off: nothing changes
     assert serving_linears(model) > 0
     assert all(isinstance(b.attn.qkv, FusedQKV) for b in model.blocks)  # q, k, v as one projection
     assert all(type(m.moe.deepspeed_moe.gate.wg) is nn.Linear for m in model.moe_layers())  # the router reads it

@@ -117,19 +117,19 @@ def test_the_output_layer_quantised_too(package):
 def test_a_quantised_output_layer_screens_its_greedy_rows(package, monkeypatch, scheme):
     """--quantize int8|int4 --quantize-head: the greedy rows go through the quantised head's screen
     (export/serve/kernels/heads.py `QuantizedHeadScreen`: its stored weights x int8, the candidates then exact), with the
-    same tokens as the same engine reading its whole output layer (MOE_PIPELINE_HEAD_SCREEN=0), one prompt and four
+    same tokens as the same engine reading its whole output layer (`--no-head-screen`), one prompt and four
     decoded together; rows that ask for log-probabilities read the whole layer."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate
-    from export.serve.kernels import QUANTIZED, SCREEN_ENV, QuantizedHeadScreen, kernel
+    from export.serve.kernels import QUANTIZED, QuantizedHeadScreen, kernel
     from export.serve.request import SamplingParams
 
     if not hasattr(kernel(), "screen_argmax_i4"):
         pytest.skip("the quantised heads' screens need an AVX512_VNNI build of the kernel")
     screened = Engine.from_config(ServeConfig(package=package, quantize=scheme, quantize_head=True,
                                               kv_cache_memory=0.05))
-    monkeypatch.setenv(SCREEN_ENV, "0")
-    whole = Engine.from_config(ServeConfig(package=package, quantize=scheme, quantize_head=True, kv_cache_memory=0.05))
+    whole = Engine.from_config(ServeConfig(package=package, quantize=scheme, quantize_head=True, kv_cache_memory=0.05,
+                                           head_screen=False))
     head = screened.worker.model.lm_head
     assert type(head.served) is QUANTIZED[scheme] and isinstance(head.screen, QuantizedHeadScreen)
     assert whole.worker.model.lm_head.screen is None

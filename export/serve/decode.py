@@ -125,10 +125,9 @@ class Decoder:
     def packs(self, counts: list[int]) -> bool:
         """Whether `packed` runs a forward of rows of these new-token counts in one `DecodeModel` call: up to
         PACKED_TOKENS tokens in all, every row short enough for the cache's attention kernel."""
-        from export.serve.kv_cache import PagedCache
-
         most = min(self.PACKED_TOKENS, kernels.DEQUANTIZE_ABOVE if self.quantized else 1 << 30)
-        return self.native is not None and 0 < sum(counts) <= most and max(counts) <= PagedCache.KERNEL_ROWS
+        return (self.native is not None and 0 < sum(counts) <= most
+                and max(counts) <= kernels.options.current().attention_kernel_rows)
 
     @torch.no_grad()
     def packed(self, tokens: torch.Tensor, cache) -> Output:

@@ -141,7 +141,8 @@ class Engine:
         from export.package import package_dtype, read_tokenizer, verified_package
         from pipeline import dist
 
-        ranks = ranks or dist.init()
+        ranks = ranks or dist.init(tune_allocator=config.malloc_tuning)
+        kernels.configure(kernels.KernelOptions.of(config))  # before any weight is served (export/serve/kernels/options.py)
         if config.nproc != ranks.world:
             raise ValueError(f"--nproc {config.nproc}: {ranks.world} rank(s) are running; the flags were checked for "
                              f"{config.nproc} (start as many ranks, or drop --nproc)")

@@ -23,7 +23,7 @@ scaled_dot_product_attention.
 Packed forwards (`select(..., packed=True)`, where the kernel is here: `packs`): the rows' new tokens one after
 another as one sequence [1, sum(counts)], no padding, so decode tokens and prompt chunks share one forward (each
 weight read once for both, as vLLM's chunked prefill does). Attention then takes one `paged_attention` call for
-every row of up to `PagedCache.KERNEL_ROWS` new tokens, each token a row of the kernel's own (its position, its
+every row of up to `PagedCache.kernel_rows` new tokens (`serve --attention-kernel-rows`), each token a row of the kernel's own (its position, its
 row's block table; the kernel writes all keys and values before it reads any), and each longer row's queries over
 its own blocks in scaled_dot_product_attention.
 """
@@ -150,13 +150,12 @@ class PagedCache(Cache):
     sequences (`select`): row b is sequence seqs[b], with starts[b] tokens cached and counts[b] new ones (a padded
     batch when the counts differ: batched prefill)."""
 
-    # a packed forward's rows of at most this many new tokens attend in the kernel (each token a row of its own: no
-    # Python a row), longer ones in scaled_dot_product_attention, a row at a time: a prompt chunk of up to this many
-    # tokens is cheaper through the kernel than through SDPA's gather of its blocks
-    KERNEL_ROWS = int(os.environ.get("MOE_PIPELINE_KERNEL_ROWS", 128))
-
     def __init__(self, cfg: ModelConfig, blocks: int, block_size: int, heads: int, device=None,
                  dtype=torch.float32):
+        # a packed forward's rows of at most this many new tokens attend in the kernel (each token a row of its own:
+        # no Python a row), longer ones in scaled_dot_product_attention, a row at a time: a prompt chunk of up to this
+        # many tokens is cheaper through the kernel than through SDPA's gather of its blocks (--attention-kernel-rows)
+        self.kernel_rows = kernels.options.current().attention_kernel_rows
         shape = (blocks, heads, block_size, cfg.head_dim)  # heads: this rank's (a 1/tp slice under tensor slicing)
         # zeros, not empty: a gathered block a mask hides still enters the attention product (0 x NaN is NaN)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
@@ -223,13 +222,13 @@ class PagedCache(Cache):
         blocks = self._table[rows, pos // self.block_size]
         self._packed_pos = pos[None].to(self.device) if self.device is not None else pos[None]
         self._packed_slots = blocks, pos % self.block_size
-        # rows of up to KERNEL_ROWS new tokens attend in the kernel, each token as a row of its own: its position its
+        # rows of up to kernel_rows new tokens attend in the kernel, each token as a row of its own: its position its
         # start, its row's block table (the kernel writes every token's key and value before it reads any)
-        self._kernel_tokens = (counts[rows] <= self.KERNEL_ROWS).nonzero().squeeze(1)  # indices in the packed forward
+        self._kernel_tokens = (counts[rows] <= self.kernel_rows).nonzero().squeeze(1)  # indices in the packed forward
         self._kernel_table = self._table[rows[self._kernel_tokens]]
         self._kernel_starts = pos[self._kernel_tokens].tolist()
         self._long = [(offsets[b], s, n, b) for b, (s, n) in enumerate(zip(self._start, self.counts))
-                      if n > self.KERNEL_ROWS]
+                      if n > self.kernel_rows]
 
     # -- pipeline.model.Cache -------------------------------------------------------------------------------------
     @property

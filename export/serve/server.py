@@ -101,7 +101,7 @@ def serve(config: ServeConfig) -> int:
     from pipeline import dist
     from pipeline.artifacts import read_manifest
 
-    ranks = dist.init()
+    ranks = dist.init(tune_allocator=config.malloc_tuning)
     # each data-parallel rank its own requests where it can, rank 0 taking them all (export/serve/coordinator.py)
     engine = Engine.from_config(config, ranks, own_requests=None, front=True)
     if ranks.rank != 0:

@@ -271,7 +271,6 @@ def all_to_all_(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
     return out
 
 
-REDUCE_ENV = "MOE_PIPELINE_LOCAL_REDUCE"  # 1 (default) | 0: DeepSpeed's shared-memory all-reduce instead
 REDUCE_SLOT_BYTES = 4 << 20  # a rank's slot in the shared region (two a rank): larger tensors go a slot at a time
 
 
@@ -280,16 +279,17 @@ def attach_local_reduce() -> bool:
     (`fast_all_reduce_`: the expert exchange, the step results; the decode kernel's gathered layers) through the
     kernels' `local_reduce_` (export/serve/kernels), which waits for the other ranks without holding a core, instead of DeepSpeed's
     kernel, which spins. Collective (every rank, once, before the first forward); False where it does not apply
-    (1 rank, several machines, no kernel here, or MOE_PIPELINE_LOCAL_REDUCE=0 on any rank: they agree first)."""
+    (1 rank, several machines, no kernel here, or `serve --no-local-reduce`; every rank agrees first)."""
     import torch.distributed as td
 
+    import export.serve.kernels.options as options
     from export.serve.kernels.build import kernel
     from pipeline import dist
 
     if not (td.is_initialized() and td.get_world_size() > 1 and shared_memory_reduce()):
         return False
     k = kernel()
-    wanted = os.environ.get(REDUCE_ENV, "1") != "0" and k is not None and hasattr(k, "local_reduce_")
+    wanted = options.current().local_reduce and k is not None and hasattr(k, "local_reduce_")
     if not all(row[0] for row in dist.gather_numbers([float(wanted)])):
         return False
     world = td.get_world_size()

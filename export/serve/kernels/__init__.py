@@ -3,6 +3,7 @@
     from export.serve import kernels
     kernels.serving_linears(model)   # every large enough nn.Linear of a CPU model in eval mode, in place
 
+  options.py    the options in force (serve's kernel flags): configure, current, using
   build.py      the extension: its build per instruction set and prefetch hint, `kernel()`
   weights.py    ServingWeight: a weight and the linear that fits a call's rows (the kernel, AMX, oneDNN, F.linear)
   quantized.py  int8, int4 and W8A8 weights and the quantisation schemes
@@ -13,16 +14,18 @@
   csrc/         the C++ sources, one file an op (csrc/kernels.h lists them)
 """
 
-from export.serve.kernels.build import ENV, PREFETCH_ENV, available, build, cpu_isa, kernel, prefetch_hint
+from export.serve.kernels import options
+from export.serve.kernels.build import available, build, cpu_isa, kernel, prefetch_hint
 from export.serve.kernels.experts import (GROUPED_MAX_ROWS, combine_pairs, expert_mlps, expert_pairs, expert_tensors,
                                           gathered_layer, grouped_experts, grouped_max_rows, local_layer, route,
                                           routed_layer)
-from export.serve.kernels.heads import SCREEN_ENV, HeadScreen, QuantizedHeadScreen, argmax_rows
+from export.serve.kernels.heads import HeadScreen, QuantizedHeadScreen, argmax_rows
 from export.serve.kernels.quantized import (DEQUANTIZE_ABOVE, MORE_INT4, MORE_INT8, MORE_W8A8, QUANTIZED, Int4Weight,
                                             Int8Weight, QuantizedWeight, W8A8Weight, as_scheme, int8_activations,
                                             quantized_kind, quantized_weights, stored_weight, w8a8_reference)
 from export.serve.kernels.swaps import (FusedQKV, ServingLinear, ServingRMSNorm, quantize_linears, serving_linears,
                                         serving_norms)
-from export.serve.kernels.transport import MAP_ENV, map_weights
+from export.serve.kernels.options import KernelOptions, configure
+from export.serve.kernels.transport import map_weights
 from export.serve.kernels.weights import (MORE_ATEN, MORE_CHUNKS, MORE_ONEDNN, MORE_PLAIN, ONEDNN_FROM, SERVE_FROM,
                                           ServingWeight, bucket, linear, serves, serving_weight)

@@ -8,20 +8,19 @@ cached under ~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), one build per 
 AVX-512, with AVX512_BF16's bf16 dot products where the CPU has them and AMX's tiles where it has those, or AVX2 +
 FMA; and per prefetch hint (`prefetch_hint`: Intel and AMD CPUs stream the weight fastest with different ones).
 Without it (another CPU, no compiler: one warning), few rows go where more rows go (oneDNN).
-MOE_PIPELINE_CPU_LINEARS=onednn leaves the kernel out, =0 leaves every layer as it is (F.linear).
+`serve --cpu-linears onednn` leaves the kernel out, `aten` every layer as it is (F.linear): options.py.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 
-ENV = "MOE_PIPELINE_CPU_LINEARS"  # 1 (default) | onednn | 0
-PREFETCH_ENV = "MOE_PIPELINE_PREFETCH"  # t0 | nta; unset: `prefetch_hint`'s choice for this CPU
+import export.serve.kernels.options as options
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 SOURCES = [SOURCE, SOURCE.parent / "sampling.cpp"]  # one extension: the linears and the rest, the sampler
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
@@ -32,18 +31,19 @@ ISA_FLAGS = {"AMX_BF16": [*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile"
 _kernel_lock = threading.Lock()
 _kernel: object | None = None
 _kernel_tried = False
+_built_hint: str | None = None
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether weights of `dtype` on `device` are served by this module here (and it is not switched off)."""
-    return (os.environ.get(ENV, "1") != "0" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    return (options.current().linears != "aten" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def kernel():
     """The few-row kernel (csrc/gemv.cpp), built or loaded once per process; None where it cannot be."""
     global _kernel, _kernel_tried
-    if os.environ.get(ENV, "1") == "onednn":
+    if options.current().linears == "onednn":
         return None
     if _kernel_tried:
         return _kernel
@@ -87,18 +87,17 @@ def cpu_isa() -> str:
     return isa
 
 
-def prefetch_hint() -> str:
+def prefetch_hint(choice: str | None = None) -> str:
     """How the kernel prefetches the weight it streams: "t0" (into every cache level) on Intel CPUs, "nta"
-    (non-temporal, sparing the caches) elsewhere; MOE_PIPELINE_PREFETCH=t0|nta decides instead. Measured with the
-    kernel alone and in whole decode steps of benchmarks/peer_bench.py's Qwen3-MoE package: on an Intel Xeon
-    (Sapphire Rapids, 2 cores) T0 read the bf16 lm_head at 14.2 GB/s against NTA's 11.7, and steps of 1, 8 and 32
-    rows took 11%, 11% and 4% less time (medians); on an AMD EPYC (Zen 4) NTA's spared caches made steps 4-8%
-    faster."""
-    hint = os.environ.get(PREFETCH_ENV, "").lower()
-    if hint in ("t0", "nta"):
-        return hint
-    if hint:
-        raise ValueError(f"{PREFETCH_ENV}={hint!r}: use t0 or nta (or leave it unset: t0 on Intel CPUs, else nta)")
+    (non-temporal, sparing the caches) elsewhere; `choice` (default the options' `--prefetch`) t0 or nta decides
+    instead. Why by vendor: on an Intel Xeon (Sapphire Rapids) T0 streamed the output layer faster and made whole
+    decode steps quicker, on an AMD EPYC (Zen 4) NTA's spared caches did (benchmarks/decode_bandwidth.py,
+    benchmarks/peer_bench.py; docs/results.md)."""
+    choice = (choice or options.current().prefetch).lower()
+    if choice in ("t0", "nta"):
+        return choice
+    if choice != "auto":
+        raise ValueError(f"--prefetch {choice!r}: use t0, nta or auto (t0 on Intel CPUs, else nta)")
     return "t0" if "GenuineIntel" in _cpuinfo("vendor_id") else "nta"
 
 
@@ -107,11 +106,23 @@ def build(isa: str, hint: str | None = None):
     or loaded from the extensions cache."""
     from torch.utils.cpp_extension import load
 
+    global _built_hint
     hint = hint or prefetch_hint()
+    _built_hint = hint
     t0 = ["-DMOE_PREFETCH_T0"] if hint == "t0" else []
     return load(name=f"moe_pipeline_gemv_{isa.lower()}" + ("_t0" if t0 else ""), sources=[str(p) for p in SOURCES],
                 extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa], *t0], verbose=False)
 
+
+
+def built():
+    """The kernel if this process has built or loaded it, else None (without building it)."""
+    return _kernel if _kernel_tried else None
+
+
+def built_hint() -> str | None:
+    """The prefetch hint the kernel was built with (None before it is built)."""
+    return _built_hint
 
 
 def kernel_has(op: str, x: torch.Tensor) -> bool:

@@ -6,20 +6,19 @@ same for a head held quantised), and `argmax_rows`; csrc/heads.cpp.
     screen = HeadScreen.of(served, bias)     # None where it does not apply
     tokens = screen.argmax(x)                # None: the caller runs the whole head
 
-MOE_PIPELINE_HEAD_SCREEN=0: no screens.
+`serve --no-head-screen`: no screens.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+import export.serve.kernels.options as options
 from export.serve.kernels.build import kernel, kernel_has
 from export.serve.kernels.quantized import Int4Weight, Int8Weight, W8A8Weight
 from pipeline.quantize import dequantized, int8_rows, unpack_int4
 
-SCREEN_ENV = "MOE_PIPELINE_HEAD_SCREEN"  # 1 (default) | 0: greedy rows read the whole output layer (`HeadScreen`)
 
 
 class _Tries:
@@ -76,7 +75,7 @@ class HeadScreen(_Tries):
     Not for: a bias, a weight that is not finite, rows the head would send to AMX (`amx_linear`'s other sums), rows
     that sample from the whole vocabulary (top_p, min_p alone: the nucleus needs every logit) or ask for
     log-probabilities. A row count whose calls keep falling back (candidates past `most`:
-    flat logits) stops trying after GIVE_UP of them. MOE_PIPELINE_HEAD_SCREEN=0: none."""
+    flat logits) stops trying after GIVE_UP of them. `--no-head-screen`: none."""
 
     CHUNK = 4096  # output rows quantised at a time (a float64 copy of this many rows at most)
     MOST = 1 / 16  # candidates (all rows of a call) past this share of the outputs: the whole layer instead
@@ -126,7 +125,7 @@ class HeadScreen(_Tries):
     @classmethod
     def of(cls, served: ServingWeight, bias: torch.Tensor | None) -> "HeadScreen | None":
         w = served.weight
-        if (os.environ.get(SCREEN_ENV, "1") == "0" or bias is not None or served.gemv is None
+        if (not options.current().head_screen or bias is not None or served.gemv is None
                 or not hasattr(served.gemv, "screen_argmax") or w.device.type != "cpu"
                 or w.dtype not in (torch.float32, torch.bfloat16)):
             return None
@@ -190,7 +189,7 @@ class QuantizedHeadScreen(_Tries):
     there; 1 to 64 rows, 8 a pass over the weight), then the candidates its bound cannot rule out computed again by
     the layer's kernel. Per output row it holds the dequantised row's largest |w| (`top`), its L2 norm and the fp32
     roundings' bound (`round`: both sides' sums, per unit of |x|_1 + |e|_1). Not for: a bias, int4 groups that are
-    not a multiple of 128, CPUs without AVX512_VNNI (the kernel has neither op), MOE_PIPELINE_HEAD_SCREEN=0."""
+    not a multiple of 128, CPUs without AVX512_VNNI (the kernel has neither op), `--no-head-screen`."""
 
     CHUNK, MOST_PER_ROW = HeadScreen.CHUNK, HeadScreen.MOST_PER_ROW  # 1 to 64 rows: candidates as the VNNI screen's
 
@@ -224,7 +223,7 @@ class QuantizedHeadScreen(_Tries):
     @classmethod
     def of(cls, weight: "QuantizedWeight", bias: torch.Tensor | None) -> "QuantizedHeadScreen | None":
         op = "screen_argmax_i4" if isinstance(weight, Int4Weight) else "screen_argmax_i8"
-        if (os.environ.get(SCREEN_ENV, "1") == "0" or bias is not None or type(weight) not in (Int4Weight, Int8Weight)
+        if (not options.current().head_screen or bias is not None or type(weight) not in (Int4Weight, Int8Weight)
                 or not hasattr(weight.gemv, op) or (op == "screen_argmax_i4" and weight.group % 128)
                 or weight.q.device.type != "cpu"):
             return None

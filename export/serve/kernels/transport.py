@@ -13,9 +13,9 @@ import os
 import torch
 import torch.nn as nn
 
+import export.serve.kernels.options as options
 from export.serve.kernels.build import kernel
 
-MAP_ENV = "MOE_PIPELINE_MAP_WEIGHTS"  # 1 (default) | 0: served weights stay in anonymous memory
 MAP_FROM = 1 << 20  # storages of at least this many bytes are moved into the mapping
 
 
@@ -26,7 +26,7 @@ def map_weights(*roots, directory: str | None = None) -> int:
     as its memory (csrc/gemv.cpp `adopt_storage`: every tensor on it follows: views, detached copies, references
     the kernels hold; the anonymous copy is freed). Not what an object marked `file_backed` holds (the package's
     memory-mapped experts, export/serve/placement/residency.py `ExpertStore`: already a file). Returns the bytes
-    moved; 0 without the kernel or with MOE_PIPELINE_MAP_WEIGHTS=0.
+    moved; 0 without the kernel or with `serve --no-map-weights`.
 
     Why: Linux keeps the page cache of a file on disk in large folios that map as 2 MB pages (ext4 and XFS on recent
     kernels: /proc/meminfo's FileHugePages), where anonymous memory may get 4 KB pages only (this VM's: AnonHugePages
@@ -38,7 +38,7 @@ def map_weights(*roots, directory: str | None = None) -> int:
     kernel writes the dirty pages back after the start), and under memory pressure the kernel may drop clean pages
     and read them back from there."""
     k = kernel()
-    if k is None or not hasattr(k, "adopt_storage") or os.environ.get(MAP_ENV, "1") == "0":
+    if k is None or not hasattr(k, "adopt_storage") or not options.current().map_weights:
         return 0
     storages: dict[int, torch.Tensor] = {}  # data_ptr -> a uint8 view of the whole storage
     seen, stack = set(), list(roots)
