@@ -20,8 +20,8 @@ read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches),
       dense MLPs, each MoE layer's gate + residual MLP + coefficient + top_k experts, the norms, the lm_head (the
       tied embedding: all of it), the embedding rows. The KV cache a step reads is shown beside (not in the bound).
       The bound counts the head in its stored dtype. Greedy steps read it through its int8 screen
-      (export/serve/kernels/heads.py `HeadScreen`: 1 byte a weight plus a few exact rows); the table also shows the bytes
-      read that way and the ratio on them.
+      (export/serve/kernels/heads.py `HeadScreen`: 1 byte a weight plus a few exact rows); the table also shows the
+      bytes read that way and the ratio on them.
 
 bound = bandwidth / active bytes; ratio = decode tok/s (best run) / bound (also shown against the mv bandwidth);
 paired ratio = each run's tok/s over the bound of the two samples taken just before and after it (the median run

@@ -476,8 +476,9 @@ _LOCAL_GATHER = None  # `use_local_reduce`'s gather, or None (`gather_json` thro
 def use_local_reduce(fn, gather=None) -> None:
     """`fast_all_reduce_` between the ranks of this machine through `fn(t)` (t summed in place) instead of DeepSpeed's
     shared-memory kernel, or through DeepSpeed's again with None. Every rank alike, between collectives. The serving
-    runtime's sum waits without holding a core (export/serve/kernels/transport.py `attach_local_reduce`). `gather(bytes)`:
-    (every rank's length, every rank's bytes, empty where they did not fit), for `gather_json` in one wait."""
+    runtime's sum waits without holding a core (export/serve/kernels/transport.py `attach_local_reduce`).
+    `gather(bytes)`: (every rank's length, every rank's bytes, empty where they did not fit), for `gather_json` in
+    one wait."""
     global _LOCAL_REDUCE, _LOCAL_GATHER
     _LOCAL_REDUCE, _LOCAL_GATHER = fn, gather if fn is not None else None
 

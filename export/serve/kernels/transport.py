@@ -23,7 +23,7 @@ def map_weights(*roots, directory: str | None = None) -> int:
     """The large CPU weights reachable from `roots` (modules with their ServingWeights, the experts' residency)
     moved into one file mapping: a file in `directory` (default: the temporary directory) mapped shared (under
     MADV_HUGEPAGE) and unlinked, each storage's bytes copied in, then each storage takes its part of the mapping
-    as its memory (csrc/gemv.cpp `adopt_storage`: every tensor on it follows: views, detached copies, references
+    as its memory (csrc/transport.cpp `adopt_storage`: every tensor on it follows: views, detached copies, references
     the kernels hold; the anonymous copy is freed). Not what an object marked `file_backed` holds (the package's
     memory-mapped experts, export/serve/placement/residency.py `ExpertStore`: already a file). Returns the bytes
     moved; 0 without the kernel or with MOE_PIPELINE_MAP_WEIGHTS=0.
@@ -108,7 +108,7 @@ REDUCE_SLOT_BYTES = 4 << 20  # a rank's slot in the shared region (two a rank): 
 def attach_local_reduce() -> bool:
     """Between the ranks of one machine on the CPU accelerator (`dist.shared_memory_reduce`), the serving ranks' sums
     (`dist.fast_all_reduce_`: the expert exchange, the step results; the decode kernel's gathered layers) through
-    csrc/gemv.cpp `local_reduce_`, which waits for the other ranks without holding a core, instead of DeepSpeed's
+    csrc/transport.cpp `local_reduce_`, which waits for the other ranks without holding a core, instead of DeepSpeed's
     kernel, which spins. Collective (every rank, once, before the first forward); False where it does not apply
     (1 rank, several machines, no kernel here, or MOE_PIPELINE_LOCAL_REDUCE=0 on any rank: they agree first)."""
     import torch.distributed as td
