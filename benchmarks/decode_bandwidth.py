@@ -20,8 +20,8 @@ read per token, 475 MB in fp32, 238 MB in bf16, far past this machine's caches),
       dense MLPs, each MoE layer's gate + residual MLP + coefficient + top_k experts, the norms, the lm_head (the
       tied embedding: all of it), the embedding rows. The KV cache a step reads is shown beside (not in the bound).
       The bound counts the head in its stored dtype. Greedy steps read it through its int8 screen
-      (export/serve/kernels/heads.py `HeadScreen`: 1 byte a weight plus a few exact rows); the table also shows the bytes
-      read that way and the ratio on them.
+      (export/serve/kernels/heads.py `HeadScreen`: 1 byte a weight plus a few exact rows); the table also shows the
+      bytes read that way and the ratio on them.
 
 bound = bandwidth / active bytes; ratio = decode tok/s (best run) / bound (also shown against the mv bandwidth);
 paired ratio = each run's tok/s over the bound of the two samples taken just before and after it (the median run
@@ -30,7 +30,7 @@ best sample of a stretch can come from a fast moment that no decode run shared.
 Then where the time goes: one more run timed by module (forward hooks: attention, dense MLP, gate + routing,
 experts, residual MLP, lm_head, the rest), each with the bytes it reads and the bandwidth it reaches, and
 torch.profiler's top operators. And (d), `--backends`: the engine loaded again with its linears on oneDNN for
-every row count (MOE_PIPELINE_CPU_LINEARS=onednn: no few-row GEMV kernel) and on plain F.linear (=0: MKL in this
+every row count (--cpu-linears onednn: no few-row GEMV kernel) and on plain F.linear (aten: MKL in this
 torch build), measured the same way in the same run, with how many greedy tokens equal the engine's (the three
 round differently, so a near-tie of random weights can go either way).
 Results: a table on stdout, `decode_bandwidth.json` and `decode_bandwidth.png` under `--out`.

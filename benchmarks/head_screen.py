@@ -7,7 +7,7 @@ For each row count, in turn and alternated --repeats times (the memory's speed d
 hidden states (unit RMS, each row's logits peaked at a random output as a trained model's are not: the random peer
 model's flat logits are what the race serves) through: the whole layer as the server runs it unscreened
 (`ServingWeight.linear`: the few-row kernel up to 8 rows, oneDNN past them) and `argmax_rows`; the bf16 x int8 screen
-(csrc/gemv.cpp `screen_argmax`, up to 8 rows); and the int8 x int8 screen (`screen_argmax_vnni`, AVX512_VNNI builds,
+(csrc/heads.cpp `screen_argmax`, up to 8 rows); and the int8 x int8 screen (`screen_argmax_vnni`, AVX512_VNNI builds,
 up to 64 rows). Checks that both screens give the few-row kernel's tokens, counts each call's candidates, and prints
 the CPU, ms (medians) and the speedups; writes head_screen.json and head_screen.png under --out. The head is
 --package's `lm_head.weight` (default: benchmarks/peer_bench.py's bf16 package; a random 50,304 x 1024 bf16 one if

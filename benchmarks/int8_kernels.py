@@ -5,8 +5,8 @@
     .venv/bin/python benchmarks/int8_kernels.py --package .peers/work/checkpoint-*/ours-package   # + batch-1 decode
 
 One run, side by side: for each weight shape (the output layer 50,304 x 1024, the fused q/k/v 1536 x 1024, the
-attention output 1024 x 1024, an expert's fused gate/up 1536 x 1024 and down 1024 x 768) and row count, csrc/gemv.cpp
-`linear` on a bf16 weight against `int8_linear` on the same weight quantised by export/serve/kernels
+attention output 1024 x 1024, an expert's fused gate/up 1536 x 1024 and down 1024 x 768) and row count,
+csrc/quantized.cpp `linear` on a bf16 weight against `int8_linear` on the same weight quantised by export/serve/kernels
 `quantize_int8` (one scale per output row), and `int4_linear` on it quantised by pipeline/quantize.py `quantize_int4`
 (a scale per 128 inputs of a row, two values a byte), bf16 inputs. Each call reads a weight not in the caches (copies of it
 past 256 MB taken in turn), as a decode step reads its layers. More than 8 rows: `linear` 8 rows at a time, as
@@ -172,7 +172,7 @@ def llama_bench(binary: Path, gguf: Path, threads: int, new_tokens: int) -> floa
 def decode(pkg: Path, threads: int, new_tokens: int, repeats: int, bandwidth_gib: float = 1.0,
            peer: dict[str, Path] | None = None, peer_binary: Path | None = None) -> dict:
     """Batch-1 greedy decode of `pkg` served as it is (its greedy head read through the int8 screen), as it is with
-    the screen off (MOE_PIPELINE_HEAD_SCREEN=0: every weight read in the package's dtype, the baseline the issue's
+    the screen off (--no-head-screen: every weight read in the package's dtype, the baseline the issue's
     "int8 halves bf16's bytes" assumes), with `--quantize int8` and `--quantize int4`, each also with
     `--quantize-head`, and with `--quantize w8a8` where the kernel has it; the engines in this process, their runs
     alternated `repeats` times (this VM's memory speed drifts within minutes), the read bandwidth

@@ -59,8 +59,8 @@ def score(pkg: Path, val, micro: int, w8a8: bool = False) -> tuple[float, "torch
 
 def int8_inputs_(model) -> int:
     """Every linear layer an int8 package stores quantised (`weight_kinds`) computes, from here on, what a W8A8 linear
-    computes on its dequantised weight (export/serve/kernels/quantized.py `w8a8_reference`: its input rounded to int8 steps, one
-    scale a row, F.linear in fp32); returns how many."""
+    computes on its dequantised weight (export/serve/kernels/quantized.py `w8a8_reference`: its input rounded to int8
+    steps, one scale a row, F.linear in fp32); returns how many."""
     import functools
 
     from export.serve.kernels import w8a8_reference

@@ -3,7 +3,7 @@
     from pipeline.quantize import quantize_int8, quantize_int4, pack_int4, fake_quantize_
     q, scale = quantize_int8(w)                  # int8 [out, in], one fp32 scale per output row
     q, scale = quantize_int4(w, group=128)       # int4 values in int8 [out, in], a scale per 128 inputs of a row
-    packed = pack_int4(q)                        # two a byte, as csrc/gemv.cpp's int4_linear reads them
+    packed = pack_int4(q)                        # two a byte, as csrc/quantized.cpp's int4_linear reads them
     fake_quantize_(model, "int4")                # every quantised weight replaced by what its int4 form stands for
 
 Both are symmetric and round to nearest (the baseline GPTQ is compared with), computed in float64. What is quantised
@@ -32,7 +32,7 @@ def int8_rows(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def quantize_int8(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [out, in] weight as int8 with one scale per output row (w ~ scale[:, None] * q), as csrc/gemv.cpp's
+    """A [out, in] weight as int8 with one scale per output row (w ~ scale[:, None] * q), as csrc/quantized.cpp's
     `int8_linear` reads it: (q int8 [out, in], scale fp32 [out]). `chunk` rows at a time. A row of zeros gets zeros
     and the smallest normal scale."""
     O, I = w.shape
@@ -59,8 +59,8 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int4 values (-8..7, one a byte: `quantize_int4`'s q [out, in], `in` a multiple of 64) two a byte, as
-    csrc/gemv.cpp's `int4_linear` reads them: each 64 inputs of a row in 32 bytes, byte j holding input j (low nibble)
-    and input 32 + j (high nibble), each + 8. -> uint8 [out, in / 2]."""
+    csrc/quantized.cpp's `int4_linear` reads them: each 64 inputs of a row in 32 bytes, byte j holding input j (low
+    nibble) and input 32 + j (high nibble), each + 8. -> uint8 [out, in / 2]."""
     O, I = q.shape
     if I % 64:
         raise ValueError(f"pack_int4: rows of {I} inputs; the packing takes a multiple of 64")
@@ -128,9 +128,9 @@ def fits_int4(inputs: int, group: int = INT4_GROUP) -> bool:
 
 def weight_kinds(model: nn.Module, scheme: str, head: bool = False, group: int = INT4_GROUP) -> dict[str, str]:
     """{parameter name ("....weight"): "int8" or "int4"} of every weight a `scheme` package holds quantised, as the
-    serving runtime quantises them (export/serve/kernels/quantized.py `quantized_weights`): int4 where its rows fit the groups,
-    else int8, and an expert's fc1 and fc2 of one kind (the expert kernels take one kind a layer). The output layer
-    only with `head`, and never when it is the (tied) embedding."""
+    serving runtime quantises them (export/serve/kernels/quantized.py `quantized_weights`): int4 where its rows fit the
+    groups, else int8, and an expert's fc1 and fc2 of one kind (the expert kernels take one kind a layer). The output
+    layer only with `head`, and never when it is the (tied) embedding."""
     named(scheme, among=STORED)
     tied = getattr(getattr(model, "lm_head", None), "weight", None) is getattr(getattr(model, "wte", None), "weight", 0)
     kinds = {}

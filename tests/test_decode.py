@@ -52,9 +52,9 @@ def pr_moe():
 def check_decodes_alike(model, lens=(3, 9, 6), experts_native=True):
     """Prompts of `lens` tokens prefilled by the model, then 5 decode steps of all the rows: the model's forward and the
     Decoder's from the same cache state, equal hidden states and expert counts; each step's keys then written once
-    more by the Decoder. Its steps alternate between every layer in one kernel call (csrc/gemv.cpp `DecodeModel`)
-    and the layer-by-layer loop. `experts_native`: the kernel runs the MoE layers' experts itself, else it calls
-    the layers' modules back."""
+    more by the Decoder. Its steps alternate between every layer in one kernel call (csrc/decode_model.cpp
+    `DecodeModel`) and the layer-by-layer loop. `experts_native`: the kernel runs the MoE layers' experts itself, else
+    it calls the layers' modules back."""
     from export.serve.decode import Decoder
     from export.serve.kv_cache import PagedCache, served_kv
 

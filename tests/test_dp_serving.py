@@ -27,7 +27,7 @@ def package(small_run, tmp_path_factory):
 
 def scenarios(pkg, out, placement: str = "-", ranks: int = 1, exchange: str = "auto", native: bool = False) -> dict:
     """tests/workers/dp_engine.py's results; `native`: with the CPU kernels on every weight (these are below the size
-    the runtime serves them from), so that decode forwards run in one call of csrc/gemv.cpp's DecodeModel."""
+    the runtime serves them from), so that decode forwards run in one call of csrc/decode_model.cpp's DecodeModel."""
     launcher = [sys.executable] if ranks == 1 else \
         [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port()),
          "--no_local_rank"]
@@ -66,7 +66,7 @@ def test_one_rank_batched_and_chunked_prefill_keep_every_requests_tokens(one_ran
                                                         ("predictive", "all-to-all", False)])
 def test_two_ranks_data_parallel_serve_the_one_rank_tokens(one_rank, package, tmp_path, placement, exchange, native):
     """Both exchanges (all-to-all; auto: DeepSpeed's shared-memory all-reduce on this CPU machine); `native`: decode
-    forwards in csrc/gemv.cpp's DecodeModel."""
+    forwards in csrc/decode_model.cpp's DecodeModel."""
     two = scenarios(package, tmp_path / "out.json", placement, ranks=2, exchange=exchange, native=native)
     assert two["dp"] == 2 and two["exchange"] == ("all-reduce" if exchange == "auto" else exchange)
     # on one machine (the shared-memory all-reduce) decode batches' MoE layers run gathered: route, expert_pairs and

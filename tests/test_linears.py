@@ -14,7 +14,7 @@ from conftest import model_config
 
 
 def test_the_gemv_kernel_builds_here_and_equals_f_linear():
-    """csrc/gemv.cpp on this machine (AVX-512 or AVX2): every row count 1-8, both dtypes, odd sizes (a tail of
+    """csrc/linears.cpp on this machine (AVX-512 or AVX2): every row count 1-8, both dtypes, odd sizes (a tail of
     input columns past the vector width, output rows past the row group), with and without a bias."""
     from export.serve.kernels import kernel
 
@@ -24,7 +24,7 @@ def test_the_gemv_kernel_builds_here_and_equals_f_linear():
 
 
 def test_the_kernel_s_threads_share_out_a_weight_and_give_one_thread_s_result():
-    """A weight split between 2 threads in pieces (csrc/gemv.cpp `shared_work`), with a busy Python thread on the
+    """A weight split between 2 threads in pieces (csrc/simd.h `shared_work`), with a busy Python thread on the
     same cores preempting one of them so that the other takes pieces from the end of its share: every output the
     one-thread result to the bit (a row's sums do not depend on which thread reads it), for the few-row linear and
     the routed experts (`run_tasks`)."""
@@ -137,7 +137,7 @@ def test_the_gemv_kernel_avx512_build_without_bf16_dot_products_equals_f_linear(
 
 
 def check_all(gemv):
-    """Every op of a build of csrc/gemv.cpp against its reference."""
+    """Every op of a build of csrc/ against its reference."""
     check_kernel(gemv)
     check_attention(gemv)
     check_experts(gemv)
@@ -549,7 +549,7 @@ def check_screen_topk(kernel):
 
 
 def check_quantized_screen(kernel):
-    """QuantizedHeadScreen (csrc/gemv.cpp `screen_argmax_i4`, `screen_argmax_i8`, AVX512_VNNI builds): each row's token
+    """QuantizedHeadScreen (csrc/heads.cpp `screen_argmax_i4`, `screen_argmax_i8`, AVX512_VNNI builds): each row's token
     is argmax_rows of int4_linear's or int8_linear's logits on the same weights, to the index, for 1-20 rows (passes of
     8 over the weight), fp32 and
     bf16 x, int4 groups of 128 and 256, int8 rows off the 64-byte load, a row count off the vector width; exact ties

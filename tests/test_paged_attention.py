@@ -1,5 +1,5 @@
-"""csrc/gemv.cpp's paged_attention: one new token per row, its key and value written into its row's block of a paged
-KV pool, attention over the row's keys gathered through its block table, against scaled_dot_product_attention in
+"""csrc/attention.cpp's paged_attention: one new token per row, its key and value written into its row's block of a
+paged KV pool, attention over the row's keys gathered through its block table, against scaled_dot_product_attention in
 fp32."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_paged_attention_equals_sdpa_over_the_gathered_blocks(dtype, tol, H, Hkv
 
 
 def check_case(kernel, dtype, tol, H, Hkv, D):
-    """`kernel`'s paged_attention (any build of csrc/gemv.cpp) against SDPA on one random pool."""
+    """`kernel`'s paged_attention (any build of csrc/attention.cpp) against SDPA on one random pool."""
     gen = torch.Generator().manual_seed(H * 1000 + D + (dtype == torch.bfloat16))
     K, V, tables = pool_and_tables(dtype, Hkv, D, gen)
     B = len(STARTS)
@@ -107,7 +107,7 @@ def test_paged_attention_refuses_a_bad_table_and_writes_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [32, 64, 128])
 def test_paged_attention_heads_of_whole_vectors_equal_the_generic_passes_to_the_bit(dtype, D):
-    """Heads of 32, 64 or 128 run AVX-512's fixed-size passes (csrc/gemv.cpp `scores_fixed`, `values_fixed`); the
+    """Heads of 32, 64 or 128 run AVX-512's fixed-size passes (csrc/attention.cpp `scores_fixed`, `values_fixed`); the
     same heads padded with zeros to f^2 times the size (256 or 512) run the generic ones, whose sums the zeros leave
     as they are, the queries times f for the scale 1 / sqrt(D) f times smaller (powers of 2: no rounding). Query
     heads a key head 1, 3 (passes of 2 and 1), 4 and 8; 1 to 70 positions over blocks of 16 and of 5 (keys crossing

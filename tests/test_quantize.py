@@ -1,8 +1,8 @@
 """Weight-only quantisation (issue 29): the schemes (pipeline/quantize.py), and int8 in the serving runtime.
 `serve --quantize int8` quantises a package's linears and experts as it loads (export/serve/kernels
 `quantize_linears`, `Int8Weight`; the experts in export/serve/placement/residency.py `ExpertStore.load`), and the
-engine runs them through csrc/gemv.cpp's int8 kernels, the native decoder's included. The reference: the same engine
-on the dequantised weights, through the plain kernels."""
+engine runs them through csrc/quantized.cpp's int8 kernels, the native decoder's included. The reference: the same
+engine on the dequantised weights, through the plain kernels."""
 
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ def test_the_output_layer_quantised_too(package):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_a_quantised_output_layer_screens_its_greedy_rows(package, monkeypatch, scheme):
     """--quantize int8|int4 --quantize-head: the greedy rows go through the quantised head's screen
-    (export/serve/kernels/heads.py `QuantizedHeadScreen`: its stored weights x int8, the candidates then exact), with the
-    same tokens as the same engine reading its whole output layer (`--no-head-screen`), one prompt and four
+    (export/serve/kernels/heads.py `QuantizedHeadScreen`: its stored weights x int8, the candidates then exact), with
+    the same tokens as the same engine reading its whole output layer (`--no-head-screen`), one prompt and four
     decoded together; rows that ask for log-probabilities read the whole layer."""
     from export.serve.config import ServeConfig
     from export.serve.engine import Engine, generate

@@ -260,8 +260,8 @@ def test_a_seed_gives_the_same_tokens_in_any_batch_and_choices_share_the_prompt(
 
 
 def test_top_k_rows_and_edited_greedy_rows_take_the_same_tokens_through_the_head_s_screen():
-    """Served as `moe-pipeline serve` serves it (export/serve/kernels/swaps.py `serving_linears`: the output layer with its
-    HeadScreen), rows that sample among their top_k and greedy rows with penalties or logit_bias take their logits'
+    """Served as `moe-pipeline serve` serves it (export/serve/kernels/swaps.py `serving_linears`: the output layer with
+    its HeadScreen), rows that sample among their top_k and greedy rows with penalties or logit_bias take their logits'
     candidates from the screen (`HeadScreen.topk`, none falling back) and the same tokens, seeded, as with the whole
     output layer read; three requests decoded together and alone."""
     from export.serve.engine import Engine, generate

@@ -21,7 +21,7 @@ def kernel_built() -> bool:
 
 PATHS = [pytest.param(False, id="reference"),
          pytest.param(True, id="kernel", marks=pytest.mark.skipif(not kernel_built(), reason="no CPU kernel here "
-                                                                  "(csrc/gemv.cpp and sampling.cpp not built)"))]
+                                                                  "(export/serve/kernels/csrc not built)"))]
 
 
 def target(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -57,7 +57,7 @@ def test_each_settings_draws_follow_its_distribution(fast, setting):
     assert (got - want).abs().sum() / 2 < 0.04  # total variation, ~3x the sampling noise at 4,000 draws
 
 
-@pytest.mark.skipif(not kernel_built(), reason="no CPU kernel here (csrc/gemv.cpp and sampling.cpp not built)")
+@pytest.mark.skipif(not kernel_built(), reason="no CPU kernel here (export/serve/kernels/csrc not built)")
 def test_the_kernel_and_the_reference_draw_the_same_tokens():
     torch.manual_seed(1)
     V, n = 1000, 64

@@ -58,9 +58,9 @@ class ServeConfig(BaseModel):
     ep_size: int | None = Field(None, ge=1)  # expert-parallel degree; None: all ranks (at most a layer's experts)
     tp_size: int | None = Field(None, ge=1)  # tensor slicing of the dense part: 1 or nproc
     dtype: Literal["fp32", "bf16", "fp16"] | None = None  # None: the package's
-    # quantisation at load (export/serve/kernels/swaps.py `quantize_linears`): weight-only int8, int4 (groups of 128 inputs;
-    # int8 where a row does not divide into them), w8a8 (int8 weights and each row of a linear's inputs rounded to
-    # int8, vLLM's dynamic per-token W8A8; also on a package exported with --quantize int8), or None (the package's)
+    # quantisation at load (export/serve/kernels/swaps.py `quantize_linears`): weight-only int8, int4 (groups of 128
+    # inputs; int8 where a row does not divide into them), w8a8 (int8 weights and each row of a linear's inputs rounded
+    # to int8, vLLM's dynamic per-token W8A8; also on a package exported with --quantize int8), or None (the package's)
     quantize: Literal[SERVED] | None = None  # pipeline/schemes.py: the schemes serving quantises to
     quantize_head: bool = False  # the output layer too (its logits change; greedy rows through its own screen)
     # expert placement by a replica table: a policy of export/serve/placement/controller.py (`make_controller`)

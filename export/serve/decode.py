@@ -1,5 +1,5 @@
-"""A decode forward in few calls: one new token a row, on the CPU, through csrc/gemv.cpp's kernels; and a packed
-forward of few tokens (decode tokens beside prompt chunks) the same way.
+"""A decode forward in few calls: one new token a row, on the CPU, through the kernels of export/serve/kernels/csrc; and
+a packed forward of few tokens (decode tokens beside prompt chunks) the same way.
 
     from export.serve.decode import Decoder
     decoder = Decoder.of(model, cache)           # None where it does not apply (CUDA, no kernel, an unknown layer)
@@ -10,10 +10,10 @@ forward of few tokens (decode tokens beside prompt chunks) the same way.
 pipeline/model.py's `GPT.forward` is the specification: this runs the same layers with the same kernels and
 roundings (the hidden states equal to the bit: tests/test_decode.py), without the module calls and the ~25 tensor
 operators a layer took in Python (on a 2-core machine a torch operator costs ~10 us in Python, whatever its size).
-Every layer runs in one call of csrc/gemv.cpp's `DecodeModel`: the norm (RMSNorm or LayerNorm), the q/k/v projection,
-`qkv_heads` (heads, qk_norm, RoPE), the cache's `paged_attention`, the out projection, the residual; then a dense MLP
-or a layer's routed experts where every expert is on this rank, else the block's own MLP module, called back from
-the kernel (a residual or shared-expert MoE layer, or experts on other ranks, whose exchange joins the other ranks'
+Every layer runs in one call of csrc/decode_model.cpp's `DecodeModel`: the norm (RMSNorm or LayerNorm), the q/k/v
+projection, `qkv_heads` (heads, qk_norm, RoPE), the cache's `paged_attention`, the out projection, the residual; then a
+dense MLP or a layer's routed experts where every expert is on this rank, else the block's own MLP module, called back
+from the kernel (a residual or shared-expert MoE layer, or experts on other ranks, whose exchange joins the other ranks'
 collectives as it does in the model's forward). Expert parallelism between the ranks of one machine runs in the
 kernel too (`Exchange.run_gathered`'s two all-reduces, called from C++; a replicated expert's pairs split between
 its holders by the exchange, called back). The layer-by-layer loop below it runs the same steps in Python
@@ -47,9 +47,9 @@ class Decoder:
         self.dtype = model.wte.weight.dtype
         self.head_dim = self.cfg.head_dim
         self._cos = self._sin = None  # the RoPE table: [positions, head_dim] in the model's dtype
-        # every layer in one kernel call (csrc/gemv.cpp `DecodeModel`) up to `native_rows` rows, where it runs them;
-        # `native_experts`: it runs the MoE layers' experts itself ("local": one rank; "gathered": the ranks of one
-        # machine, `Exchange.run_gathered`'s way, when every rank's tokens are known; "": it calls the module back)
+        # every layer in one kernel call (csrc/decode_model.cpp `DecodeModel`) up to `native_rows` rows, where it runs
+        # them; `native_experts`: it runs the MoE layers' experts itself ("local": one rank; "gathered": the ranks of
+        # one machine, `Exchange.run_gathered`'s way, when every rank's tokens are known; "": it calls the module back)
         self.native, self.native_rows, self.native_experts = _decode_model(model, kernel, cache) \
             if cache is not None else (None, 0, "")
         # int8/int4 weights (a ServingLinear's `served`, the fused q/k/v's `weight`): `packs` stops where the model's
@@ -198,10 +198,10 @@ class Decoder:
 
 
 def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
-    """csrc/gemv.cpp's `DecodeModel` holding every layer's tensors, the rows it runs (the grouped expert kernel's
-    row limit where it runs the experts; any number otherwise), and how it runs the MoE layers' experts ("local",
-    "gathered" or "", see `Decoder`); (None, 0, "") where an attention half is not one it runs (projections not
-    served by export/serve/kernels, a norm on other weights' dtype). The MLP half of a layer is a dense MLP, or
+    """csrc/decode_model.cpp's `DecodeModel` holding every layer's tensors, the rows it runs (the grouped expert
+    kernel's row limit where it runs the experts; any number otherwise), and how it runs the MoE layers' experts
+    ("local", "gathered" or "", see `Decoder`); (None, 0, "") where an attention half is not one it runs (projections
+    not served by export/serve/kernels, a norm on other weights' dtype). The MLP half of a layer is a dense MLP, or
     the experts of an MoE layer (with its residual MLP or shared expert) when it runs every MoE layer that way (one
     rank, every expert resident: "local"; or the ranks of one machine in the shared-memory all-reduce, this rank's
     experts resident: "gathered", with the module kept for the forwards it does not gather); else

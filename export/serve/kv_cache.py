@@ -15,7 +15,7 @@ common prefix, and takes back. Nothing is sized by max-batch x the model's conte
 It implements pipeline/model.py's cache protocol (`Cache`) with a length per row, so rows of
 different lengths batch together: keys are written at each row's own positions (block, offset), each
 query sees its row's keys up to its own position (an explicit mask), positions are per row. A decode
-forward on the CPU (one new token a row) attends in csrc/gemv.cpp's `paged_attention` kernel, which
+forward on the CPU (one new token a row) attends in csrc/attention.cpp's `paged_attention` kernel, which
 writes the token's key and value and reads the row's keys in place through its block table; other
 forwards (prefill, and every forward on CUDA) gather each row's blocks into a contiguous view and run
 scaled_dot_product_attention.
@@ -188,7 +188,7 @@ class PagedCache(Cache):
         """The rows of the next forward, in the order of its batch: their sequences, tokens cached, new tokens.
         `packed`: the forward's input is the rows' new tokens one after another, [1, sum(counts)] (see the module)."""
         if packed and not self.packs:
-            raise ValueError("a packed forward needs the CPU attention kernel (csrc/gemv.cpp paged_attention)")
+            raise ValueError("a packed forward needs the CPU attention kernel (csrc/attention.cpp paged_attention)")
         self.seqs, self._start, self.counts = list(seqs), list(starts), list(counts)
         self._packed = packed
         self._padded = len(set(self.counts)) > 1 and not packed

@@ -7,8 +7,8 @@ Each rank checks what it received and rank 0 writes every check's outcome: broad
 message and one past BROADCAST_BYTES, through the named pipes and through gloo), gather_json of different sizes (the
 stages' and the serving transport's), gather_rows, the
 low-latency all-reduce (fp32, bf16; float64 refused), all_to_all_ with uneven and empty splits, and the serving
-runtime's own shared-memory sum (export/serve/transport.py `attach_local_reduce`) against DeepSpeed's, and gather_json
-through its slots.
+runtime's own shared-memory sum (export/serve/transport.py `attach_local_reduce`) against DeepSpeed's, and
+gather_json through its slots.
 """
 
 import json
@@ -57,8 +57,9 @@ checks["shared_memory"] = transport.shared_memory_reduce()
 checks["shared_memory_fp32"] = transport.shared_memory_reduce(torch.float32)
 checks["shared_memory_float64_never"] = not transport.shared_memory_reduce(torch.float64)
 checks["pipes_unlinked"] = not any(transport._Pipes.path(i).exists() for i in range(w))
-# the serving runtime's sum that waits without spinning (csrc/gemv.cpp `local_reduce_`), against DeepSpeed's kernel:
-# the same bits (2 ranks: one addition, either order); a tensor of several slots; a late rank; the gather through it
+# the serving runtime's sum that waits without spinning (csrc/transport.cpp `local_reduce_`), against DeepSpeed's
+# kernel: the same bits (2 ranks: one addition, either order); a tensor of several slots; a late rank; the gather
+# through it
 import time  # noqa: E402
 
 from export.serve import kernels  # noqa: E402
@@ -78,7 +79,7 @@ late = transport.fast_all_reduce_(torch.full((5,), float(r + 1)))
 checks["local_reduce_waits_for_a_late_rank"] = bool((late == w * (w + 1) / 2).all()) and (
     r == 1 or time.perf_counter() - t0 > 0.2)
 checks["gather_json_local"] = transport.gather_json(mine) == [{"rank": i, "tokens": list(range(i * 500))} for i in range(w)]
-# one wait through the slots (csrc/gemv.cpp `local_gather`); a message past its slot on one rank: every rank takes
+# one wait through the slots (csrc/transport.cpp `local_gather`); a message past its slot on one rank: every rank takes
 # the sums' path for that gather, and the calls after it still pair up
 checks["gather_json_local_one_wait"] = transport._LOCAL_GATHER is not None
 long = {"rank": r, "pad": "x" * (transport.REDUCE_SLOT_BYTES if r == 1 else 3)}

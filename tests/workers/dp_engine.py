@@ -192,7 +192,7 @@ def main() -> None:
     placement = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
     exchange = sys.argv[4] if len(sys.argv) > 4 else "auto"
     if len(sys.argv) > 5 and sys.argv[5] == "native":  # the CPU kernels on these small weights too: decode forwards
-        from export.serve import kernels                # in csrc/gemv.cpp's DecodeModel (export/serve/decode.py)
+        from export.serve import kernels                # in csrc/decode_model.cpp's DecodeModel (export/serve/decode.py)
 
         kernels.SERVE_FROM = 0
     ranks = dist.init()

@@ -21,8 +21,10 @@ import torch
 
 import export.serve.kernels.options as options
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
-SOURCES = [SOURCE, SOURCE.parent / "sampling.cpp"]  # one extension: the linears and the rest, the sampler
+CSRC = Path(__file__).resolve().parent / "csrc"
+# one extension from csrc/, a file an op (csrc/kernels.h lists them), compiled as two translation units of about
+# equal work, in parallel (csrc/ops_dense.cpp says why)
+SOURCES = [CSRC / "ops_dense.cpp", CSRC / "ops_model.cpp"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
 ISA_FLAGS = {"AMX_BF16": [*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
              "AVX512_BF16": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
@@ -41,7 +43,7 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def kernel():
-    """The few-row kernel (csrc/gemv.cpp), built or loaded once per process; None where it cannot be."""
+    """The kernels' extension (csrc/), built or loaded once per process; None where it cannot be."""
     global _kernel, _kernel_tried
     if options.current().linears == "onednn":
         return None
@@ -58,7 +60,7 @@ def kernel():
             try:
                 _kernel = build(isa)
             except Exception as err:  # no compiler, no ninja, a read-only cache: serve without it
-                warnings.warn(f"the GEMV kernel {SOURCE.name} was not built ({type(err).__name__}: "
+                warnings.warn(f"the kernels' extension ({CSRC}) was not built ({type(err).__name__}: "
                               f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); few-row linears "
                               f"use oneDNN", stacklevel=2)
         _kernel_tried = True
@@ -102,7 +104,7 @@ def prefetch_hint(choice: str | None = None) -> str:
 
 
 def build(isa: str, hint: str | None = None):
-    """csrc/gemv.cpp compiled for `isa` (a key of ISA_FLAGS) with the prefetch `hint` (default `prefetch_hint()`),
+    """csrc/ compiled for `isa` (a key of ISA_FLAGS) with the prefetch `hint` (default `prefetch_hint()`),
     or loaded from the extensions cache."""
     from torch.utils.cpp_extension import load
 
@@ -110,7 +112,7 @@ def build(isa: str, hint: str | None = None):
     hint = hint or prefetch_hint()
     _built_hint = hint
     t0 = ["-DMOE_PREFETCH_T0"] if hint == "t0" else []
-    return load(name=f"moe_pipeline_gemv_{isa.lower()}" + ("_t0" if t0 else ""), sources=[str(p) for p in SOURCES],
+    return load(name=f"moe_pipeline_kernels_{isa.lower()}" + ("_t0" if t0 else ""), sources=[str(p) for p in SOURCES],
                 extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa], *t0], verbose=False)
 
 

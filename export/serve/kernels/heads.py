@@ -16,7 +16,8 @@ import torch
 
 import export.serve.kernels.options as options
 from export.serve.kernels.build import kernel, kernel_has
-from export.serve.kernels.quantized import Int4Weight, Int8Weight, W8A8Weight
+from export.serve.kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight
+from export.serve.kernels.weights import ServingWeight
 from pipeline.quantize import dequantized, int8_rows, unpack_int4
 
 
@@ -49,7 +50,7 @@ class _Tries:
 
 class HeadScreen(_Tries):
     """The greedy rows' argmax of an output layer, read from an int8 copy of its weight (half of bf16's bytes, a
-    quarter of fp32's) and exact (csrc/gemv.cpp `screen_argmax`, `screen_argmax_vnni`): the same token as the
+    quarter of fp32's) and exact (csrc/heads.cpp `screen_argmax`, `screen_argmax_vnni`): the same token as the
     argmax_rows of the layer's logits as the few-row kernel writes them (passes of up to MAX_ROWS rows), to the bit,
     for ~half the layer's reading and, past a few rows, for fewer instructions. A batch-1 decode step of the peer
     benchmark's Qwen3-MoE reads 162 MB, 103 MB of it the bf16 output layer (50,304 x 1024).
@@ -156,7 +157,7 @@ class HeadScreen(_Tries):
         greedy row whose logits a processor edits), every token that can be among those after the processors
         (`edited[i]`: the tokens they touch, always computed), as the whole head writes them, the rest left out:
         (offsets [n + 1], tokens, logits fp32), row i's at offsets[i]:offsets[i + 1]. Sampling from these with every
-        other logit -inf is sampling from the head's own (csrc/gemv.cpp `screened_topk`). None where the screen does
+        other logit -inf is sampling from the head's own (csrc/heads.cpp `screened_topk`). None where the screen does
         not apply (flat logits: candidates past `most` a row; then the caller runs the whole head)."""
         n = x.shape[0]
         if not self._fits(x) or not self._try(-n):  # the row counts' tries kept apart from argmax's
@@ -183,7 +184,7 @@ class HeadScreen(_Tries):
 
 class QuantizedHeadScreen(_Tries):
     """HeadScreen for an output layer held quantised (`--quantize-head`): each greedy row's token as argmax_rows of the
-    layer's own logits (`int4_linear`, `int8_linear`), to the bit, through csrc/gemv.cpp `screen_argmax_i4` or
+    layer's own logits (`int4_linear`, `int8_linear`), to the bit, through csrc/heads.cpp `screen_argmax_i4` or
     `screen_argmax_i8`: x rounded to int8 and the stored weights read as they are by VPDPBUSD (64 products an
     instruction, where the layers' one-row passes do 32 by VDPBF16PS after widening each weight to bf16: compute-bound
     there; 1 to 64 rows, 8 a pass over the weight), then the candidates its bound cannot rule out computed again by

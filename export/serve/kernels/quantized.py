@@ -27,8 +27,8 @@ class QuantizedWeight:
     its scales. `linear(x, bias)` for x of any rows in fp32 or bf16, as ServingWeight's (on the CPU through the kernel;
     elsewhere, or without it, F.linear on the weight it stands for); `dequantized(dtype)` that weight."""
 
-    KERNEL = ""  # the csrc/gemv.cpp op that runs it
-    MORE = -1  # its code for the native decoder's linears (csrc/gemv.cpp DecodeLinear)
+    KERNEL = ""  # the csrc/quantized.cpp op that runs it
+    MORE = -1  # its code for the native decoder's linears (csrc/decode_model.cpp DecodeLinear)
 
     @staticmethod
     def held_bytes(out: int, inputs: int) -> int:
@@ -63,7 +63,7 @@ def _check_int8(name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
 
 class Int8Weight(QuantizedWeight):
     """int8 with one fp32 scale per output row (`quantize_int8`: w ~ scale[:, None] * q), read at 1 byte a weight by
-    csrc/gemv.cpp (`int8_linear`; as an expert, `expert_mlps` and the routed layers)."""
+    csrc/quantized.cpp (`int8_linear`; as an expert, `expert_mlps` and the routed layers)."""
 
     KERNEL, MORE = "int8_linear", MORE_INT8
 
@@ -92,7 +92,7 @@ class Int8Weight(QuantizedWeight):
 
 class Int4Weight(QuantizedWeight):
     """int4, two values a byte, with one fp32 scale per `group` inputs of a row (pipeline/quantize.py `quantize_int4`,
-    `pack_int4`), read at half a byte a weight by csrc/gemv.cpp (`int4_linear`; as an expert, `expert_mlps` and the
+    `pack_int4`), read at half a byte a weight by csrc/quantized.cpp (`int4_linear`; as an expert, `expert_mlps` and the
     routed layers). `of` refuses a row whose inputs are not a multiple of the group (`fits`)."""
 
     KERNEL, MORE = "int4_linear", MORE_INT4
@@ -131,7 +131,7 @@ class Int4Weight(QuantizedWeight):
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
     """x with each row rounded to int8 steps, one scale a row (s = max |x| / 127, as vLLM's dynamic per-token W8A8 and
-    csrc/gemv.cpp `w8a8_linear`), in fp32: s * round(x / s)."""
+    csrc/quantized.cpp `w8a8_linear`), in fp32: s * round(x / s)."""
     xf = x.float()
     s = xf.abs().amax(-1, keepdim=True) / 127
     s = torch.where(s > 0, s, torch.ones_like(s))
@@ -142,7 +142,7 @@ class W8A8Weight(QuantizedWeight):
     """int8 weights with one fp32 scale per output row (as `Int8Weight`) whose inputs are rounded to int8 too, one
     scale per row of x (vLLM's W8A8 with dynamic per-token activations, compressed-tensors' `int-quantized`): VPDPBUSD
     multiplies 64 byte pairs an instruction, twice VDPBF16PS's, so past a few rows the products cost half as much
-    (csrc/gemv.cpp `w8a8_linear`, `expert_mlps`). `q` holds the values in the kernel's tiles (`vnni_pack`), `scale`
+    (csrc/quantized.cpp `w8a8_linear`, `expert_mlps`). `q` holds the values in the kernel's tiles (`vnni_pack`), `scale`
     [2, out] the row scales and the rows' sums of q (the kernel's +128 offset of x comes off with them). CPUs whose
     kernel has no AVX512_VNNI (and other devices) compute the same thing with F.linear on x rounded to int8 steps and
     the dequantised weight."""

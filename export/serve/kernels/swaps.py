@@ -57,7 +57,7 @@ class FusedQKV:
         return self.weight.linear(x, self.bias).split(self.sizes, dim=-1)
 
 class ServingRMSNorm(nn.Module):
-    """pipeline/model.py's RMSNorm in one kernel call (csrc/gemv.cpp `rms_norm`: the same roundings) for CPU inputs
+    """pipeline/model.py's RMSNorm in one kernel call (csrc/norms.cpp `rms_norm`: the same roundings) for CPU inputs
     of the weight's dtype; the module's own operators otherwise."""
 
     def __init__(self, norm: nn.Module, gemv):

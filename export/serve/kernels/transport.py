@@ -23,7 +23,7 @@ def map_weights(*roots, directory: str | None = None) -> int:
     """The large CPU weights reachable from `roots` (modules with their ServingWeights, the experts' residency)
     moved into one file mapping: a file in `directory` (default: the temporary directory) mapped shared (under
     MADV_HUGEPAGE) and unlinked, each storage's bytes copied in, then each storage takes its part of the mapping
-    as its memory (csrc/gemv.cpp `adopt_storage`: every tensor on it follows: views, detached copies, references
+    as its memory (csrc/transport.cpp `adopt_storage`: every tensor on it follows: views, detached copies, references
     the kernels hold; the anonymous copy is freed). Not what an object marked `file_backed` holds (the package's
     memory-mapped experts, export/serve/placement/residency.py `ExpertStore`: already a file). Returns the bytes
     moved; 0 without the kernel or with `serve --no-map-weights`.

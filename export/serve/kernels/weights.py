@@ -38,9 +38,9 @@ SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.line
 # a prefill where oneDNN runs ~400 (16 prompts of 128 tokens: 4,252 / 4,173 against 4,016 / 3,989 tok/s at 1 << 20)
 ONEDNN_FROM = 1 << 19
 PACK_ROWS = 32  # the row count oneDNN's packed weight layout is chosen for (a decode batch's)
-# how a ServingWeight runs more rows than the few-row kernel takes (`ServingWeight.more`; csrc/gemv.cpp `DecodeLinear`
-# takes the same codes): oneDNN on its packed copy, the kernel MAX_ROWS rows at a time, F.linear; and an nn.Linear left
-# as it is (F.linear at every row count)
+# how a ServingWeight runs more rows than the few-row kernel takes (`ServingWeight.more`; csrc/decode_model.cpp
+# `DecodeLinear` takes the same codes): oneDNN on its packed copy, the kernel MAX_ROWS rows at a time, F.linear; and an
+# nn.Linear left as it is (F.linear at every row count)
 MORE_ONEDNN, MORE_CHUNKS, MORE_ATEN, MORE_PLAIN = 0, 1, 2, 3  # (4-6: the quantised weights', quantized.py MORE_INT8)
 
 

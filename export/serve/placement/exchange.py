@@ -394,8 +394,8 @@ class Exchange:
     def _run_experts(self, layer: int, got: torch.Tensor, sizes: list[list[int]]) -> torch.Tensor:
         """Each expert once over the tokens it received: `got` holds, for each source rank in order, `sizes[src][e]`
         tokens of each expert e in order; outputs in the same order. On the CPU with few rows an expert (decode
-        batches), every expert in one call of the kernel (export/serve/kernels/experts.py `expert_mlps`); else one expert
-        at a time, on the few-row kernel or oneDNN."""
+        batches), every expert in one call of the kernel (export/serve/kernels/experts.py `expert_mlps`); else one
+        expert at a time, on the few-row kernel or oneDNN."""
         t0 = self.seconds.mark()
         E = len(sizes[0])
         per_expert = [sum(col) for col in zip(*sizes)]
@@ -567,7 +567,7 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
     if transport == "auto":
         transport = "all-reduce" if ranks.world > 1 and shared_memory_reduce() else "all-to-all"
     if quantize is not None and dist.device().type != "cpu":
-        raise ValueError(f"--quantize {quantize}: the int8 kernels are the CPU's (csrc/gemv.cpp); on a GPU serve the "
+        raise ValueError(f"--quantize {quantize}: the int8 kernels are the CPU's (export/serve/kernels/csrc); on a GPU serve the "
                          f"package's dtype, or its --format hf export in vLLM")
     store = ExpertStore(src, cfg, dtype, files, device=dist.device(), quantize=quantize)
     exchange = Exchange(cfg, Residency(cfg, store, ranks.rank, ranks.world, resident_fraction), ranks.rank,

@@ -80,7 +80,7 @@ class ExpertStore:
         self.stored = any(k.endswith("_scale") for k in self._views)
         if self.stored and self.device.type != "cpu":
             raise ValueError(f"{self.src}: a quantised package (int8/int4 weights) is served on the CPU, whose kernels "
-                             f"read them (csrc/gemv.cpp); on a GPU export the run again without --quantize")
+                             f"read them (export/serve/kernels/csrc); on a GPU export the run again without --quantize")
 
     def key(self, layer: int, expert: int, part: str) -> str:
         return expert_key(self.cfg.moe_layers[layer], expert, part)

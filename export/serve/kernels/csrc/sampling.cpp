@@ -1,6 +1,6 @@
 // Sampling a step's rows on the CPU: temperature, min_p, top_k, top_p and one draw per row, each row in one thread
 // with its row in cache, no sort of the vocabulary (export/serve/sampling.py says what each setting means and holds
-// the reference in tensor ops; this is its fast path, built into the same extension as gemv.cpp).
+// the reference in tensor ops; this is its fast path, built into the same extension as the other kernels: kernels.h).
 //
 // A row of V logits s (divided by its temperature) is read once into a float buffer with its maximum m. min_p keeps
 // s >= m + log(min_p); top_k keeps s >= its k-th largest (a size-k heap over the row); both are thresholds on s, so

@@ -1,0 +1,634 @@
+// An MoE layer's experts in one call (`expert_mlps`, gemv.h's kernels, AMX's for a prefill's rows, VNNI's for W8A8),
+// and a whole MoE layer on one rank (`route`, `routed_experts`) or over the ranks (`expert_pairs`, `combine_pairs`).
+#include <functional>
+
+#include "amx.h"
+#include "gemv.h"
+#include "kernels.h"
+#include "vnni.h"
+
+// -- the routed experts of one MoE layer, in one call -------------------------------------------------------------
+//
+// Decode batches give each expert a few rows: called one expert at a time from Python, a layer of 16 experts cost
+// ~10 operators an expert (index, two linears, chunk, silu, mul, ...), each waking the thread pool, more than the
+// weights' read. Here every expert's rows go through the few-row kernels (gemv.h) in two parallel passes (fc1 with
+// the activation, then fc2), the work split between the threads by its cost (weight rows x row passes), so that every
+// expert's weights are read once per 4 rows and no thread waits for an expert with more rows than the others.
+
+constexpr int64_t BLOCK = 64;  // output rows of one task: 128 KB of a bf16 weight of 1024 columns
+
+// Output rows [0, n) of M (<= MAX_ROWS) input rows x ([M, I], w's dtype) against w ([n, I]) into y ([M, O], stride
+// O), each plus bias[o] if given. `scratch`: room for M * I floats where x must be widened for the kernel.
+template <typename W>
+static void block_rows(const W* w, const W* x, const W* bias, W* y, int64_t M, int64_t I, int64_t O, int64_t n,
+                       float* scratch) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<W, c10::BFloat16>::value) {
+    return rows_dp_any(M, w, x, bias, y, I, O, 0, n);
+  }
+#endif
+  const float* xf = widened(x, M * I, scratch);
+  rows_any(M, w, xf, I, 0, n, ToBiased<W>{bias, y, O});
+}
+
+// block_rows on int4 weights (`int4_linear`'s layout): q the first output row's bytes, scale its group scales
+template <typename W>
+static void block_rows_i4(const uint8_t* q, const float* scale, int64_t group, const W* x, const W* bias, W* y,
+                          int64_t M, int64_t I, int64_t O, int64_t n, float* scratch) {
+  const ToBiased<W> out{bias, y, O};
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<W, c10::BFloat16>::value) {
+    return rows_i4_dp_any(M, q, scale, x, I, group, 0, n, out);
+  }
+#endif
+  const float* xf = widened(x, M * I, scratch);
+  rows_i4_any(M, q, scale, xf, I, group, 0, n, out);
+}
+
+// block_rows on int8 weights q (w ~ scale[o] * q[o], pipeline/quantize.py `quantize_int8`): int8_linear's kernels
+template <typename W>
+static void block_rows_i8(const int8_t* q, const float* scale, const W* x, const W* bias, W* y, int64_t M, int64_t I,
+                          int64_t O, int64_t n, float* scratch) {
+  const ToDequantized<W> out{scale, bias, y, O};
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<W, c10::BFloat16>::value) {
+    return rows_i8_dp_any(M, q, x, I, 0, n, out);
+  }
+#endif
+  const float* xf = widened(x, M * I, scratch);
+  rows_any(M, q, xf, I, 0, n, out);
+}
+
+struct Task {
+  int64_t expert, o0, o1, cost;
+};
+
+// Tasks split between the threads by cost, in order, each thread a contiguous run of about an equal share.
+static void run_tasks(const std::vector<Task>& tasks, int64_t bytes_per_row, const std::function<void(const Task&)>& fn) {
+  int64_t total = 0;
+  for (const Task& t : tasks) total += t.cost;
+  // under ~2 MB of weight reads in all, one thread (waking another costs as much as reading 2 MB)
+  const int64_t threads = total * bytes_per_row < (int64_t(2) << 20) ? 1 : at::get_num_threads();
+  if (threads <= 1) {
+    for (const Task& t : tasks) fn(t);
+    return;
+  }
+  std::vector<size_t> first(threads + 1, tasks.size());
+  first[0] = 0;
+  int64_t done = 0;
+  size_t i = 0;
+  for (int64_t th = 1; th < threads; ++th) {
+    const int64_t until = total * th / threads;
+    while (i < tasks.size() && done + tasks[i].cost / 2 < until) done += tasks[i++].cost;
+    first[th] = i;
+  }
+  std::vector<int64_t> bounds(first.begin(), first.end());
+  shared_work(bounds, [&](int64_t k) { fn(tasks[k]); });
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// 16 floats rounded to bf16 (to nearest even, as c10::BFloat16) and widened back.
+static inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// silu on 16 lanes: g / (1 + exp(-g)), exp as `vexp` (~1 ulp; -g clamped to [-87, 88], where silu is g or ~0).
+static inline __m512 silu16(__m512 g) {
+  const __m512 x = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), vexp(x)));
+}
+
+// The SwiGLU epilogue of `rows` (<= 32) rows and `on` (<= 32) outputs of AMX sums g, up ([output][row]): bias, each
+// rounding where F.linear, F.silu and the product round, 16 rows a vector; out[j * F + o] for row j, output o.
+static void swiglu_rows(const float (*g)[32], const float (*up)[32], const B16* b, const B16* bu, int rows, int on,
+                        int64_t F, B16* out) {
+  alignas(64) uint16_t res[32];
+  for (int o = 0; o < on; ++o) {
+    const __m512 bg = _mm512_set1_ps(b ? static_cast<float>(b[o]) : 0.0f);
+    const __m512 bv = _mm512_set1_ps(bu ? static_cast<float>(bu[o]) : 0.0f);
+    for (int j0 = 0; j0 < rows; j0 += 16) {
+      const __mmask16 m = rows - j0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (rows - j0)) - 1);
+      const __m512 gv = round_bf16(_mm512_add_ps(_mm512_maskz_loadu_ps(m, &g[o][j0]), bg));
+      const __m512 uv = round_bf16(_mm512_add_ps(_mm512_maskz_loadu_ps(m, &up[o][j0]), bv));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(res + j0),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(silu16(gv)), uv)));
+    }
+    uint16_t* col = reinterpret_cast<uint16_t*>(out + o);
+    for (int j = 0; j < rows; ++j) col[j * F] = res[j];
+  }
+}
+
+#endif
+
+static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+static inline float gelu(float h) { return 0.5f * h * (1.0f + std::erf(h * 0.70710678118654752f)); }
+
+#if defined(__AVX512VNNI__)
+// expert_mlps for W8A8 experts (w1[e], w2[e] as vnni_pack packs them, s1[e] [2, (2)F] and s2[e] [2, C] as w8a8_of
+// takes them): each row of x rounded to int8 once, fc1 (gate and up) by tiles of 64 outputs, the activation rounded
+// as the passes of expert_mlps_typed round it, each row of it rounded to int8 in turn, then fc2. With swiglu, F is
+// a multiple of 64 (gate and up in tiles of their own).
+template <typename T>
+static void expert_mlps_w8a8(const at::Tensor& x, const std::vector<int64_t>& counts,
+                             const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                             const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2, bool swiglu,
+                             const std::vector<at::Tensor>& s1, const std::vector<at::Tensor>& s2, at::Tensor& y) {
+  const bool bias = !b1.empty();
+  const int64_t E = counts.size(), C = x.size(1), F = s1[0].size(1) / (swiglu ? 2 : 1);
+  const int64_t C4 = (C + 3) / 4 * 4, F4 = (F + 3) / 4 * 4;
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
+  const int64_t P = start[E];
+  std::vector<uint8_t> xu(P * C4), au(P * F4);
+  std::vector<float> xs(P), as(P);
+  int8_rows_of(x.data_ptr<T>(), P, C, C4, xu.data(), xs.data());
+  at::Tensor act = at::empty({P, F}, x.options());
+  T* ap = act.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  auto blocks = [](int64_t rows) { return (rows + VNNI_MAX_ROWS - 1) / VNNI_MAX_ROWS; };
+  const int64_t tf = (F + VNNI_TILE - 1) / VNNI_TILE, tc = (C + VNNI_TILE - 1) / VNNI_TILE;
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t t = 0; t < tf && counts[e]; ++t) tasks.push_back({e, t, t + 1, blocks(counts[e]) * VNNI_TILE});
+  // fc1 and the activation: tile t of gate (and of up: tile tf + t) into act[:, 64t : 64t + 64]
+  run_tasks(tasks, (swiglu ? 2 : 1) * C, [&](const Task& task) {
+    const int64_t e = task.expert, t = task.o0, r0 = start[e], M = counts[e];
+    const W8A8 w = w8a8_of(w1[e], s1[e], C);
+    const T* b = bias ? b1[e].data_ptr<T>() : nullptr;
+    std::vector<int32_t> acc(VNNI_MAX_ROWS * 64);
+    std::vector<float> g(M * VNNI_TILE), u(swiglu ? M * VNNI_TILE : 0);
+    const int64_t o0 = t * VNNI_TILE, n = std::min(VNNI_TILE, F - o0);
+    auto into = [&](float* dst, int64_t base) {  // dst [M][64]: the tile's outputs from `base`
+      return [dst, base, b](int64_t m, int64_t o, int64_t k, __m512 v) {
+        alignas(64) float f[16];
+        _mm512_store_ps(f, v);
+        for (int64_t i = 0; i < k; ++i) {  // the fc's output in T, with its bias, as F.linear rounds it
+          const float bo = b ? static_cast<float>(b[o + i]) : 0.0f;
+          dst[m * VNNI_TILE + (o + i - base)] = static_cast<float>(static_cast<T>(f[i] + bo));
+        }
+      };
+    };
+    w8a8_tile(w, t, xu.data() + r0 * C4, xs.data() + r0, M, acc.data(), into(g.data(), o0));
+    if (swiglu) w8a8_tile(w, tf + t, xu.data() + r0 * C4, xs.data() + r0, M, acc.data(), into(u.data(), F + o0));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t o = 0; o < n; ++o) {
+        const float gv = g[m * VNNI_TILE + o];
+        ap[(r0 + m) * F + o0 + o] = swiglu ? static_cast<T>(static_cast<float>(static_cast<T>(silu(gv))) *
+                                                             u[m * VNNI_TILE + o])
+                                           : static_cast<T>(gelu(gv));
+      }
+  });
+  int8_rows_of(ap, P, F, F4, au.data(), as.data());
+  tasks.clear();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t t = 0; t < tc && counts[e]; ++t) tasks.push_back({e, t, t + 1, blocks(counts[e]) * VNNI_TILE});
+  // fc2: tile t of each expert's outputs
+  run_tasks(tasks, F, [&](const Task& task) {
+    const int64_t e = task.expert, t = task.o0, r0 = start[e], M = counts[e];
+    const W8A8 w = w8a8_of(w2[e], s2[e], F);
+    const T* b = bias ? b2[e].data_ptr<T>() : nullptr;
+    std::vector<int32_t> acc(VNNI_MAX_ROWS * 64);
+    w8a8_tile(w, t, au.data() + r0 * F4, as.data() + r0, M, acc.data(), [&](int64_t m, int64_t o, int64_t k, __m512 v) {
+      alignas(64) float f[16];
+      _mm512_store_ps(f, v);
+      for (int64_t i = 0; i < k; ++i)
+        yp[(r0 + m) * C + o + i] = static_cast<T>(f[i] + (b ? static_cast<float>(b[o + i]) : 0.0f));
+    });
+  });
+}
+#endif
+
+template <typename T>
+static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& counts,
+                              const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                              const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2,
+                              bool swiglu, const std::vector<at::Tensor>& s1, const std::vector<at::Tensor>& s2,
+                              at::Tensor& y) {
+  // int8: w1, w2 int8 with one scale a row in s1, s2; int4: w1, w2 two values a byte, a scale a group (s1, s2 2-D);
+  // W8A8: w1, w2 packed in tiles (1-D), s1, s2 [2, rows]
+#if defined(__AVX512VNNI__)
+  if (!s1.empty() && w1[0].dim() == 1) return expert_mlps_w8a8<T>(x, counts, w1, b1, w2, b2, swiglu, s1, s2, y);
+#endif
+  const bool bias = !b1.empty(), int4 = !s1.empty() && w1[0].scalar_type() == at::kByte;
+  const bool int8 = !s1.empty() && !int4;
+  const int64_t E = counts.size(), C = x.size(1), F = w2[0].size(1) * (int4 ? 2 : 1);  // experts, hidden, width
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
+  const T* xp = x.data_ptr<T>();
+  at::Tensor act = at::empty({start[E], F}, x.options());  // the activation of each row, fc2's input
+  T* ap = act.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  auto passes = [](int64_t rows) { return (rows + MAX_ROWS - 1) / MAX_ROWS; };
+  // AMX (bf16, where this build and the process have it): the experts with more rows than one pass of MAX_ROWS,
+  // their rows packed once per fc (`amx_pack_rows`), `chunk[e]` their first row chunk of 16 (-1: no AMX)
+  std::vector<int64_t> chunk(E + 1, -1);
+  int64_t chunks = 0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (std::is_same<T, B16>::value) {
+    if (C % 32 == 0 && F % 32 == 0 && s1.empty() && amx_ready())
+      for (int64_t e = 0; e < E; ++e)
+        if (counts[e] > MAX_ROWS) chunk[e] = chunks, chunks += (counts[e] + 15) / 16;
+  }
+#endif
+  at::Tensor packed = at::empty({chunks * std::max(C, F) * 16}, x.options());
+  auto pack = [&](const T* rows, int64_t I) {  // each AMX expert's rows, in parallel
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (std::is_same<T, B16>::value) {
+      at::parallel_for(0, E, 1, [&](int64_t b, int64_t e1) {
+        for (int64_t e = b; e < e1; ++e)
+          if (chunk[e] >= 0) amx_pack_rows(rows + start[e] * I, counts[e], I, packed.data_ptr<T>() + chunk[e] * I * 16);
+      });
+    }
+#endif
+  };
+  // sums [output][row] of rows [r, r + rows) (rows <= 32) of AMX expert e, packed for a fc of I inputs, against the
+  // n <= 32 weight rows at w (I apart); `release` once a thread's task is done
+  auto amx_sums = [&](int64_t e, int64_t r, int rows, const T* w, int n, int64_t I, float (*c)[32]) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (std::is_same<T, B16>::value)
+      amx_weight_rows(w, n, packed.data_ptr<B16>() + (chunk[e] + r / 16) * I * 16, rows > 16 ? 2 : 1, I, c);
+#endif
+  };
+  auto release = [] {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    _tile_release();
+#endif
+  };
+  // rows [o0, o0 + n) of expert e's weight W (I inputs; its scales S with int8) against M rows xr -> out (O apart)
+  auto fc = [&](const std::vector<at::Tensor>& W, const std::vector<at::Tensor>& S, int64_t e, int64_t o0,
+                const T* xr, const T* b, T* out, int64_t M, int64_t I, int64_t O, int64_t n, float* scratch) {
+    if (int8)
+      return block_rows_i8<T>(W[e].data_ptr<int8_t>() + o0 * I, S[e].data_ptr<float>() + o0, xr, b, out, M, I, O, n,
+                              scratch);
+    if (int4) {
+      const int64_t G = S[e].size(1);
+      return block_rows_i4<T>(W[e].data_ptr<uint8_t>() + o0 * (I / 2), S[e].data_ptr<float>() + o0 * G, I / G, xr, b,
+                              out, M, I, O, n, scratch);
+    }
+    block_rows<T>(W[e].data_ptr<T>() + o0 * I, xr, b, out, M, I, O, n, scratch);
+  };
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t o = 0; o < F && counts[e]; o += BLOCK)
+      tasks.push_back({e, o, std::min(F, o + BLOCK), passes(counts[e]) * (std::min(F, o + BLOCK) - o)});
+  pack(xp, C);
+  // fc1 and the activation: gate rows [o0, o1) and up rows F + [o0, o1) (swiglu), into act[:, o0:o1]
+  run_tasks(tasks, (swiglu ? 2 : 1) * C * int64_t(sizeof(T)), [&](const Task& t) {
+    const T* w = s1.empty() ? w1[t.expert].data_ptr<T>() : nullptr;
+    const T* b = bias ? b1[t.expert].data_ptr<T>() : nullptr;
+    const int64_t n = t.o1 - t.o0;
+    if (chunk[t.expert] >= 0) {
+      alignas(64) float g[32][32], up[32][32];
+      for (int64_t r = 0; r < counts[t.expert]; r += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, counts[t.expert] - r));
+        for (int64_t o0 = t.o0; o0 < t.o1; o0 += 32) {
+          const int on = static_cast<int>(std::min<int64_t>(32, t.o1 - o0));
+          amx_sums(t.expert, r, rows, w + o0 * C, on, C, g);
+          if (swiglu) amx_sums(t.expert, r, rows, w + (F + o0) * C, on, C, up);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+          if constexpr (std::is_same<T, B16>::value) {
+            if (swiglu) {  // vectorised: ~3 M activations a layer in a prefill of 2048 tokens
+              swiglu_rows(g, up, b ? b + o0 : nullptr, b ? b + F + o0 : nullptr, rows, on, F,
+                          ap + (start[t.expert] + r) * F + o0);
+              continue;
+            }
+          }
+#endif
+          for (int j = 0; j < rows; ++j)
+            for (int o = 0; o < on; ++o) {  // rounded as the passes below round
+              const T gt = static_cast<T>(g[o][j] + (b ? static_cast<float>(b[o0 + o]) : 0.0f));
+              T* out = ap + (start[t.expert] + r + j) * F + o0 + o;
+              if (swiglu) {
+                const T ut = static_cast<T>(up[o][j] + (b ? static_cast<float>(b[F + o0 + o]) : 0.0f));
+                *out = static_cast<T>(static_cast<float>(static_cast<T>(silu(static_cast<float>(gt)))) *
+                                      static_cast<float>(ut));
+              } else {
+                *out = static_cast<T>(gelu(static_cast<float>(gt)));
+              }
+            }
+        }
+      }
+      return release();
+    }
+    T g[MAX_ROWS * BLOCK], u[MAX_ROWS * BLOCK];
+    std::vector<float> scratch(MAX_ROWS * C);
+    for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
+      const int64_t M = std::min(MAX_ROWS, start[t.expert + 1] - r);
+      fc(w1, s1, t.expert, t.o0, xp + r * C, b ? b + t.o0 : nullptr, g, M, C, BLOCK, n, scratch.data());
+      if (swiglu)
+        fc(w1, s1, t.expert, F + t.o0, xp + r * C, b ? b + F + t.o0 : nullptr, u, M, C, BLOCK, n, scratch.data());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t o = 0; o < n; ++o) {
+          T* out = ap + (r + m) * F + t.o0 + o;
+          if (swiglu)  // as F.silu(gate) * up in this dtype: silu rounded, then the product rounded
+            *out = static_cast<T>(static_cast<float>(static_cast<T>(silu(static_cast<float>(g[m * BLOCK + o])))) *
+                                  static_cast<float>(u[m * BLOCK + o]));
+          else
+            *out = static_cast<T>(gelu(static_cast<float>(g[m * BLOCK + o])));
+        }
+    }
+  });
+  tasks.clear();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t o = 0; o < C && counts[e]; o += BLOCK)
+      tasks.push_back({e, o, std::min(C, o + BLOCK), passes(counts[e]) * (std::min(C, o + BLOCK) - o)});
+  pack(ap, F);
+  // fc2: output columns [o0, o1) of each of the expert's rows
+  run_tasks(tasks, F * int64_t(sizeof(T)), [&](const Task& t) {
+    const T* w = s1.empty() ? w2[t.expert].data_ptr<T>() : nullptr;
+    const T* b = bias ? b2[t.expert].data_ptr<T>() : nullptr;
+    if (chunk[t.expert] >= 0) {
+      alignas(64) float c[32][32];
+      for (int64_t r = 0; r < counts[t.expert]; r += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, counts[t.expert] - r));
+        for (int64_t o0 = t.o0; o0 < t.o1; o0 += 32) {
+          const int on = static_cast<int>(std::min<int64_t>(32, t.o1 - o0));
+          amx_sums(t.expert, r, rows, w + o0 * F, on, F, c);
+          for (int j = 0; j < rows; ++j)
+            for (int o = 0; o < on; ++o)
+              yp[(start[t.expert] + r + j) * C + o0 + o] =
+                  static_cast<T>(c[o][j] + (b ? static_cast<float>(b[o0 + o]) : 0.0f));
+        }
+      }
+      return release();
+    }
+    std::vector<float> scratch(MAX_ROWS * F);
+    for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
+      const int64_t M = std::min(MAX_ROWS, start[t.expert + 1] - r);
+      fc(w2, s2, t.expert, t.o0, ap + r * F, b ? b + t.o0 : nullptr, yp + r * C + t.o0, M, F, C, t.o1 - t.o0,
+         scratch.data());
+    }
+  });
+}
+
+// The routed experts' MLPs over their rows: x [P, C] holds counts[0] rows of the first listed expert, then counts[1]
+// of the second, ...; expert i is w1[i] ([2F, C] swiglu as [gate; up], or [F, C]), b1[i] ([2F] or [F]), then the
+// activation (silu(gate) * up, or exact GeLU), then w2[i] ([C, F]), b2[i] ([C]); biases for every expert or none
+// (empty lists). y [P, C] in x's order. fp32 or bf16, all alike; rounded to it where F.linear, F.silu and the
+// product round. int8 experts (s1, s2 given): w1[i], w2[i] int8 with one fp32 scale per row in s1[i], s2[i]
+// (pipeline/quantize.py `quantize_int8`), each fc as int8_linear computes it; biases in x's dtype.
+at::Tensor expert_mlps(const at::Tensor& x, const std::vector<int64_t>& counts, const std::vector<at::Tensor>& w1,
+                          const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
+                          const std::vector<at::Tensor>& b2, bool swiglu, const std::vector<at::Tensor>& s1,
+                          const std::vector<at::Tensor>& s2) {
+  RECORD_FUNCTION("moe_pipeline::expert_mlps", std::vector<c10::IValue>({x}));
+  const int64_t E = counts.size();
+  TORCH_CHECK(E > 0 && int64_t(w1.size()) == E && int64_t(w2.size()) == E &&
+                  (b1.empty() || int64_t(b1.size()) == E) && b1.size() == b2.size(),
+              "expert_mlps: a count, w1 and w2 per expert (and b1, b2 for all or none)");
+  const bool quant = !s1.empty(), int4 = quant && w1[0].scalar_type() == at::kByte;
+  TORCH_CHECK(s1.size() == s2.size() && (!quant || int64_t(s1.size()) == E),
+              "expert_mlps: int8 and int4 weights take s1 and s2, their scales, per expert each (or neither)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "expert_mlps: x [rows, hidden], contiguous CPU");
+  const bool w8a8 = quant && w1[0].dim() == 1;
+  const int64_t C = x.size(1), packs = int4 ? 2 : 1;
+  const int64_t F = w8a8 ? s1[0].size(-1) / (swiglu ? 2 : 1) : w2[0].size(-1) * packs;
+  int64_t rows = 0;
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "expert_mlps: fp32 or bf16, not ", dt);
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(counts[e] >= 0, "expert_mlps: negative count");
+    rows += counts[e];
+    if (w8a8) {  // W8A8 experts: their tiles and [2, rows] scales (w8a8_of checks both)
+#if defined(__AVX512VNNI__)
+      TORCH_CHECK(w1[e].dim() == 1 && w2[e].dim() == 1 && s1[e].dim() == 2 && s2[e].dim() == 2 &&
+                      s1[e].size(1) == (swiglu ? 2 : 1) * F && s2[e].size(1) == C && (!swiglu || F % VNNI_TILE == 0),
+                  "expert_mlps: expert ", e, ": W8A8 weights (tiles), scales [2, ", (swiglu ? 2 : 1) * F, "] and [2, ",
+                  C, "]; swiglu experts of a multiple of ", VNNI_TILE, " columns");
+      w8a8_of(w1[e], s1[e], C);
+      w8a8_of(w2[e], s2[e], F);
+      if (!b1.empty())
+        TORCH_CHECK(b1[e].numel() == s1[e].size(1) && b2[e].numel() == C && b1[e].is_contiguous() &&
+                        b2[e].is_contiguous() && b1[e].scalar_type() == dt && b2[e].scalar_type() == dt,
+                    "expert_mlps: biases of the weights' sizes and dtype");
+      continue;
+#else
+      TORCH_CHECK(false, "expert_mlps: W8A8 experts need this kernel's AVX512_VNNI build");
+#endif
+    }
+    TORCH_CHECK(w1[e].dim() == 2 && w1[e].size(0) == (swiglu ? 2 : 1) * F && w1[e].size(1) * packs == C &&
+                    w2[e].dim() == 2 && w2[e].size(0) == C && w2[e].size(1) * packs == F,
+                "expert_mlps: expert ", e, ": w1 ", w1[e].sizes(), ", w2 ", w2[e].sizes(), " for hidden ", C);
+    for (const at::Tensor* t : {&w1[e], &w2[e]})
+      TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() &&
+                      t->scalar_type() == (int4 ? at::kByte : quant ? at::kChar : dt),
+                  quant ? "expert_mlps: contiguous CPU int8 (or packed int4) weights with s1, s2, alike"
+                        : "expert_mlps: contiguous CPU weights of x's dtype (int8 ones with s1, s2)");
+    if (quant && !int4)
+      TORCH_CHECK(s1[e].scalar_type() == at::kFloat && s2[e].scalar_type() == at::kFloat && s1[e].is_contiguous() &&
+                      s2[e].is_contiguous() && s1[e].numel() == w1[e].size(0) && s2[e].numel() == C,
+                  "expert_mlps: expert ", e, ": s1 and s2 fp32, one scale per row of w1 and w2");
+    if (int4)
+      TORCH_CHECK(s1[e].scalar_type() == at::kFloat && s2[e].scalar_type() == at::kFloat && s1[e].is_contiguous() &&
+                      s2[e].is_contiguous() && s1[e].dim() == 2 && s2[e].dim() == 2 &&
+                      s1[e].size(0) == w1[e].size(0) && s2[e].size(0) == C && s1[e].size(1) > 0 &&
+                      s2[e].size(1) > 0 && C % s1[e].size(1) == 0 && F % s2[e].size(1) == 0 &&
+                      (C / s1[e].size(1)) % 64 == 0 && (F / s2[e].size(1)) % 64 == 0,
+                  "expert_mlps: expert ", e, ": int4 scales [rows, groups] fp32, groups of a multiple of 64 inputs");
+    if (!b1.empty())
+      TORCH_CHECK(b1[e].numel() == w1[e].size(0) && b2[e].numel() == C && b1[e].is_contiguous() &&
+                      b2[e].is_contiguous() && b1[e].scalar_type() == dt && b2[e].scalar_type() == dt,
+                  "expert_mlps: biases of the weights' sizes and dtype");
+  }
+  TORCH_CHECK(rows == x.size(0), "expert_mlps: the counts add up to ", rows, " rows, x has ", x.size(0));
+  at::Tensor y = at::empty({rows, C}, x.options());
+  if (rows == 0) return y;
+  if (dt == at::kFloat)
+    expert_mlps_typed<float>(x, counts, w1, b1, w2, b2, swiglu, s1, s2, y);
+  else
+    expert_mlps_typed<c10::BFloat16>(x, counts, w1, b1, w2, b2, swiglu, s1, s2, y);
+  return y;
+}
+
+// -- a whole MoE layer on one rank: routing, the experts, the weighted sum ----------------------------------------
+//
+// With every expert on this rank (1 rank), the layer's ~25 operators of routing and combining (router product in
+// fp32, softmax, top-k, renormalisation, grouping, gather, index_select, products) cost more at batch 1 than its
+// experts' read: here they are two calls, `route` and `routed_experts`.
+
+// x [S, C] (fp32 or bf16), wg [E, C] fp32: the router's probabilities softmax(x wg^T) in fp32 (pipeline/model.py
+// `router_logits` + `route`, no capacity), each token's top k (the larger first, the lower expert first among equal
+// ones) and their weights, divided by their sum with `renormalize`; and the tokens per expert.
+// Returns (weights [S, k] fp32, experts [S, k] int64, counts [E] int64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& wg,
+                                                              int64_t k, bool renormalize) {
+  RECORD_FUNCTION("moe_pipeline::route", std::vector<c10::IValue>({x, wg}));
+  TORCH_CHECK(x.dim() == 2 && wg.dim() == 2 && x.size(1) == wg.size(1), "route: x [tokens, C], wg [experts, C]");
+  TORCH_CHECK(x.is_contiguous() && wg.is_contiguous() && x.device().is_cpu() && wg.device().is_cpu() &&
+                  wg.scalar_type() == at::kFloat && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "route: contiguous CPU x (fp32 or bf16) and fp32 wg");
+  const int64_t S = x.size(0), C = x.size(1), E = wg.size(0);
+  TORCH_CHECK(k >= 1 && k <= E, "route: top_k ", k, " of ", E, " experts");
+  at::Tensor weights = at::empty({S, k}, wg.options());
+  at::Tensor experts = at::empty({S, k}, wg.options().dtype(at::kLong));
+  float* wp = weights.data_ptr<float>();
+  int64_t* ep = experts.data_ptr<int64_t>();
+  const float* g = wg.data_ptr<float>();
+  const int64_t Cv = C / VW * VW;
+  auto one = [&](const float* xr, int64_t s, float* p) {  // token s, x widened to fp32 in xr; p: room for E
+    for (int64_t e = 0; e < E; ++e) {
+      const float* gr = g + e * C;
+      vf acc = vzero();
+      int64_t c = 0;
+      for (; c < Cv; c += VW) acc = vfma(vload(gr + c), vload(xr + c), acc);
+      float dot = vsum(acc);
+      for (; c < C; ++c) dot += gr[c] * xr[c];
+      p[e] = dot;
+    }
+    float m = -INFINITY, total = 0.0f;
+    for (int64_t e = 0; e < E; ++e) m = std::max(m, p[e]);
+    for (int64_t e = 0; e < E; ++e) total += (p[e] = std::exp(p[e] - m));
+    for (int64_t e = 0; e < E; ++e) p[e] /= total;
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {  // k passes: k is 1-8
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int64_t i = 0; i < j; ++i) taken |= ep[s * k + i] == e;
+        if (!taken && (best < 0 || p[e] > p[best])) best = e;
+      }
+      ep[s * k + j] = best;
+      chosen += (wp[s * k + j] = p[best]);
+    }
+    if (renormalize) {
+      const float d = std::max(chosen, std::numeric_limits<float>::epsilon());
+      for (int64_t j = 0; j < k; ++j) wp[s * k + j] /= d;
+    }
+  };
+  at::parallel_for(0, S, 64, [&](int64_t b, int64_t e) {
+    std::vector<float> xr(C), p(E);
+    for (int64_t s = b; s < e; ++s) {
+      if (x.scalar_type() == at::kFloat) {
+        const float* xs = x.data_ptr<float>() + s * C;
+        std::copy(xs, xs + C, xr.begin());
+      } else {
+        const c10::BFloat16* xs = x.data_ptr<c10::BFloat16>() + s * C;
+        for (int64_t c = 0; c < C; ++c) xr[c] = static_cast<float>(xs[c]);
+      }
+      one(xr.data(), s, p.data());
+    }
+  });
+  at::Tensor counts = at::zeros({E}, experts.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S * k; ++i) ++cp[ep[i]];
+  return {weights, experts, counts};
+}
+
+template <typename T>
+static void combine(const T* y, const float* weights, const std::vector<int64_t>& pair_row, T* out, int64_t S,
+                    int64_t k, int64_t C) {
+  at::parallel_for(0, S, 64, [&](int64_t b, int64_t e) {
+    for (int64_t s = b; s < e; ++s) {
+      T* o = out + s * C;
+      for (int64_t j = 0; j < k; ++j) {
+        const T* yr = y + pair_row[s * k + j] * C;
+        const float w = static_cast<float>(static_cast<T>(weights[s * k + j]));  // the weight in the output dtype
+        for (int64_t c = 0; c < C; ++c)  // as y0 * w0, then addcmul_: one rounding per choice
+          o[c] = static_cast<T>((j ? static_cast<float>(o[c]) : 0.0f) + static_cast<float>(yr[c]) * w);
+      }
+    }
+  });
+}
+
+// The (token, choice) pairs of the experts in `active` (ascending, with their w1, b1, w2, b2 as expert_mlps), each
+// expert once over its pairs' tokens (in token order): x [S, C], experts and weights [S, k] as `route` gives them.
+// Returns the experts' outputs [pairs, C] and each pair's row in it (pair i = token i / k's choice i % k), -1 for a
+// pair whose expert is not in `active` (`partial`: another rank computes it; else that is an error).
+static std::pair<at::Tensor, std::vector<int64_t>> run_pairs(
+    const char* op, const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
+    const std::vector<int64_t>& active, const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+    const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2, bool swiglu, bool partial,
+    const std::vector<at::Tensor>& s1, const std::vector<at::Tensor>& s2) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && experts.dim() == 2 && experts.size(0) == x.size(0) &&
+                  experts.is_contiguous() && experts.scalar_type() == at::kLong && weights.sizes() == experts.sizes() &&
+                  weights.is_contiguous() && weights.scalar_type() == at::kFloat,
+              op, ": x [S, C], experts [S, k] int64 and weights [S, k] fp32, contiguous");
+  const int64_t S = x.size(0), C = x.size(1), k = experts.size(1), A = active.size();
+  TORCH_CHECK(A > 0, op, ": no active expert");
+  const int64_t top = *std::max_element(active.begin(), active.end());
+  std::vector<int64_t> slot(top + 1, -1);
+  for (int64_t i = 0; i < A; ++i) {
+    TORCH_CHECK(active[i] >= 0 && (i == 0 || active[i] > active[i - 1]), op, ": active experts ascending");
+    slot[active[i]] = i;
+  }
+  const int64_t* ep = experts.data_ptr<int64_t>();
+  auto slot_of = [&](int64_t e) { return e >= 0 && e <= top ? slot[e] : -1; };
+  std::vector<int64_t> counts(A, 0);
+  for (int64_t i = 0; i < S * k; ++i) {
+    const int64_t sl = slot_of(ep[i]);
+    TORCH_CHECK(sl >= 0 || partial, op, ": token ", i / k, " chose expert ", ep[i], ", not an active one");
+    if (sl >= 0) ++counts[sl];
+  }
+  std::vector<int64_t> start(A + 1, 0), pair_row(S * k, -1);
+  for (int64_t i = 0; i < A; ++i) start[i + 1] = start[i] + counts[i];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < S * k; ++i)
+    if (slot_of(ep[i]) >= 0) pair_row[i] = fill[slot_of(ep[i])]++;  // token order within an expert
+  at::Tensor rows = at::empty({start[A], C}, x.options());
+  const int64_t bytes = C * x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* rp = static_cast<char*>(rows.data_ptr());
+  for (int64_t i = 0; i < S * k; ++i)
+    if (pair_row[i] >= 0) std::memcpy(rp + pair_row[i] * bytes, xp + (i / k) * bytes, bytes);
+  return {expert_mlps(rows, counts, w1, b1, w2, b2, swiglu, s1, s2), pair_row};
+}
+
+static at::Tensor combined(const at::Tensor& y, const at::Tensor& weights, const std::vector<int64_t>& pair_row,
+                              int64_t S, int64_t C) {
+  const int64_t k = weights.size(1);
+  at::Tensor out = at::empty({S, C}, y.options());
+  if (y.scalar_type() == at::kFloat)
+    combine<float>(y.data_ptr<float>(), weights.data_ptr<float>(), pair_row, out.data_ptr<float>(), S, k, C);
+  else
+    combine<c10::BFloat16>(y.data_ptr<c10::BFloat16>(), weights.data_ptr<float>(), pair_row,
+                           out.data_ptr<c10::BFloat16>(), S, k, C);
+  return out;
+}
+
+// Every token's experts and their weighted sum: x [S, C] the layer's tokens, experts and weights [S, k] as `route`
+// gives them; `active`: the experts that received a token, in increasing order, with their w1, b1, w2, b2 (as
+// expert_mlps). Each expert runs once over its tokens (in token order), then out[s] = sum_j weights[s, j] *
+// y[s, j], the choices in order, rounded as `y0 * w0` and then `addcmul_` per further choice (the weights cast
+// to the output dtype first), as export/serve/placement/exchange.py's PlacedMoE.
+at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
+                             const std::vector<int64_t>& active, const std::vector<at::Tensor>& w1,
+                             const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
+                             const std::vector<at::Tensor>& b2, bool swiglu, const std::vector<at::Tensor>& s1,
+                             const std::vector<at::Tensor>& s2) {
+  RECORD_FUNCTION("moe_pipeline::routed_experts", std::vector<c10::IValue>({x}));
+  auto [y, pair_row] = run_pairs("routed_experts", x, experts, weights, active, w1, b1, w2, b2, swiglu, false, s1, s2);
+  return combined(y, weights, pair_row, x.size(0), x.size(1));
+}
+
+// Expert parallelism's half of routed_experts: the outputs of the pairs whose expert is in `active` (this rank's),
+// y [S, k, C] with zeros where another rank's expert was chosen, so that a sum over the ranks (an all-reduce: x + 0
+// = x, exact) is every pair's output; then `combine_pairs` on the sum is routed_experts' answer to the bit.
+at::Tensor expert_pairs(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
+                           const std::vector<int64_t>& active, const std::vector<at::Tensor>& w1,
+                           const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
+                           const std::vector<at::Tensor>& b2, bool swiglu, const std::vector<at::Tensor>& s1,
+                           const std::vector<at::Tensor>& s2) {
+  RECORD_FUNCTION("moe_pipeline::expert_pairs", std::vector<c10::IValue>({x}));
+  const int64_t S = x.size(0), C = x.size(1), k = experts.size(1);
+  auto [y, pair_row] = run_pairs("expert_pairs", x, experts, weights, active, w1, b1, w2, b2, swiglu, true, s1, s2);
+  at::Tensor out = at::zeros({S, k, C}, x.options());
+  const int64_t bytes = C * x.element_size();
+  const char* yp = static_cast<const char*>(y.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < S * k; ++i)
+    if (pair_row[i] >= 0) std::memcpy(op + i * bytes, yp + pair_row[i] * bytes, bytes);
+  return out;
+}
+
+// out[s] = sum_j weights[s, j] * y[s, j] over y [S, k, C] (fp32 or bf16), rounded as routed_experts rounds.
+at::Tensor combine_pairs(const at::Tensor& y, const at::Tensor& weights) {
+  RECORD_FUNCTION("moe_pipeline::combine_pairs", std::vector<c10::IValue>({y}));
+  TORCH_CHECK(y.dim() == 3 && y.is_contiguous() && weights.dim() == 2 && weights.is_contiguous() &&
+                  weights.scalar_type() == at::kFloat && weights.size(0) == y.size(0) && weights.size(1) == y.size(1) &&
+                  (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16),
+              "combine_pairs: y [S, k, C] fp32 or bf16 and weights [S, k] fp32, contiguous");
+  const int64_t S = y.size(0), k = y.size(1);
+  std::vector<int64_t> pair_row(S * k);
+  for (int64_t i = 0; i < S * k; ++i) pair_row[i] = i;
+  return combined(y, weights, pair_row, S, y.size(2));
+}
