@@ -169,16 +169,32 @@ def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_keeps_serving(serv
     assert complete(server, prompt="And", max_tokens=2, temperature=0).status_code == 200
 
 
-def test_api_key_is_required_when_set(package):
-    proc, url = start(package, MOE_PIPELINE_API_KEY="sesame")
+def test_api_key_is_required_when_set_and_health_shows_the_options_in_force(package):
+    """With a key: 401 without it, a terse open /health; with it, /health lists every option in force (the key left
+    out), the kernels' build and choices and their thresholds, as the flags set them: the linears on oneDNN and the
+    weights unmapped here, and the greedy tokens are still the model's own."""
+    proc, url = start(package, "--cpu-linears", "onednn", "--no-map-weights", "--attention-kernel-rows", "32",
+                      MOE_PIPELINE_API_KEY="sesame")
     try:
         assert complete(url, prompt="And", max_tokens=2).status_code == 401
-        r = requests.post(f"{url}/v1/completions", json={"prompt": "And", "max_tokens": 2},
-                          headers={"Authorization": "Bearer sesame"}, timeout=60)
+        key = {"Authorization": "Bearer sesame"}
+        r = requests.post(f"{url}/v1/completions", json={"prompt": "And God said", "max_tokens": 10, "temperature": 0},
+                          headers=key, timeout=60)
         assert r.status_code == 200
+        _, tokens, (_, tok) = reference_greedy(package, "And God said", 10)
+        assert r.json()["choices"][0]["text"] == tok.decode(tokens)
         assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok"}  # health stays open, terse
-        full = requests.get(f"{url}/health", headers={"Authorization": "Bearer sesame"}, timeout=10).json()
+        full = requests.get(f"{url}/health", headers=key, timeout=10).json()
         assert full["status"] == "ok" and full["rank_status"][0]["pid"] > 0
+        server = full["server"]
+        options, kernels = server["options"], server["kernels"]
+        assert options["cpu_linears"] == "onednn" and options["map_weights"] is False and options["head_screen"]
+        assert "api_key" not in options and options["max_batch"] == 32
+        assert kernels["options"] == {"linears": "onednn", "head_screen": True, "map_weights": False,
+                                      "local_reduce": True, "prefetch": "auto", "attention_kernel_rows": 32}
+        assert kernels["isa"] and kernels["thresholds"]["ONEDNN_FROM"]["value"] == 1 << 19
+        assert all(t["why"] for t in kernels["thresholds"].values())
+        assert server["engine"]["coordinator"] == "RankZero" and server["engine"]["max_model_len"] > 0
     finally:
         assert stop(proc) == 0
 

@@ -126,6 +126,7 @@ class Engine:
         self.load = ExpertLoad(self.cfg, world, layout)
         self.rank_status: list[dict] = []  # every rank's last answer to `ping` (rank 0)
         self.rank_status_at: float | None = None
+        self.config: ServeConfig | None = None  # from_config's, reported by /health
         self.coordinator = coordinator_for(self, own_requests, front)
 
     @classmethod
@@ -179,11 +180,13 @@ class Engine:
         controller = None
         if config.placement is not None and ranks.rank == 0:
             controller = make_controller(config, model.cfg, ranks.world)
-        return cls(model, tok, max_batch=config.max_batch, ranks=ranks, max_batched_tokens=config.max_batched_tokens,
-                   max_prefill_seqs=config.max_prefill_seqs, kv_cache_memory=config.kv_cache_memory,
-                   max_model_len=config.max_model_len, block_size=config.block_size,
-                   prefix_caching=config.prefix_caching, exchange=exchange, layout=layout, controller=controller,
-                   own_requests=own_requests, front=front)
+        engine = cls(model, tok, max_batch=config.max_batch, ranks=ranks, max_batched_tokens=config.max_batched_tokens,
+                     max_prefill_seqs=config.max_prefill_seqs, kv_cache_memory=config.kv_cache_memory,
+                     max_model_len=config.max_model_len, block_size=config.block_size,
+                     prefix_caching=config.prefix_caching, exchange=exchange, layout=layout, controller=controller,
+                     own_requests=own_requests, front=front)
+        engine.config = config
+        return engine
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -378,6 +381,20 @@ class Engine:
         return rank_msgs.gather_status(self.ranks.rank if self.ranks else 0, self.worker.forwards,
                                        self.worker.forward_s, self.exchange.stats() if self.exchange is not None else None,
                                        placed=self.controller is not None)
+
+    def server_info(self) -> dict:
+        """How this server runs, as /health reports it: every option in force (its ServeConfig, the API key left out),
+        the CPU kernels' build, options and thresholds (export/serve/kernels/info.py), the engine's own choices."""
+        from export.serve.decode import Decoder
+        from export.serve.kernels.info import describe
+
+        options = self.config.model_dump(mode="json", exclude={"api_key", "api_key_file"}) if self.config else None
+        return {"options": options, "kernels": describe() if self.device.type == "cpu" else None,
+                "engine": {"coordinator": type(self.coordinator).__name__, "data_parallel": self.dp,
+                           "native_decoder": self.worker.decoder is not None,
+                           "kv_blocks": self.kv.blocks, "block_size": self.kv.block_size,
+                           "max_model_len": self.max_model_len, "PACKED_TOKENS": Decoder.PACKED_TOKENS,
+                           "TOPK_SCREEN": Worker.TOPK_SCREEN, "SCORE_ROWS": Worker.SCORE_ROWS}}
 
     @property
     def expert_tokens(self) -> list[torch.Tensor]:

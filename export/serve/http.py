@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import time
@@ -362,6 +363,10 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
 
     app.add_middleware(Guard, config=config, metrics=metrics)
 
+    @functools.cache
+    def info() -> dict:
+        return engine.server_info()
+
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
 
@@ -378,7 +383,9 @@ def build_app(worker, model_name: str, config, metrics: ServeMetrics | None = No
                 "data_parallel": engine.dp,
                 # every rank's answer to the engine's last ping (once a second, busy or idle)
                 "rank_status": list(engine.rank_status),
-                "rank_status_age_s": None if heard is None else round(time.time() - heard, 2)}
+                "rank_status_age_s": None if heard is None else round(time.time() - heard, 2),
+                # the options, kernel build and choices, thresholds in force (Engine.server_info), computed once
+                "server": info()}
         return JSONResponse(body, status_code=200 if alive else 503)
 
     # vLLM's tokenizer endpoints: lm-eval's local-completions uses them (tokenizer_backend "remote"/"auto")

@@ -283,7 +283,7 @@ def attach_local_reduce() -> bool:
     import torch.distributed as td
 
     import export.serve.kernels.options as options
-    from export.serve.kernels.build import kernel
+    from export.serve.kernels.extension import kernel
     from pipeline import dist
 
     if not (td.is_initialized() and td.get_world_size() > 1 and shared_memory_reduce()):

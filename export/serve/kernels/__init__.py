@@ -4,7 +4,8 @@
     kernels.serving_linears(model)   # every large enough nn.Linear of a CPU model in eval mode, in place
 
   options.py    the options in force (serve's kernel flags): configure, current, using
-  build.py      the extension: its build per instruction set and prefetch hint, `kernel()`
+  info.py       what /health reports: the build, the options, every threshold with its reason
+  extension.py  the extension: its build per instruction set and prefetch hint, `kernel()`
   weights.py    ServingWeight: a weight and the linear that fits a call's rows (the kernel, AMX, oneDNN, F.linear)
   quantized.py  int8, int4 and W8A8 weights and the quantisation schemes
   heads.py      the output layer's greedy rows screened through an int8 copy (HeadScreen), argmax_rows
@@ -15,7 +16,7 @@
 """
 
 from export.serve.kernels import options
-from export.serve.kernels.build import available, build, cpu_isa, kernel, prefetch_hint
+from export.serve.kernels.extension import available, build, cpu_isa, kernel, prefetch_hint
 from export.serve.kernels.experts import (GROUPED_MAX_ROWS, combine_pairs, expert_mlps, expert_pairs, expert_tensors,
                                           gathered_layer, grouped_experts, grouped_max_rows, local_layer, route,
                                           routed_layer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from export.serve.kernels.build import kernel, kernel_has
+from export.serve.kernels.extension import kernel, kernel_has
 from export.serve.kernels.quantized import QuantizedWeight, W8A8Weight
 from export.serve.kernels.weights import ServingWeight
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 import export.serve.kernels.options as options
-from export.serve.kernels.build import kernel, kernel_has
+from export.serve.kernels.extension import kernel, kernel_has
 from export.serve.kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight, W8A8Weight
 from export.serve.kernels.weights import ServingWeight
 from pipeline.quantize import dequantized, int8_rows, unpack_int4

@@ -7,7 +7,7 @@ one record a process, set before a model is built and read where each choice is 
     with options.using(map_weights=False): ...                    # a test's or a benchmark's variant, then back
 
 Like torch.backends' flags, they are process-wide: a server runs one configuration. The prefetch hint is compiled
-into the extension (export/serve/kernels/build.py), so it is fixed once this process has built the kernel.
+into the extension (export/serve/kernels/extension.py), so it is fixed once this process has built the kernel.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def current() -> KernelOptions:
 
 def configure(opts: KernelOptions) -> None:
     """Set the options in force, before a model is built (the prefetch hint takes effect where the kernel is not
-    built yet: build.py `built_hint` says which one it has)."""
+    built yet: extension.py `built_hint` says which one it has)."""
     global _current
     _current = opts
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from export.serve.kernels.build import kernel
+from export.serve.kernels.extension import kernel
 from pipeline.quantize import INT4_GROUP, dequantized, fits_int4, pack_int4, quantize_int4, quantize_int8, unpack_int4
 
 MORE_INT8 = 4  # the native decoder's code (csrc/decode_model.cpp DecodeLinear, weights.py MORE_ONEDNN's list) for an

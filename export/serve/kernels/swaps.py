@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from export.serve.kernels.build import available, kernel
+from export.serve.kernels.extension import available, kernel
 from export.serve.kernels.heads import HeadScreen, QuantizedHeadScreen
 from export.serve.kernels.quantized import QuantizedWeight, as_scheme, quantized_weights, stored_weight
 from export.serve.kernels.weights import ServingWeight, serves

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import export.serve.kernels.options as options
-from export.serve.kernels.build import kernel
+from export.serve.kernels.extension import kernel
 
 MAP_FROM = 1 << 20  # storages of at least this many bytes are moved into the mapping
 

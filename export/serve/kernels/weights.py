@@ -29,13 +29,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from export.serve.kernels.build import available, kernel
+from export.serve.kernels.extension import available, kernel
 from export.serve.kernels.quantized import QuantizedWeight
 
 SERVE_FROM = 1 << 14  # weights with fewer elements stay plain nn.Linear (F.linear's call is cheapest)
-# below this, more rows go to F.linear: as fast there, and no primitive cache to grow. 1 << 19: the Qwen3-MoE of the
-# peer benchmark has experts' down projections of 768 x 1024 (786K), which F.linear (aten::mm) ran at ~290 GFLOPS in
-# a prefill where oneDNN runs ~400 (16 prompts of 128 tokens: 4,252 / 4,173 against 4,016 / 3,989 tok/s at 1 << 20)
+# below this, more rows go to F.linear: as fast there, and no primitive cache to grow; at 1 << 19 the peer
+# benchmark's Qwen3-MoE experts' down projections (768 x 1024) stay with oneDNN, which runs their prefill faster
+# than aten::mm (benchmarks/prefill_bench.py)
 ONEDNN_FROM = 1 << 19
 PACK_ROWS = 32  # the row count oneDNN's packed weight layout is chosen for (a decode batch's)
 # how a ServingWeight runs more rows than the few-row kernel takes (`ServingWeight.more`; csrc/decode_model.cpp

@@ -1,5 +1,5 @@
 // The serving kernels' C++ extension: what each file holds, the constants the ops share, and the ops one file calls
-// in another (the Python bindings, `DecodeModel`). Built at first use by export/serve/kernels/build.py
+// in another (the Python bindings, `DecodeModel`). Built at first use by export/serve/kernels/extension.py
 // (torch.utils.cpp_extension, the way DeepSpeed builds its CPU ops), once per instruction set: AVX-512 (with
 // AVX512_BF16 and AVX512_VNNI where the CPU has them, and AMX's tiles), or AVX2 + FMA. Every kernel reads its weight
 // once, one sequential stream a thread, split between torch's intra-op threads; fp32 sums, one rounding to the

@@ -171,12 +171,12 @@ static void shared_range(int64_t n, int64_t grain, F&& piece) {
   shared_work(first, [&](int64_t p) { piece(n * p / pieces, n * (p + 1) / pieces); });
 }
 
-// The weight 2 KB ahead of a read. Which hint depends on the CPU (export/serve/kernels/build.py `prefetch_hint`
+// The weight 2 KB ahead of a read. Which hint depends on the CPU (export/serve/kernels/extension.py `prefetch_hint`
 // chooses at build time). AMD (Zen 4): non-temporally, the default: the stream (hundreds of MB a token) would otherwise
 // evict everything else a decode step touches from the caches (the KV cache, activations, the interpreter's own
 // memory) on every step; with the hint the step's other work ran faster. Intel (Sapphire Rapids, MOE_PREFETCH_T0):
 // into every cache level; a core there reads the memory slowly alone, and the NTA hint read the weights slower
-// than T0 (export/serve/kernels/build.py `prefetch_hint`).
+// than T0 (export/serve/kernels/extension.py `prefetch_hint`).
 #if defined(MOE_PREFETCH_T0)
 #define AHEAD_HINT _MM_HINT_T0
 #else
