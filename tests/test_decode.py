@@ -201,7 +201,7 @@ def test_the_decoder_beyond_the_kernel_s_rows(family, more, dtype, tmp_path, mon
     if more == "chunks":
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     model = served(pr_moe() if family == "pr_moe" else imported(family, tmp_path), tmp_path, dtype, monkeypatch)
-    weights = [block.attn.qkv.weight for block in model.blocks] + \
+    weights = [block.attn.qkv_proj.weight for block in model.blocks] + \
         [m.served for m in model.modules() if isinstance(m, kernels.ServingLinear)]
     for w in weights:
         w.amx = None  # AMX would take these rows (bf16 on a CPU with it): the paths after it are the ones under test

@@ -98,7 +98,7 @@ def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, t
     experts without biases, a shared expert, unnormalised top-k) and its CPU linears on every weight (q, k, v fused
     into one product even where k and v are narrower), from our weights' files."""
     from export.serve import kernels
-    from export.serve.kernels import FusedQKV
+    from export.serve.kernels import FusedAttention
     from export.serve.placement.exchange import placed_model
 
     monkeypatch.setattr(kernels.weights, "SERVE_FROM", 0)  # these small weights too: the fused q, k, v and the kernel
@@ -111,7 +111,7 @@ def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, t
     (tmp_path / "ours").mkdir()
     save_weights(ours, tmp_path / "ours")
     served = placed_model(ours.cfg, tmp_path / "ours", dist.init(), torch.float32).model
-    assert isinstance(served.blocks[0].attn.qkv, FusedQKV)
+    assert isinstance(served.blocks[0].attn, FusedAttention) and not hasattr(served.blocks[0].attn, "q_proj")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         diff = (served(ids).logits - hf(ids).logits).abs().max().item()

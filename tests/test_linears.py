@@ -803,7 +803,7 @@ def test_row_buckets_bound_the_shapes_onednn_compiles():
 
 
 def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
-    from export.serve.kernels import FusedQKV, ServingLinear, options, serving_linears
+    from export.serve.kernels import FusedAttention, FusedQKV, ServingLinear, options, serving_linears
     from pipeline.model import GPT, init_weights
 
     cfg = model_config(hidden=128, heads=4)
@@ -816,7 +816,9 @@ def test_serving_a_model_keeps_its_logits_and_its_gates(monkeypatch):
     with options.using(linears="aten"):
         assert serving_linears(model) == 0  # switched off: nothing changes
     assert serving_linears(model) > 0
-    assert all(isinstance(b.attn.qkv, FusedQKV) for b in model.blocks)  # q, k, v as one projection
+    # q, k, v as one projection: the model's own attention module, swapped (no q/k/v left)
+    assert all(type(b.attn) is FusedAttention and isinstance(b.attn.qkv_proj, FusedQKV) for b in model.blocks)
+    assert not any(hasattr(b.attn, "q_proj") for b in model.blocks)
     assert all(type(m.moe.deepspeed_moe.gate.wg) is nn.Linear for m in model.moe_layers())  # the router reads it
     assert isinstance(model.lm_head, ServingLinear)
     assert model.lm_head.served.weight.data_ptr() == model.wte.weight.data_ptr()  # tied: one copy

@@ -37,8 +37,8 @@ def dequantised_twin(quantised, plain) -> int:
             mp.served, count = ServingWeight(mq.served.dequantized()), count + 1
             if mp.screen is not None:  # the output layer (--quantize-head): its screen on the weights it now has
                 mp.screen = HeadScreen.of(mp.served, mp.bias)
-        if isinstance(getattr(mq, "qkv", None), FusedQKV) and isinstance(mq.qkv.weight, kinds):
-            mp.qkv.weight, count = ServingWeight(mq.qkv.weight.dequantized()), count + 1
+        if isinstance(mq, FusedQKV) and isinstance(mq.weight, kinds):
+            mp.weight, count = ServingWeight(mq.weight.dequantized()), count + 1
     resident = plain.exchange.residency.resident
     for key, (w1, b1, w2, b2) in quantised.exchange.residency.resident.items():
         assert isinstance(w1, kinds) and type(w1) is type(w2)
@@ -85,7 +85,7 @@ def test_quantised_at_load_serves_what_its_dequantised_weights_give(package, sch
     w1, b1, w2, b2 = held[0]
     assert quantised.exchange.residency.store.nbytes() == sum(  # an expert's memory, as held
         t.numel() * t.element_size() for t in (w1.q, w1.scale, w2.q, w2.scale, *(b for b in (b1, b2) if b is not None)))
-    assert type(model.blocks[0].attn.qkv.weight) is QUANTIZED[scheme]  # hidden 128: one group of int4 a row
+    assert type(model.blocks[0].attn.qkv_proj.weight) is QUANTIZED[scheme]  # hidden 128: one group of int4 a row
 
 
 def test_the_output_layer_quantised_too(package):
@@ -351,8 +351,8 @@ def w8a8_twin(quantised, plain) -> int:
     for mq, mp in zip(quantised.worker.model.modules(), plain.worker.model.modules()):
         if isinstance(mq, ServingLinear) and isinstance(mq.served, W8A8Weight):
             mp.served, mp.screen, count = ref(mq.served), None, count + 1
-        if isinstance(getattr(mq, "qkv", None), FusedQKV) and isinstance(mq.qkv.weight, W8A8Weight):
-            mp.qkv.weight, count = ref(mq.qkv.weight), count + 1
+        if isinstance(mq, FusedQKV) and isinstance(mq.weight, W8A8Weight):
+            mp.weight, count = ref(mq.weight), count + 1
     resident = plain.exchange.residency.resident
     for key, (w1, b1, w2, b2) in quantised.exchange.residency.resident.items():
         resident[key] = (ref(w1), b1, ref(w2), b2)
@@ -393,7 +393,7 @@ def test_w8a8_serves_what_int8_inputs_through_the_dequantised_weights_give(packa
         held = list(quantised.exchange.residency.resident.values())
         assert held and all(type(w[0]) is W8A8Weight and type(w[2]) is W8A8Weight for w in held)
         if pkg == package:  # (the stored package's layers are too small to be served: F.linear's)
-            assert type(quantised.worker.model.blocks[0].attn.qkv.weight) is W8A8Weight
+            assert type(quantised.worker.model.blocks[0].attn.qkv_proj.weight) is W8A8Weight
         got = generate(quantised, prompts, params)
         assert quantised.stats["decode_steps"] >= 7
         plain = Engine.from_config(ServeConfig(package=pkg, kv_cache_memory=0.05))

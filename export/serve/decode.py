@@ -209,8 +209,7 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
     from export.serve.placement.exchange import PlacedMoE
 
     cfg = model.cfg
-    if not hasattr(kernel, "DecodeModel") or not isinstance(getattr(model.blocks[0].attn, "qkv", None),
-                                                               kernels.FusedQKV):
+    if not hasattr(kernel, "DecodeModel") or not isinstance(model.blocks[0].attn, kernels.FusedAttention):
         return None, 0, ""
     dtype = model.wte.weight.dtype
 
@@ -276,11 +275,11 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
         native_experts = "gathered"
     rows = kernels.grouped_max_rows(model.wte.weight) * min(cfg.experts) // cfg.top_k \
         if native_experts == "local" else 1 << 30
-    native = kernel.DecodeModel(cfg.head_dim, *model.blocks[0].attn.qkv.sizes[:2], cfg.top_k,
+    native = kernel.DecodeModel(cfg.head_dim, *model.blocks[0].attn.qkv_proj.sizes[:2], cfg.top_k,
                                 bool(cfg.renormalize), cfg.activation == "swiglu")
     for i, block in enumerate(model.blocks):
         attn, mlp = block.attn, block.mlp
-        qkv, out = getattr(attn, "qkv", None), getattr(attn, "out_proj", None)
+        qkv, out = getattr(attn, "qkv_proj", None), getattr(attn, "out_proj", None)
         parts = (norm(block.ln_1), served(qkv.weight, qkv.bias) if isinstance(qkv, kernels.FusedQKV) else None,
                  served(out.served, out.bias) if isinstance(out, kernels.ServingLinear) else None, norm(block.ln_2))
         if any(p is None for p in parts):

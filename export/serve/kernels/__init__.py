@@ -24,8 +24,8 @@ from export.serve.kernels.heads import HeadScreen, QuantizedHeadScreen, argmax_r
 from export.serve.kernels.quantized import (DEQUANTIZE_ABOVE, MORE_INT4, MORE_INT8, MORE_W8A8, QUANTIZED, Int4Weight,
                                             Int8Weight, QuantizedWeight, W8A8Weight, as_scheme, int8_activations,
                                             quantized_kind, quantized_weights, stored_weight, w8a8_reference)
-from export.serve.kernels.swaps import (FusedQKV, ServingLinear, ServingRMSNorm, quantize_linears, serving_linears,
-                                        serving_norms)
+from export.serve.kernels.swaps import (FusedAttention, FusedQKV, ServingLinear, ServingRMSNorm, quantize_linears,
+                                        serving_linears, serving_norms)
 from export.serve.kernels.options import KernelOptions, configure
 from export.serve.kernels.transport import map_weights
 from export.serve.kernels.weights import (MORE_ATEN, MORE_CHUNKS, MORE_ONEDNN, MORE_PLAIN, ONEDNN_FROM, SERVE_FROM,

@@ -1,5 +1,6 @@
-"""A CPU model's modules swapped for serving ones, in place: its linears (`serving_linears`: `ServingLinear`, and an
-attention layer's q, k, v fused, `FusedQKV`), its norms (`serving_norms`: `ServingRMSNorm`), and its linears
+"""A CPU model's modules swapped for serving ones, in place, as gpt-fast swaps its linears: its attention layers
+(`FusedAttention`: the model's own Attention with q, k and v as one projection, `FusedQKV`), its linears
+(`serving_linears`: `ServingLinear`), its norms (`serving_norms`: `ServingRMSNorm`), and its linears
 quantised (`quantize_linears`).
 
     from export.serve.kernels import serving_linears
@@ -10,6 +11,8 @@ The model's output layer also gets a `HeadScreen` (heads.py) where one applies.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -17,6 +20,7 @@ from export.serve.kernels.extension import available, kernel
 from export.serve.kernels.heads import HeadScreen, QuantizedHeadScreen
 from export.serve.kernels.quantized import QuantizedWeight, as_scheme, quantized_weights, stored_weight
 from export.serve.kernels.weights import ServingWeight, serves
+from pipeline.model import Attention
 
 class ServingLinear(nn.Module):
     """An nn.Linear for inference whose weight is a `ServingWeight` (the bias stays a parameter). `screen`: for the
@@ -41,20 +45,37 @@ class ServingLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
 
 
-class FusedQKV:
-    """An attention layer's q, k and v projections as one [q + k + v, C] weight, its output split by `sizes` (k and v
-    narrower than q under grouped-query attention): a third of the weight reads' calls. Set as the layer's `qkv`
-    (pipeline/model.py `Attention.qkv`), it takes the place of the three projections' method for that layer."""
+class FusedQKV(nn.Module):
+    """An attention layer's q, k and v projections as one [q + k + v, C] weight (a ServingWeight), its output split by
+    `sizes` (k and v narrower than q under grouped-query attention): a third of the weight reads' calls."""
 
-    def __init__(self, attn: nn.Module):
-        layers = (attn.q_proj, attn.k_proj, attn.v_proj)
+    def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear):
+        super().__init__()
+        layers = (q, k, v)
         self.sizes = [l.weight.shape[0] for l in layers]
         self.weight = ServingWeight(torch.cat([l.weight.detach() for l in layers]), pack=True)
         biases = [l.bias for l in layers]
         self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.weight.linear(x, self.bias).split(self.sizes, dim=-1)
+
+
+class FusedAttention(Attention):
+    """pipeline/model.py's Attention, its forward and state, with q, k and v as one projection (`qkv_proj`)."""
+
+    @classmethod
+    def of(cls, attn: Attention) -> "FusedAttention":
+        """`attn` swapped: the same norms, out projection and settings; its q, k and v projections' weights moved into
+        one `FusedQKV` (they live in the fused copy only)."""
+        fused = cls.__new__(cls)
+        fused.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in vars(attn).items()})
+        q, k, v = (fused._modules.pop(n) for n in ("q_proj", "k_proj", "v_proj"))
+        fused.qkv_proj = FusedQKV(q, k, v)
+        return fused
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qkv_proj(x)
 
 class ServingRMSNorm(nn.Module):
     """pipeline/model.py's RMSNorm in one kernel call (csrc/norms.cpp `rms_norm`: the same roundings) for CPU inputs
@@ -108,7 +129,7 @@ def quantize_linears(model: nn.Module, scheme: str = "int8", head: bool = False,
             module.screen = QuantizedHeadScreen.of(module.served, module.bias) \
                 if module is getattr(model, "lm_head", None) else None
             count += 1
-        qkv = getattr(module, "qkv", None)
+        qkv = getattr(module, "qkv_proj", None)
         if isinstance(qkv, FusedQKV) and isinstance(qkv.weight, ServingWeight):
             parts = [stored.get(f"{name}.{p}.weight") for p in ("q_proj", "k_proj", "v_proj")]
             if all(parts) and len({type(p) for p in parts}) == 1:  # the package's, rows stacked as the fused weight's
@@ -126,13 +147,14 @@ def serving_linears(model: nn.Module) -> int:
     their fp32 weight is read by the router) and layers of other classes (DeepSpeed's sliced ones, say). A tied
     output layer shares the embedding's weight (no copy)."""
     count = 0
+    for module in list(model.modules()):  # the attention layers first: their other linears are swapped below
+        for name, child in list(module.named_children()):
+            projections = [getattr(child, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+            if type(child) is Attention and all(type(l) is nn.Linear for l in projections) \
+                    and serves(projections[0].weight):
+                setattr(module, name, FusedAttention.of(child))
+                count += 3
     for module in list(model.modules()):
-        projections = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")]
-        if all(type(l) is nn.Linear for l in projections) and hasattr(module, "qkv") and serves(projections[0].weight):
-            module.qkv = FusedQKV(module)  # not a submodule (no parameters): shadows Attention.qkv for this layer
-            for n in ("q_proj", "k_proj", "v_proj"):  # their weights now live in the fused copy only
-                setattr(module, n, nn.Identity())
-            count += 3
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and name != "wg" and serves(child.weight):
                 setattr(module, name, ServingLinear(child, screen=name == "lm_head" and module is model))
