@@ -11,7 +11,7 @@
   heads.py      the output layer's greedy rows screened through an int8 copy (HeadScreen), argmax_rows
   experts.py    an MoE layer's experts in one or two kernel calls
   swaps.py      a model's linears, norms and q/k/v swapped for serving ones, in place (serving_linears)
-  transport.py  weights moved into a file mapping (the ranks' shared-memory sums: export/serve/transport.py)
+  mapping.py    weights moved into a file mapping (the ranks' shared-memory sums: export/serve/transport.py)
   csrc/         the C++ sources, one file an op (csrc/kernels.h lists them)
 """
 
@@ -27,6 +27,6 @@ from export.serve.kernels.quantized import (DEQUANTIZE_ABOVE, MORE_INT4, MORE_IN
 from export.serve.kernels.swaps import (FusedAttention, FusedQKV, ServingLinear, ServingRMSNorm, quantize_linears,
                                         serving_linears, serving_norms)
 from export.serve.kernels.options import KernelOptions, configure
-from export.serve.kernels.transport import map_weights
+from export.serve.kernels.mapping import map_weights
 from export.serve.kernels.weights import (MORE_ATEN, MORE_CHUNKS, MORE_ONEDNN, MORE_PLAIN, ONEDNN_FROM, SERVE_FROM,
                                           ServingWeight, bucket, linear, serves, serving_weight)

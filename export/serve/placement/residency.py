@@ -42,7 +42,7 @@ class ExpertStore:
     compared with what verification saw (`files`: export/package.py's `VerifiedPackage.files`; without it,
     what the store saw when it opened them): a changed file fails that load with a FileChangedError."""
 
-    file_backed = True  # its tensors are the package's files, mapped: export/serve/kernels/transport.py `map_weights` leaves them
+    file_backed = True  # its tensors are the package's files, mapped: export/serve/kernels/mapping.py `map_weights` leaves them
 
     def __init__(self, src: Path, cfg: ModelConfig, dtype: torch.dtype, files: dict | None = None,
                  device: torch.device | str = "cpu", quantize: str | None = None):
