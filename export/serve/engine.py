@@ -39,6 +39,7 @@ from export.serve import ranks as rank_msgs
 from export.serve import transport
 from export.serve.config import ServeConfig
 from export.serve.coordinator import coordinator_for
+from export.serve.kernels.options import KernelOptions, configure
 from export.serve.kv_cache import plan_kv, served_kv
 from export.serve.placement.controller import Controller, ControllerStats, make_controller
 from export.serve.placement.exchange import Exchange, ExchangeStats, placed_model
@@ -143,7 +144,7 @@ class Engine:
         from pipeline import dist
 
         ranks = ranks or dist.init(tune_allocator=config.malloc_tuning)
-        kernels.configure(kernels.KernelOptions.of(config))  # before any weight is served (export/serve/kernels/options.py)
+        configure(KernelOptions.of(config))  # the CPU kernels' options, before any weight is served
         if config.nproc != ranks.world:
             raise ValueError(f"--nproc {config.nproc}: {ranks.world} rank(s) are running; the flags were checked for "
                              f"{config.nproc} (start as many ranks, or drop --nproc)")
