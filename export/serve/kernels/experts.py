@@ -19,8 +19,8 @@ def grouped_max_rows(x: torch.Tensor) -> int:
     """Experts' mean rows up to which `expert_mlps` runs a layer's experts over x's rows: GROUPED_MAX_ROWS (a decode
     batch's), or any number for bf16 on a CPU with AMX (its experts of more rows than a pass of VDPBF16PS go to AMX
     tiles that read the expert's weight as it is: a prefill too, in one call where oneDNN took two GEMMs and ~10
-    operators an expert). W8A8 experts of a prefill go one at a time through `w8a8_linear` (grouped, in one engine
-    at 32 concurrent: 1404.5 against 1407.4 tok/s, paired 0.99-1.02x)."""
+    operators an expert). W8A8 experts of a prefill go one at a time through `w8a8_linear` (grouping them gained
+    nothing at 32 concurrent)."""
     k = kernel()
     if k is not None and hasattr(k, "amx_ready") and x.dtype == torch.bfloat16 and k.amx_ready():
         return 1 << 40

@@ -62,9 +62,8 @@ class HeadScreen(_Tries):
     recomputes, as the few-row kernel does, every row whose interval can reach the best one's (a handful on a trained
     model: its logits are peaked). With AVX512_VNNI (the AVX512_BF16 and AMX builds) the rows of x are rounded to
     int8 too (one scale a row) and multiplied by VPDPBUSD, 1 to VNNI_MAX_ROWS (64) rows a call: err2, top and norm
-    bound what that rounding adds (`screen_argmax_vnni`), and q is kept only as a `W8A8Weight` (`int8`). On
-    the Qwen3-MoE head (AMD EPYC, 2 cores) 8 / 16 / 32 rows took 2.3 / 3.4 / 6.5 ms where the whole layer took 5.9 /
-    6.6 / 10.7 (oneDNN past 8 rows) and the bf16 x int8 screen 3.6 at 8. Past 8 rows the tokens are the few-row
+    bound what that rounding adds (`screen_argmax_vnni`), and q is kept only as a `W8A8Weight` (`int8`): it reads
+    about half the bytes of the whole layer and runs faster at 8-32 rows (benchmarks/head_screen.py). Past 8 rows the tokens are the few-row
     kernel's (8 rows a pass), where the unscreened layer runs oneDNN's GEMM: both are fp32 sums of the same bf16
     products rounded once; near-ties can differ between the two.
 

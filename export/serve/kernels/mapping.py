@@ -31,10 +31,9 @@ def map_weights(*roots, directory: str | None = None) -> int:
     Why: Linux keeps the page cache of a file on disk in large folios that map as 2 MB pages (ext4 and XFS on recent
     kernels: /proc/meminfo's FileHugePages), where anonymous memory may get 4 KB pages only (this VM's: AnonHugePages
     0 kB even under MADV_HUGEPAGE). A decode step streams every active weight once, and with 4 KB pages the stream
-    crosses a page (a TLB miss, a prefetcher restart) every 4 KB: the bf16 lm_head of the peer benchmark's Qwen3-MoE
-    (103 MB, 2 threads, AMD EPYC) read 48-50 GB/s from a mapping against 40 from anonymous memory, 15 rounds
-    alternated in one process; our server at 1 concurrent, 5 alternated rounds: 159.2 against 133.1 tok/s. llama.cpp
-    reads its GGUF through mmap the same way. The cost: the weights' bytes go once to that directory's disk (the
+    crosses a page (a TLB miss, a prefetcher restart) every 4 KB, and reads slower than from a mapping (the server's
+    batch-1 tokens/s with and without: docs/serving.md, `--no-map-weights`). llama.cpp reads its GGUF through mmap the
+    same way. The cost: the weights' bytes go once to that directory's disk (the
     kernel writes the dirty pages back after the start), and under memory pressure the kernel may drop clean pages
     and read them back from there."""
     k = kernel()

@@ -5,19 +5,18 @@ of ours for a few rows (csrc/linears.cpp), oneDNN for more.
     w = ServingWeight(weight, pack=True)
     y = w.linear(x, bias)        # or linear(x, w, bias): a plain tensor, a ServingWeight or a quantised weight
 
-PyTorch's CPU `F.linear` goes to MKL, which on an AMD EPYC ran at half speed: ~20 GB/s of weight read at batch 1,
-fp32 (a plain read of the same bytes: ~42 GB/s), 2-3x slower than oneDNN at 2-512 rows.
-`torch.ops.mkldnn._linear_pointwise` (oneDNN) runs the dense layers' many rows on a copy of the weight prepacked
-into its blocked layout (1.1-1.6x faster than on the plain weight at 5-257 rows on an AMD EPYC with AVX512_BF16,
-the same results): a second copy of those weights (attention, dense MLPs, lm_head; not the experts, which stay as
-they are, nothing to reorder when one loads). For 1-8 rows (batch-1 and small-batch decode) the kernel reads the
-weight once at the memory's speed: ~42 GB/s where oneDNN reaches ~31 and MKL ~21, under a competing process ~28
-against ~21. On a CPU with AMX (Intel Sapphire Rapids on) the second copy of a bf16 weight is packed for the kernel's
-`amx_linear` instead, which streams it once for 2-256 rows (VDPBF16PS and oneDNN's AMX GEMM both fell to a half or
-less of the memory's speed at 8-32 rows there). Measured by benchmarks/decode_bandwidth.py (batch-1 decode against
-the read-bandwidth bound). A weight under 512K elements (the tiny recipe's) goes to F.linear for more rows: as fast
-as oneDNN at that size, and oneDNN compiles and keeps a primitive for every row count it meets (a soak's RSS grew
-5-7%); for larger ones oneDNN sees row counts rounded up to 8 sizes per octave (`bucket`).
+PyTorch's CPU `F.linear` goes to MKL, which on AMD CPUs reads the weight at about half the memory's speed, slower
+than oneDNN at 2-512 rows. `torch.ops.mkldnn._linear_pointwise` (oneDNN) runs the dense layers' many rows on a copy
+of the weight prepacked into its blocked layout (faster than on the plain weight, the same results): a second copy
+of those weights (attention, dense MLPs, lm_head; not the experts, which stay as they are, nothing to reorder when
+one loads). For 1-8 rows (batch-1 and small-batch decode) the kernel reads the weight once at the memory's speed,
+where oneDNN and MKL do not. On a CPU with AMX (Intel Sapphire Rapids on) the second copy of a bf16 weight is packed
+for the kernel's `amx_linear` instead, which streams it once for 2-256 rows (VDPBF16PS and oneDNN's AMX GEMM both
+fell well below the memory's speed at 8-32 rows there). benchmarks/decode_bandwidth.py measures batch-1 decode
+against the read-bandwidth bound (results: docs/results.md). A weight under 512K elements (the tiny recipe's) goes
+to F.linear for more rows: as fast as oneDNN at that size, and oneDNN compiles and keeps a primitive for every row
+count it meets (a soak's memory grows); for larger ones oneDNN sees row counts rounded up to 8 sizes per octave
+(`bucket`).
 
 fp32 and bf16 on a CPU with oneDNN only. Where oneDNN has no bf16 primitive (CPUs without AVX-512), bf16 rows past
 the kernel's go through the kernel eight at a time (F.linear's bf16 fallback there took twice as long: 1.41 s
@@ -56,9 +55,8 @@ class ServingWeight:
         # `pack`: a second copy of the weight for more rows, beside the plain one the few-row kernel reads. Dense
         # layers only: an expert stays one copy (residency loads and drops experts as they are). On a CPU with AMX
         # (bf16): packed into AMX tiles for the kernel's `amx_linear`, 2 to AMX_MAX_ROWS rows at the memory's speed
-        # (Sapphire Rapids, 2 cores, bf16 lm_head: 8 rows 7.8 ms, 32 rows 11.5 ms, where oneDNN's AMX GEMM took
-        # 13.5 and 20.0); otherwise oneDNN's own blocked copy: 1.1-1.6x faster at 5-257 rows than on the plain one
-        # (bf16 lm_head at 32 rows on an AMD EPYC: 16.4 -> 10.2 ms), the same results to the bit
+        # (faster there than oneDNN's AMX GEMM); otherwise oneDNN's own blocked copy, faster at 5-257 rows than on
+        # the plain one, the same results to the bit
         # past the kernel's rows without oneDNN: bf16 (no bf16 GEMM on this CPU) through the kernel, else F.linear
         self.more = MORE_ONEDNN if self.onednn else MORE_CHUNKS if (
             self.gemv is not None and self.weight.dtype == torch.bfloat16 and self.weight.numel() >= ONEDNN_FROM) \
