@@ -571,13 +571,16 @@ def throughput_table(results: dict, concurrency: list[int], paired: dict | None 
 
 
 def verdict(results: dict, concurrency: list[int]) -> list[str]:
-    """The cells where ours is below TARGET x the faster peer that ran (empty: the target is met)."""
+    """The cells where ours is below TARGET x the faster peer that ran, or where that cannot be told (ours failed, or
+    no peer ran): empty only when the target is met at every concurrency."""
     missed = []
     for c in concurrency:
         ours = (results.get("ours") or {}).get(c) if isinstance(results.get("ours"), dict) else None
         peers = [results[p][c]["tok_s"] for p in ("vllm", "llama") if isinstance(results.get(p), dict)
                  and results[p].get(c)]
-        if ours and peers and ours["tok_s"] < TARGET * max(peers):
+        if not ours or not peers:
+            missed.append(f"concurrency {c}: not measured ({'ours did not run' if not ours else 'no peer ran'})")
+        elif ours["tok_s"] < TARGET * max(peers):
             missed.append(f"concurrency {c}: {ours['tok_s'] / max(peers):.2f}x the faster peer")
     return missed
 

@@ -256,3 +256,19 @@ def test_quantized_quality_scores_each_package_against_bf16(small_run, tmp_path)
     # w8a8: the int8 package again, its linears' inputs rounded to int8 too: another loss from the same weights
     assert rows[3]["package"] == rows[1]["package"] and rows[3]["val_loss"] != rows[1]["val_loss"]
     assert (tmp_path / "quantized_quality.png").stat().st_size > 0
+
+
+def test_the_peer_race_target_is_met_only_where_ours_and_a_peer_both_ran():
+    """benchmarks/peer_bench.py's verdict: a missed cell below TARGET x the faster peer, and a cell where ours failed
+    or no peer ran is not a pass (a run of ours alone must not print MET)."""
+    import peer_bench
+
+    fast = {"tok_s": 100.0 * peer_bench.TARGET}
+    assert peer_bench.verdict({"ours": {1: fast, 8: fast}, "llama": {1: {"tok_s": 100.0}, 8: {"tok_s": 100.0}}},
+                              [1, 8]) == []
+    slow = peer_bench.verdict({"ours": {1: {"tok_s": 90.0}}, "vllm": {1: {"tok_s": 100.0}}}, [1])
+    assert slow == ["concurrency 1: 0.90x the faster peer"]
+    assert peer_bench.verdict({"ours": {1: fast}, "vllm": None, "llama": None}, [1]) == [
+        "concurrency 1: not measured (no peer ran)"]
+    assert peer_bench.verdict({"ours": None, "llama": {1: {"tok_s": 1.0}}}, [1]) == [
+        "concurrency 1: not measured (ours did not run)"]
