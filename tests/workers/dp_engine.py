@@ -194,7 +194,7 @@ def main() -> None:
     if len(sys.argv) > 5 and sys.argv[5] == "native":  # the CPU kernels on these small weights too: decode forwards
         from export.serve import kernels                # in csrc/decode_model.cpp's DecodeModel (export/serve/decode.py)
 
-        kernels.SERVE_FROM = 0
+        kernels.weights.SERVE_FROM = 0
     ranks = dist.init()
     config = ServeConfig(package=pkg, ep_size=ranks.world if ranks.world > 1 else None, placement=placement,
                          replica_budget=0.5, max_batch=4, checksums=False, expert_exchange=exchange,
