@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pipeline.schemes import STORED, named  # the weights' kinds a package holds: int8, int4
+# the weights' kinds a package holds (pipeline/schemes.py STORED, which tests/test_quantize.py holds this to): this
+# file ships alone in every package (moe_quantize.py, torch its only import), so it names them itself
+KINDS = ("int8", "int4")
 
 INT4_GROUP = 128
 KEEP = ("wg", "coefficient", "shared_gate", "lm_head")  # module names whose weights stay in their dtype
@@ -93,8 +95,8 @@ def fake_quantize_(model: nn.Module, scheme: str) -> dict:
     """Every quantised linear weight of `model` replaced, in place, by the weight its `scheme` form stands for, in the
     weight's own dtype and device: the model computes what the quantised one would, up to the kernels' sums.
     Returns {"tensors": how many, "weights": their elements, "bytes": what they hold quantised (values and scales)}."""
-    if scheme not in STORED:
-        raise ValueError(f"quantisation {scheme!r}: one of {', '.join(STORED)}")
+    if scheme not in KINDS:
+        raise ValueError(f"quantisation {scheme!r}: one of {', '.join(KINDS)}")
     tensors = weights = nbytes = 0
     seen = set()
     for name, module in model.named_modules():
@@ -131,7 +133,8 @@ def weight_kinds(model: nn.Module, scheme: str, head: bool = False, group: int =
     serving runtime quantises them (export/serve/kernels/quantized.py `quantized_weights`): int4 where its rows fit the
     groups, else int8, and an expert's fc1 and fc2 of one kind (the expert kernels take one kind a layer). The output
     layer only with `head`, and never when it is the (tied) embedding."""
-    named(scheme, among=STORED)
+    if scheme not in KINDS:
+        raise ValueError(f"--quantize {scheme!r}: one of {', '.join(KINDS)}")
     tied = getattr(getattr(model, "lm_head", None), "weight", None) is getattr(getattr(model, "wte", None), "weight", 0)
     kinds = {}
     for name, module in model.named_modules():

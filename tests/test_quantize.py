@@ -186,6 +186,15 @@ def test_the_schemes_round_each_weight_to_its_nearest_step():
         fake_quantize_(model, "fp8")
 
 
+def test_the_shipped_quantisation_names_the_registry_s_stored_kinds():
+    """pipeline/quantize.py ships alone in packages (torch its only import), so it names the stored kinds itself: the
+    scheme registry's (pipeline/schemes.py), in the same order."""
+    from pipeline.quantize import KINDS
+    from pipeline.schemes import STORED
+
+    assert KINDS == STORED
+
+
 # -- export --quantize: quantised packages ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
