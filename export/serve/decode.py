@@ -24,6 +24,9 @@ itself (the same values as the per-forward tables).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -169,7 +172,7 @@ class Decoder:
         # Exchange.apply replaces the table only when it changes: identity is enough
         if self.native_experts != "gathered" or (ex.table is not self._table and not self._hold(ex.table)):
             return []
-        wg = self.model.blocks[self._fewest].mlp.moe.deepspeed_moe.gate.wg.weight
+        wg = self.model.blocks[self._fewest].mlp.router_weight
         return list(ex.tokens) if ex.gathers(x, wg, self.cfg.top_k) else []
 
     def _hold(self, table) -> bool:
@@ -197,45 +200,122 @@ class Decoder:
         return min(moe, key=lambda i: self.model.blocks[i].mlp.num_experts)
 
 
-def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
-    """csrc/decode_model.cpp's `DecodeModel` holding every layer's tensors, the rows it runs (the grouped expert
-    kernel's row limit where it runs the experts; any number otherwise), and how it runs the MoE layers' experts
-    ("local", "gathered" or "", see `Decoder`); (None, 0, "") where an attention half is not one it runs (projections
-    not served by export/serve/kernels, a norm on other weights' dtype). The MLP half of a layer is a dense MLP, or
-    the experts of an MoE layer (with its residual MLP or shared expert) when it runs every MoE layer that way (one
-    rank, every expert resident: "local"; or the ranks of one machine in the shared-memory all-reduce, this rank's
-    experts resident: "gathered", with the module kept for the forwards it does not gather); else
-    the block's own module, called back (its exchange's collectives and books as that module keeps them)."""
+# -- the served model as DecodeModel takes it: a typed spec of every layer -----------------------------------------
+
+@dataclass(frozen=True)
+class NormSpec:
+    """A norm as DecodeModel runs it: RMSNorm (`bias` None) or LayerNorm."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    eps: float
+    layer_norm: bool
+
+    def args(self) -> tuple:
+        return self.weight, self.bias, self.eps, self.layer_norm
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """A linear as csrc/decode_model.cpp's `DecodeLinear` takes it: the weight the few-row kernel reads (a quantised
+    weight's values), its AMX tiles, what runs more rows (oneDNN's packed copy, or a quantised weight's scales) and
+    the code for how (kernels' MORE_*), its bias."""
+
+    weight: torch.Tensor
+    amx: object
+    more_weight: object
+    more: int
+    bias: torch.Tensor | None
+
+    def args(self) -> tuple:
+        return self.weight, self.amx, self.more_weight, self.more, self.bias
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A block's attention half: its norm, the fused q/k/v projection, the q/k norms (None without qk_norm), the out
+    projection, the MLP half's norm, and the layer's KV pools."""
+
+    ln_1: NormSpec
+    qkv: LinearSpec
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    out: LinearSpec
+    ln_2: NormSpec
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A block's MLP half: a dense MLP (`fcs`), this rank's routed experts ("experts": every expert resident here),
+    the experts of one machine's ranks ("gathered": this rank's, through Exchange.run_gathered), or the block's own
+    module called back ("module"); an MoE layer's residual MLP and shared expert, each (fc1, fc2, gate) or None."""
+
+    kind: Literal["mlp", "experts", "gathered", "module"]
+    fcs: tuple[LinearSpec, LinearSpec] | None = None
+    router: torch.Tensor | None = None
+    experts: tuple | None = None  # "experts": kernels.expert_tensors of every expert, in order
+    rank: int = 0  # "gathered": this rank
+    module: Callable | None = None  # "gathered", "module": h [B, C] -> (output [B, C], tokens per expert or None)
+    residual: tuple[LinearSpec, LinearSpec, LinearSpec] | None = None
+    shared: tuple[LinearSpec, LinearSpec, LinearSpec] | None = None
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """Every layer of a served model as DecodeModel runs it, the rows it runs (the grouped expert kernel's limit where
+    it runs the experts; any number otherwise) and how it runs the MoE layers' experts ("local", "gathered", "")."""
+
+    head_dim: int
+    q_size: int
+    kv_size: int
+    top_k: int
+    renormalize: bool
+    swiglu: bool
+    layers: list[tuple[AttentionSpec, MLPSpec]]
+    rows: int
+    native_experts: str
+
+
+def decode_spec(model: GPT, cache) -> DecodeSpec | None:
+    """The served model's layers as `DecodeModel` takes them, or None where an attention half is not one it runs
+    (projections not served by export/serve/kernels, a norm on other weights' dtype). The MLP half of a layer is a
+    dense MLP, or the experts of an MoE layer (with its residual MLP or shared expert) when it runs every MoE layer
+    that way (one rank, every expert resident: "local"; or the ranks of one machine in the shared-memory all-reduce,
+    this rank's experts resident: "gathered", with the module kept for the forwards it does not gather); else the
+    block's own module, called back (its exchange's collectives and books as that module keeps them)."""
     from export.serve.placement.exchange import PlacedMoE
 
     cfg = model.cfg
-    if not hasattr(kernel, "DecodeModel") or not isinstance(model.blocks[0].attn, kernels.FusedAttention):
-        return None, 0, ""
+    if not isinstance(model.blocks[0].attn, kernels.FusedAttention):
+        return None
     dtype = model.wte.weight.dtype
 
-    def norm(module: nn.Module) -> tuple | None:
+    def norm(module: nn.Module) -> NormSpec | None:
         if isinstance(module, kernels.ServingRMSNorm) and module.weight.dtype == dtype:
-            return module.weight, None, module.eps, False
+            return NormSpec(module.weight, None, module.eps, False)
         if type(module) is nn.LayerNorm and module.weight is not None and module.weight.dtype == dtype:
-            return module.weight, module.bias, module.eps, True
+            return NormSpec(module.weight, module.bias, module.eps, True)
         return None
 
-    def served(w, bias) -> tuple | None:  # a ServingWeight as its `linear` runs it; a QuantizedWeight: its kernel
+    def served(w, bias) -> LinearSpec | None:  # a ServingWeight as its `linear` runs it; a QuantizedWeight: its kernel
         if isinstance(w, kernels.QuantizedWeight) and w.gemv is not None and hasattr(w.gemv, w.KERNEL):
-            return w.q, None, w.scale, w.MORE, bias
+            return LinearSpec(w.q, None, w.scale, w.MORE, bias)
         if not isinstance(w, kernels.ServingWeight) or w.gemv is None or w.weight.dtype != dtype:
             return None
-        return w.weight, w.amx, w.packed, w.more, bias
+        return LinearSpec(w.weight, w.amx, w.packed, w.more, bias)
 
-    def lin(module) -> tuple | None:  # a served linear, or an nn.Linear left as it is (F.linear at every row count)
+    def lin(module) -> LinearSpec | None:  # a served linear, or an nn.Linear left as it is (F.linear at every row count)
         if isinstance(module, kernels.ServingLinear):
             return served(module.served, module.bias)
         if type(module) is nn.Linear and module.weight.dtype == dtype:
-            return module.weight, None, module.weight, kernels.MORE_PLAIN, module.bias
+            return LinearSpec(module.weight, None, module.weight, kernels.MORE_PLAIN, module.bias)
         return None
 
-    def fcs_of(module) -> list | None:  # an MLP's (fc1, fc2)
-        fcs = [lin(getattr(module, n, None)) for n in ("fc1", "fc2")]
+    def fcs_of(module) -> tuple[LinearSpec, LinearSpec] | None:  # an MLP's (fc1, fc2)
+        fcs = tuple(lin(getattr(module, n, None)) for n in ("fc1", "fc2"))
         return fcs if all(fc is not None for fc in fcs) else None
 
     def extras(moe) -> list | None:  # an MoE layer's residual MLP and shared expert, each (fc1, fc2, gate) or None
@@ -257,7 +337,7 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
             return False
         ex, residency = moe.exchange, moe.exchange.residency
         mine = [e for e, holders in enumerate(ex.table[moe.index]) if ex.rank in holders]
-        return (moe.moe.deepspeed_moe.gate.wg.weight.dtype == torch.float32 and residency.resident_fraction >= 1
+        return (moe.router_weight.dtype == torch.float32 and residency.resident_fraction >= 1
                 and all((moe.index, e) in residency.resident for e in mine))
 
     def gathered(moe) -> bool:  # ranks of one machine in the shared-memory all-reduce: Exchange.run_gathered's layer
@@ -265,46 +345,75 @@ def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
         return (ex is not None and ex.ep > 1 and ex.transport == "all-reduce" and experts_held(moe, ex.ep)
                 and transport.shared_memory_reduce(dtype))
 
-    from pipeline import dist
-
     moe_layers = [block.mlp for block in model.blocks if block.is_moe]
     native_experts = ""
     if moe_layers and all(experts_held(moe, 1) for moe in moe_layers):
         native_experts = "local"
     elif moe_layers and all(gathered(moe) for moe in moe_layers):
         native_experts = "gathered"
-    rows = kernels.grouped_max_rows(model.wte.weight) * min(cfg.experts) // cfg.top_k \
-        if native_experts == "local" else 1 << 30
-    native = kernel.DecodeModel(cfg.head_dim, *model.blocks[0].attn.qkv_proj.sizes[:2], cfg.top_k,
-                                bool(cfg.renormalize), cfg.activation == "swiglu")
+    layers = []
     for i, block in enumerate(model.blocks):
         attn, mlp = block.attn, block.mlp
-        qkv, out = getattr(attn, "qkv_proj", None), getattr(attn, "out_proj", None)
-        parts = (norm(block.ln_1), served(qkv.weight, qkv.bias) if isinstance(qkv, kernels.FusedQKV) else None,
+        out = attn.out_proj
+        parts = (norm(block.ln_1), served(attn.qkv_proj.weight, attn.qkv_proj.bias) if type(attn) is
+                 kernels.FusedAttention else None,
                  served(out.served, out.bias) if isinstance(out, kernels.ServingLinear) else None, norm(block.ln_2))
         if any(p is None for p in parts):
-            return None, 0, ""
+            return None
         qk = cfg.qk_norm != "none"
-        native.add_attention(parts[0], parts[1], attn.q_norm.weight if qk else None,
-                             attn.k_norm.weight if qk else None, attn.q_norm.eps if qk else 0.0, parts[2], parts[3],
-                             cache.k[i], cache.v[i])
+        attention = AttentionSpec(parts[0], parts[1], attn.q_norm.weight if qk else None,
+                                  attn.k_norm.weight if qk else None, attn.q_norm.eps if qk else 0.0, parts[2],
+                                  parts[3], cache.k[i], cache.v[i])
         if block.is_moe and native_experts:
-            ex, wg = mlp.exchange, mlp.moe.deepspeed_moe.gate.wg.weight
-            if native_experts == "local":
-                native.add_experts(wg.contiguous(), *kernels.expert_tensors(
-                    [ex.residency.resident[(mlp.index, e)] for e in range(mlp.num_experts)]))
-            else:  # its experts: Decoder._hold, under the table in force
-                native.add_gathered(wg.contiguous(), ex.rank, _module_half(block))
             residual, shared = extras(mlp)
-            if residual is not None:
-                native.add_residual(*residual)
-            if shared is not None:
-                native.add_shared(*shared)
+            ex, router = mlp.exchange, mlp.router_weight.contiguous()
+            if native_experts == "local":
+                half = MLPSpec("experts", router=router, residual=residual, shared=shared,
+                               experts=kernels.expert_tensors([ex.residency.resident[(mlp.index, e)]
+                                                               for e in range(mlp.num_experts)]))
+            else:  # its experts: Decoder._hold, under the table in force
+                half = MLPSpec("gathered", router=router, rank=ex.rank, module=_module_half(block), residual=residual,
+                               shared=shared)
         elif not block.is_moe and fcs_of(mlp) is not None:
-            native.add_mlp(*fcs_of(mlp))
+            half = MLPSpec("mlp", fcs=fcs_of(mlp))
         else:
-            native.add_module(_module_half(block))
-    return native, rows, native_experts
+            half = MLPSpec("module", module=_module_half(block))
+        layers.append((attention, half))
+    rows = kernels.grouped_max_rows(model.wte.weight) * min(cfg.experts) // cfg.top_k \
+        if native_experts == "local" else 1 << 30
+    q_size, kv_size = model.blocks[0].attn.qkv_proj.sizes[:2]
+    return DecodeSpec(cfg.head_dim, q_size, kv_size, cfg.top_k, bool(cfg.renormalize), cfg.activation == "swiglu",
+                      layers, rows, native_experts)
+
+
+def decode_model(kernel, spec: DecodeSpec):
+    """csrc/decode_model.cpp's `DecodeModel` holding every layer of `spec`."""
+    native = kernel.DecodeModel(spec.head_dim, spec.q_size, spec.kv_size, spec.top_k, spec.renormalize, spec.swiglu)
+    for a, m in spec.layers:
+        native.add_attention(a.ln_1.args(), a.qkv.args(), a.q_norm, a.k_norm, a.qk_eps, a.out.args(), a.ln_2.args(),
+                             a.k_cache, a.v_cache)
+        if m.kind == "experts":
+            native.add_experts(m.router, *m.experts)
+        elif m.kind == "gathered":
+            native.add_gathered(m.router, m.rank, m.module)
+        elif m.kind == "mlp":
+            native.add_mlp(*(fc.args() for fc in m.fcs))
+        else:
+            native.add_module(m.module)
+        if m.residual is not None:
+            native.add_residual(*(fc.args() for fc in m.residual))
+        if m.shared is not None:
+            native.add_shared(*(fc.args() for fc in m.shared))
+    return native
+
+
+def _decode_model(model: GPT, kernel, cache) -> tuple[object | None, int, str]:
+    """(`DecodeModel` of the served model, the rows it runs, how it runs the experts); (None, 0, "") where it does
+    not run the model (`decode_spec`), or the kernel has no DecodeModel."""
+    spec = decode_spec(model, cache) if hasattr(kernel, "DecodeModel") else None
+    if spec is None:
+        return None, 0, ""
+    return decode_model(kernel, spec), spec.rows, spec.native_experts
 
 
 def _module_half(block: nn.Module):

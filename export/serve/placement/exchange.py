@@ -469,6 +469,11 @@ class PlacedMoE(nn.Module):
     def num_local_experts(self) -> int:
         return self.num_experts // self.ep_size
 
+    @property
+    def router_weight(self) -> torch.Tensor:
+        """The router's fp32 weight [experts, hidden] (stored under DeepSpeed's name, deepspeed_moe.gate.wg)."""
+        return self.moe.deepspeed_moe.gate.wg.weight
+
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, C] of this rank's rows (B may be 0); `valid` [B, T]: the real tokens (the rest is padding, never
         routed). Collective on several ranks. Returns (output, 0, tokens per expert over all ranks)."""
@@ -478,7 +483,7 @@ class PlacedMoE(nn.Module):
         real = valid.reshape(-1).nonzero().squeeze(1) if valid is not None else None
         if real is not None:
             xs = xs[real]
-        wg = self.moe.deepspeed_moe.gate.wg.weight
+        wg = self.router_weight
         if self.exchange.ep == 1 and kernels.local_layer(xs, wg, cfg.top_k):  # 1 rank, a decode batch: 2 calls
             out, counts = self.exchange.run_local(self.index, xs, wg, cfg.top_k, bool(cfg.renormalize))
         elif self.exchange.gathers(xs, wg, cfg.top_k):  # ranks of one machine, a decode batch: 2 all-reduces
