@@ -352,22 +352,32 @@ def json_tensors(obj, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gather_json(obj, on: torch.device | None = None) -> list:
-    """Every rank's JSON-serialisable `obj`, in rank order, on every rank (no pickle): the sizes, then the UTF-8 bytes
-    (one float32 per byte, padded to the longest) in two sums of the process group. For a stage's occasional
-    exchanges (the serving ranks' per-step ones: export/serve/transport.py)."""
+    """Every rank's JSON-serialisable `obj`, in rank order, on every rank (no pickle), through `gather_bytes`. For a
+    stage's occasional exchanges (the serving ranks' per-step ones: export/serve/transport.py)."""
     import json
 
     import torch.distributed as td
 
     if not td.is_initialized() or td.get_world_size() == 1:
         return [obj]
-    dev = on or device()
-    data = json.dumps(obj).encode()
-    sizes = [int(n[0]) for n in gather_numbers([len(data)], dev)]
-    table = torch.zeros(len(sizes), max(sizes), dtype=torch.float32, device=dev)
-    table[td.get_rank(), :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev, torch.float32)
-    rows = all_reduce_(table).to("cpu", torch.uint8)
-    return [json.loads(bytes(r[:n].numpy()).decode()) for r, n in zip(rows, sizes)]
+    return [json.loads(b.decode()) for b in gather_bytes(json.dumps(obj).encode(), on)]
+
+
+def gather_bytes(data: bytes, on: torch.device | None = None, sum_=None) -> list[bytes]:
+    """Every rank's `data`, in rank order: the sizes, then the bytes (one float32 per byte, padded to the longest), each
+    in a [ranks, n] table every rank fills its row of and `sum_` sums in place (default `all_reduce_`; the serving
+    ranks pass their transport's faster sum). Exact for sizes below 2^24."""
+    import torch.distributed as td
+
+    sum_ = sum_ or all_reduce_
+    dev, world, rank = on or device(), td.get_world_size(), td.get_rank()
+    sizes = torch.zeros(world, 1, dtype=torch.float32, device=dev)
+    sizes[rank] = len(data)
+    sizes = [int(n) for n in sum_(sizes).flatten().tolist()]
+    table = torch.zeros(world, max(sizes), dtype=torch.float32, device=dev)
+    table[rank, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev, torch.float32)
+    rows = sum_(table).to("cpu", torch.uint8)
+    return [bytes(r[:n].numpy()) for r, n in zip(rows, sizes)]
 
 
 def local_world() -> int:

@@ -374,8 +374,8 @@ def decode_spec(model: GPT, cache) -> DecodeSpec | None:
             else:  # its experts: Decoder._hold, under the table in force
                 half = MLPSpec("gathered", router=router, rank=ex.rank, module=_module_half(block), residual=residual,
                                shared=shared)
-        elif not block.is_moe and fcs_of(mlp) is not None:
-            half = MLPSpec("mlp", fcs=fcs_of(mlp))
+        elif not block.is_moe and (fcs := fcs_of(mlp)) is not None:
+            half = MLPSpec("mlp", fcs=fcs)
         else:
             half = MLPSpec("module", module=_module_half(block))
         layers.append((attention, half))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.dist import check_device, control_group, device, gather_numbers, local_world
+from pipeline.dist import check_device, control_group, device, gather_bytes, gather_numbers, local_world
 
 
 BROADCAST_BYTES = 16384  # one broadcast carries a message of up to this many bytes (with its length); more: a second
@@ -214,8 +214,7 @@ def gather_rows(values: list[float], on: torch.device | None = None) -> list[lis
 def gather_json(obj, on: torch.device | None = None) -> list:
     """Every rank's JSON-serialisable `obj`, in rank order, on every rank (no pickle): the UTF-8 bytes through the
     serving runtime's shared-memory gather where it is attached (`use_local_reduce`: one wait, where two sums wait
-    twice), else the sizes, then the bytes (one float32 per byte, padded to the longest)
-    through `fast_all_reduce_`. For the serving ranks' per-step results."""
+    twice), else pipeline/dist.py `gather_bytes` through `fast_all_reduce_`. For the serving ranks' per-step results."""
     import json
 
     import torch.distributed as td
@@ -228,11 +227,7 @@ def gather_json(obj, on: torch.device | None = None) -> list:
         lengths, rows = _LOCAL_GATHER(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         if all(r.numel() == n for r, n in zip(rows, lengths)):  # every rank's fitted its slot (so says every rank)
             return [json.loads(bytes(r.numpy()).decode()) for r in rows]
-    sizes = [int(n[0]) for n in gather_rows([len(data)], dev)]
-    table = torch.zeros(len(sizes), max(sizes), dtype=torch.float32, device=dev)
-    table[td.get_rank(), :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev, torch.float32)
-    rows = fast_all_reduce_(table).to("cpu", torch.uint8)
-    return [json.loads(bytes(r[:n].numpy()).decode()) for r, n in zip(rows, sizes)]
+    return [json.loads(b.decode()) for b in gather_bytes(data, dev, fast_all_reduce_)]
 
 
 def shared_memory_reduce(dtype: torch.dtype | None = None) -> bool:
