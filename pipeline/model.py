@@ -428,6 +428,16 @@ def raw_topk_gate() -> type:
         from deepspeed.moe.sharded_moe import TopKGate
 
         class RawTopKGate(TopKGate):
+            @classmethod
+            def like(cls, gate: TopKGate) -> "RawTopKGate":
+                """A gate configured as DeepSpeed's `gate`, holding its router (`wg`, its parameter as it is)."""
+                with torch.random.fork_rng(devices=[]):  # its own router, replaced below, draws nothing from the RNG
+                    raw = cls(gate.wg.in_features, gate.wg.out_features, gate.k, gate.capacity_factor,
+                              gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens,
+                              gate.use_rts, gate.ep_group, gate.top2_2nd_expert_sampling)
+                raw.wg = gate.wg
+                return raw
+
             def forward(self, input, used_token=None, sparse_routes=False, use_tutel=False):
                 out = super().forward(input, used_token, sparse_routes, use_tutel)
                 if not sparse_routes:
@@ -459,7 +469,7 @@ class MoE(nn.Module):
                                     eval_capacity_factor=cfg.eval_capacity_factor or cfg.capacity_factor,
                                     min_capacity=cfg.min_capacity, use_residual=residual, drop_tokens=True)
             if cfg.top_k > 1 and not cfg.renormalize:  # DeepSpeed's gate always renormalises for k >= 2
-                self.moe.deepspeed_moe.gate.__class__ = raw_topk_gate()
+                self.moe.deepspeed_moe.gate = raw_topk_gate().like(self.moe.deepspeed_moe.gate)
         elif impl == "reference":
             if ep_size != 1:
                 raise ValueError(f"ep_size {ep_size}: the reference MoE holds every expert locally (1)")

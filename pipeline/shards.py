@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import operator
 import os
-import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor

@@ -18,7 +18,7 @@ def served(model, tmp_path, dtype, monkeypatch, resident=1.0, quantize=None):
     q/k/v fused, the norms' kernel; `quantize`: int8 or int4 weights, as `serve --quantize`): what the engine decodes
     with."""
     from export.serve import kernels
-    from export.serve.placement.exchange import placed_model
+    from export.serve.served import placed_model
     from pipeline import dist
     from pipeline.weights import save_weights
 

@@ -99,7 +99,7 @@ def test_an_imported_teacher_serves_with_its_logits_on_the_placed_path(family, t
     into one product even where k and v are narrower), from our weights' files."""
     from export.serve import kernels
     from export.serve.kernels import FusedAttention
-    from export.serve.placement.exchange import placed_model
+    from export.serve.served import placed_model
 
     monkeypatch.setattr(kernels.weights, "SERVE_FROM", 0)  # these small weights too: the fused q, k, v and the kernel
     from pipeline import dist
@@ -245,7 +245,7 @@ def test_the_serving_engine_decodes_an_imported_gqa_teacher_as_our_model_does(tm
     positions per row: rows of different lengths decoding together give the model's own greedy tokens."""
     from export.serve.engine import Engine, generate
     from export.serve.request import SamplingParams
-    from export.serve.placement.exchange import placed_model
+    from export.serve.served import placed_model
     from pipeline import dist
     from pipeline.data import gpt2_tokenizer
     from pipeline.model import KVCache

@@ -3,6 +3,8 @@ one expert == the dense MLP, residual mixing == its definition, init independent
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,32 @@ def test_reference_moe_equals_deepspeed_moe(mlp_type, top_k):
     torch.testing.assert_close(a.aux_loss, b.aux_loss)
     for ca, cb in zip(a.expert_counts, b.expert_counts):
         assert ca.tolist() == cb.tolist()
+
+
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_raw_routes_match_deepspeed(top_k):
+    """renormalize false (Qwen2-MoE's and OLMoE's norm_topk_prob false): DeepSpeed's gate made a RawTopKGate at
+    construction, holding the router DeepSpeed initialised (same names, same draws from the RNG), routes as the
+    reference does, and differs from a renormalising one."""
+    from pipeline.model import raw_topk_gate
+
+    cfg = config(mlp_type="standard", top_k=top_k, renormalize=False, experts=(8, 8))
+    ref, ds = pair(cfg)
+    torch.manual_seed(3)
+    GPT(cfg, moe_impl="deepspeed")
+    after_raw = torch.rand(1)
+    torch.manual_seed(3)
+    GPT(config(mlp_type="standard", top_k=top_k, renormalize=True, experts=(8, 8)), moe_impl="deepspeed")
+    assert torch.equal(torch.rand(1), after_raw)  # building the raw gate drew nothing more
+    gates = [m.moe.deepspeed_moe.gate for m in ds.modules() if isinstance(m, MoE)]
+    assert gates and all(type(g) is raw_topk_gate() for g in gates)
+    assert list(ref.state_dict()) == list(ds.state_dict())
+    ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(1))
+    a, b = ref.eval()(ids), ds.eval()(ids)
+    torch.testing.assert_close(a.logits, b.logits, atol=2e-5, rtol=1e-5)
+    renormalised = GPT(dataclasses.replace(cfg, renormalize=True), moe_impl="reference")
+    renormalised.load_state_dict(ref.state_dict())
+    assert not torch.allclose(renormalised.eval()(ids).logits, a.logits, atol=1e-4)
 
 
 def test_top2_token_dropping_matches_deepspeed():

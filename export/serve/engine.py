@@ -18,7 +18,7 @@ planning every rank's rows (`RankZero`: tensor or expert slicing, --placement, o
 rank its own requests (`OwnRequests`, the server's default where it applies). `submit`, `step`, `has_work` and the
 queue figures go through it.
 
-  * Data parallel (`data_parallel_layout`): each rank runs its own sequences, and tokens cross ranks only
+  * Data parallel (export/serve/served.py `data_parallel_layout`): each rank runs its own sequences, and tokens cross ranks only
     in each MoE layer's expert exchange (export/serve/placement/exchange.py); a rank with no rows still joins it.
   * Tensor or expert slicing (`--tp-size`, `--ep-size` below the rank count): one data-parallel group;
     every rank runs rank 0's rows through DeepSpeed's inference engine (export/inference.py).
@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from export.serve import kernels
 from export.serve import ranks as rank_msgs
 from export.serve import transport
 from export.serve.config import ServeConfig
@@ -42,14 +41,14 @@ from export.serve.coordinator import coordinator_for
 from export.serve.kernels.options import KernelOptions, configure
 from export.serve.kv_cache import plan_kv, served_kv
 from export.serve.placement.controller import Controller, ControllerStats, make_controller
-from export.serve.placement.exchange import Exchange, ExchangeStats, placed_model
+from export.serve.placement.exchange import Exchange, ExchangeStats
 from export.serve.placement.load import ExpertLoad
 from export.serve.request import Detokenizer, Request, SamplingParams
 from export.serve.scheduler import Plan, Scheduler
+from export.serve.served import ServedWeights, serve_model
 from export.serve.step import Forward, RowResult, Step
 from export.serve.worker import Worker
-from pipeline.model import GPT, ModelConfig
-from pipeline.schemes import SCHEMES
+from pipeline.model import GPT
 
 if TYPE_CHECKING:
     from export.inference import Layout
@@ -72,7 +71,7 @@ class Engine:
     tokens first, then prefill chunks); `max_prefill_seqs`: prompts per prefill forward on a rank (None: all of the
     step's). KV: `kv_cache_memory` GiB per rank (None: a share of the free memory, kv_cache.py `plan_kv`),
     `max_model_len`, `block_size`, `prefix_caching`. The data-parallel path (each rank its own rows): `exchange`,
-    this rank's expert exchange of a placed model (export/serve/placement/exchange.py `placed_model`), and on rank 0
+    this rank's expert exchange of a placed model (export/serve/served.py `placed_model`), and on rank 0
     with --placement its `controller`; without an exchange every rank runs the same rows. `layout`: how the model is
     spread over the ranks (None: one rank). `own_requests`: each data-parallel rank its own requests and scheduler
     (`front`: this rank 0 takes every request and spreads them; export/serve/coordinator.py)."""
@@ -107,9 +106,9 @@ class Engine:
             kv = kv.with_blocks(int(min(row[0] for row in dist.gather_numbers([kv.blocks]))))
         self.kv = kv
         self.max_model_len = kv.max_model_len
-        # the weights into a file mapping (2 MB pages where anonymous memory gets 4 KB ones), before any kernel holds
-        # them; on the CPU
-        self.mapped_bytes = kernels.map_weights(model, exchange) if device.type == "cpu" else 0
+        # from_config's served model: its weights' scheme, the bytes moved into the file mapping
+        # (export/serve/served.py `serve_model`)
+        self.weights, self.mapped_bytes = ServedWeights(), 0
         self.worker = Worker(model, kv.blocks, kv.block_size, rank if self.dp > 1 else 0, single=world == 1,
                              exchange=exchange, tokenizer=tokenizer)
         self.device = self.worker.device
@@ -133,14 +132,13 @@ class Engine:
     @classmethod
     def from_config(cls, config: ServeConfig, ranks=None, own_requests: bool | None = False,
                     front: bool = False) -> "Engine":
-        """The engine for `config` on this rank. Data parallel (`data_parallel_layout`): the experts placed by a
+        """The engine for `config` on this rank, serving the model export/serve/served.py `serve_model`
+        builds. Data parallel (`data_parallel_layout`): the experts placed by a
         replica table (export/serve/placement/; the native one without --placement) and exchanged between the
         ranks, with rank 0's controller; else the package loaded for its tensor- or expert-sliced layout
         through DeepSpeed's inference engine (export/inference.py). `own_requests` None: where it applies
         (several data-parallel ranks, no --placement; the server's choice); `front`: rank 0 takes every request and
         spreads them over the ranks (behind the server). Collective with several ranks."""
-        from export.inference import load_package, plan_layout
-        from export.package import package_dtype, read_tokenizer, verified_package
         from pipeline import dist
 
         ranks = ranks or dist.init(tune_allocator=config.malloc_tuning)
@@ -148,45 +146,19 @@ class Engine:
         if config.nproc != ranks.world:
             raise ValueError(f"--nproc {config.nproc}: {ranks.world} rank(s) are running; the flags were checked for "
                              f"{config.nproc} (start as many ranks, or drop --nproc)")
-        verified = verified_package(config.package, config.checksums)
-        dp = data_parallel_layout(verified.cfg, config, ranks.world)
+        served = serve_model(config, ranks)
         if own_requests is None:  # decided alike on every rank (rank 0 alone holds the controller)
-            own_requests = dp and ranks.world > 1 and config.placement is None
-        stored = verified.manifest.get("quantization")  # export --quantize: the package's int8/int4 weights
-        quantize, quantize_head = config.quantize, config.quantize_head
-        if stored is not None:
-            if quantize is not None and SCHEMES[quantize].stored != stored["scheme"]:
-                raise ValueError(f"--quantize {quantize}: this package holds {stored['scheme']} weights (exported with "
-                                 f"--quantize {stored['scheme']}; an int8 one also serves --quantize w8a8); drop "
-                                 f"--quantize, or serve a package exported without it")
-            quantize, quantize_head = (quantize or stored["scheme"], quantize_head or stored["head"]) if dp \
-                else (None, False)  # an int8 package under --quantize w8a8: its weights, int8 inputs
-        scheme = SCHEMES[quantize] if quantize is not None else None
-        if scheme is not None and scheme.needs and not hasattr(kernels.kernel(), scheme.kernel_op):
-            raise ValueError(f"--quantize {quantize}: its kernels need a CPU with {scheme.needs} (and the GEMV "
-                             f"kernel built); serve --quantize int8 (weight-only) instead")
-        if not dp and config.quantize is not None and stored is None:
-            raise ValueError(f"--quantize {config.quantize}: the data-parallel layout only, and this package's experts "
-                             f"{list(verified.cfg.experts)} do not split evenly over {ranks.world} ranks")
-        if not dp:
-            model, tok = load_package(config.package, ranks, ep_size=config.ep_size, checksums=config.checksums,
-                                      dtype=config.dtype, tp_size=config.tp_size)
-            exchange, layout = None, plan_layout(verified.cfg, ranks.world, config.ep_size, config.tp_size)
-        else:
-            placed = placed_model(verified.cfg, config.package, ranks, package_dtype(verified.manifest, config.dtype),
-                                  config.resident_experts, files=verified.files, transport=config.expert_exchange,
-                                  quantize=quantize, quantize_head=quantize_head, stored=stored)
-            model, exchange, layout = placed.model, placed.exchange, placed.layout
-            tok = read_tokenizer(config.package, verified.files)
+            own_requests = served.data_parallel and ranks.world > 1 and config.placement is None
+        model = served.model
         controller = None
         if config.placement is not None and ranks.rank == 0:
             controller = make_controller(config, model.cfg, ranks.world)
-        engine = cls(model, tok, max_batch=config.max_batch, ranks=ranks, max_batched_tokens=config.max_batched_tokens,
+        engine = cls(model, served.tokenizer, max_batch=config.max_batch, ranks=ranks, max_batched_tokens=config.max_batched_tokens,
                      max_prefill_seqs=config.max_prefill_seqs, kv_cache_memory=config.kv_cache_memory,
                      max_model_len=config.max_model_len, block_size=config.block_size,
-                     prefix_caching=config.prefix_caching, exchange=exchange, layout=layout, controller=controller,
-                     own_requests=own_requests, front=front)
-        engine.config = config
+                     prefix_caching=config.prefix_caching, exchange=served.exchange, layout=served.layout,
+                     controller=controller, own_requests=own_requests, front=front)
+        engine.config, engine.weights, engine.mapped_bytes = config, served.weights, served.mapped_bytes
         return engine
 
     def encode(self, text: str) -> list[int]:
@@ -393,6 +365,7 @@ class Engine:
         return {"options": options, "kernels": describe() if self.device.type == "cpu" else None,
                 "engine": {"coordinator": type(self.coordinator).__name__, "data_parallel": self.dp,
                            "native_decoder": self.worker.decoder is not None,
+                           "weights": self.weights.describe(), "mapped_bytes": self.mapped_bytes,
                            "kv_blocks": self.kv.blocks, "block_size": self.kv.block_size,
                            "max_model_len": self.max_model_len, "PACKED_TOKENS": Decoder.PACKED_TOKENS,
                            "TOPK_SCREEN": Worker.TOPK_SCREEN, "SCORE_ROWS": Worker.SCORE_ROWS}}
@@ -413,15 +386,6 @@ class Engine:
         """Rank 0, when done: stop the placement controller's thread, if it has one."""
         if self.controller is not None:
             self.controller.close()
-
-
-def data_parallel_layout(cfg: ModelConfig, config: ServeConfig, world: int) -> bool:
-    """Whether `config` on `world` ranks serves data parallel (each rank its own sequences, an expert all-to-all
-    in every MoE layer): no tensor slicing, and every MoE layer's experts split over all the ranks (no expert
-    slicing). Otherwise one group runs rank 0's rows on every rank (DeepSpeed's inference engine)."""
-    if (config.tp_size or 1) > 1 or (config.ep_size or world) != world:
-        return False
-    return all(n % world == 0 for n in cfg.experts)
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Request]:

@@ -71,14 +71,12 @@ def send(message: Message) -> None:
 
 def receive() -> Message:
     """Ranks > 0: the next message rank 0 sends."""
-    from pipeline import dist
 
     return decode(transport.broadcast_json(None))
 
 
 def gather_results(mine: list[RowResult]) -> list[list[RowResult]]:
     """Collective: every rank's results of a step (export/serve/worker.py `Worker.execute`), in rank order."""
-    from pipeline import dist
 
     return [[RowResult.from_json(r) for r in rows] for rows in transport.gather_json([r.to_json() for r in mine])]
 

@@ -13,5 +13,5 @@ experts to prefetch) before each forward, and every rank applies it. Outputs do 
   controller.py  rank 0's decisions: the none, reactive and predictive policies, `make_controller`
   predictor.py   the SRU expert-demand predictor: traces, training, the package files
   residency.py   the experts a rank holds: the mapped package, LRU residency, replicas, prefetch
-  exchange.py    the token exchange and the MoE layer that runs it: `placed_model`
+  exchange.py    the token exchange and the MoE layer that runs it: `place_experts` (served: ../served.py)
 """

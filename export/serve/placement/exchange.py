@@ -1,10 +1,10 @@
 """The expert exchange of the data-parallel serving path: each rank's routed tokens travel to the ranks that
 hold their experts, every expert runs once over what it received, and the outputs travel back (`Exchange`);
-the MoE layer that uses it (`PlacedMoE`), and the model built of those layers (`placed_model`).
+the MoE layer that uses it (`PlacedMoE`), and the model built of those layers (`place_experts`; the served model,
+its kernels swapped in: export/serve/served.py `placed_model`).
 
-    from export.serve.placement.exchange import placed_model
-    placed = placed_model(cfg, pkg, dist.init(), torch.float32)       # the model, this rank's exchange, the layout
-    engine = Engine(placed.model, tokenizer, exchange=placed.exchange, layout=placed.layout)
+    from export.serve.placement.exchange import place_experts
+    model, exchange = place_experts(cfg, pkg, dist.init(), torch.float32)   # the model and this rank's exchange
 
 On the data-parallel serving path (export/serve/engine.py: no tensor or expert slicing) the MoE
 layers run `PlacedMoE`. Each rank routes its own tokens, and the ranks exchange them in an
@@ -36,14 +36,13 @@ import torch
 import torch.nn as nn
 
 from export.serve import kernels
-from export.serve.kernels import linear, serving_linears
+from export.serve.kernels import linear
 from export.serve.placement.algo import balancedness, native_table, route_pairs
 from export.serve.placement.residency import ExpertStore, Residency, ResidencyStats
 from export.serve.transport import all_to_all_, fast_all_reduce_, gather_rows, shared_memory_reduce
 from pipeline.model import GPT, MLP, Gate, ModelConfig, add_shared, mix_residual, mlp_activation, router_logits
 
 if TYPE_CHECKING:
-    from export.inference import Layout
     from export.serve.placement.controller import Directive
 
 # how the expert exchange moves tokens: a variable-split all-to-all (each rank receives only its tokens: the GPU
@@ -227,7 +226,6 @@ class Exchange:
         it; a replicated expert's pairs split between its holders as `route_pairs` water-fills them), every pair's
         output summed over the ranks (the second all-reduce: the others' pairs are zeros), and this rank's tokens'
         choices combined as the 1-rank kernel does. Returns (output [S, C], tokens per expert over all ranks [E])."""
-        from pipeline import dist
 
         t0 = self.seconds.mark()
         me, S, C = self.rank, xs.shape[0], xs.shape[1]
@@ -340,7 +338,6 @@ class Exchange:
 
     def _by_all_to_all(self, layer: int, xs: torch.Tensor, order: torch.Tensor, send, sizes) -> torch.Tensor:
         """The exchange as two all-to-alls with variable splits: each rank receives only the pairs sent to it."""
-        from pipeline import dist
 
         world, me = self.ep, self.rank
         in_splits = [sum(send[me][h]) for h in range(world)]
@@ -364,7 +361,6 @@ class Exchange:
         (destination, expert) order) at its offset, the others' rows are zeros, the sum is everybody's rows;
         each rank takes the blocks sent to it, computes, and writes its outputs where those rows were for the
         way back. Exact (x + 0 = x in every dtype)."""
-        from pipeline import dist
 
         world, me = self.ep, self.rank
         sent = [sum(sum(send[s][h]) for h in range(world)) for s in range(world)]  # rows each rank sends
@@ -524,43 +520,15 @@ def serving_route(xs: torch.Tensor, wg: torch.Tensor, top_k: int, E: int, renorm
 
 # -- the model ------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class PlacedModel:
-    """What the engine serves on the data-parallel path: the model, this rank's exchange, and the layout."""
-
-    model: GPT
-    exchange: Exchange
-    layout: Layout
-
-
-def _stored_dense(model: GPT, src: Path, stored: dict | None, files: dict | None) -> dict:
-    """{weight name: its quantised weight} of the dense part of a quantised package (`stored`: its manifest's
-    `quantization`), read as stored; {} for another package."""
-    if stored is None:
-        return {}
-    from pipeline.build import meta_model
-    from pipeline.model import split_expert_key
-    from pipeline.quantize import scale_name, values_name, weight_kinds
-    from pipeline.weights import read_tensors
-
-    kinds = {n: k for n, k in weight_kinds(meta_model(model.cfg), stored["scheme"], stored["head"], stored["group"]).items()
-             if split_expert_key(n) is None}
-    raw = read_tensors(src, [t for n, k in kinds.items() for t in (values_name(n, k), scale_name(n))], files)
-    return {n: kernels.stored_weight(raw[values_name(n, k)], raw[scale_name(n)]) for n, k in kinds.items()}
-
-
-def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
-                 files: dict | None = None, transport: str = "auto", quantize: str | None = None,
-                 quantize_head: bool = False, stored: dict | None = None) -> PlacedModel:
-    """The model with `PlacedMoE` layers on this rank: every rank holds the dense part and the gates;
-    experts come through its `Exchange` (its native experts, resident or mapped, plus replicas).
-    Expert parallel over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size:
-    ServeConfig checks the flags). `files`: what verification saw of each file (export.package.VerifiedPackage);
-    every read from the package compares it with the open file first. `quantize` ("int8", "int4"): the experts and
-    the dense linears quantised as they load (export/serve/kernels/swaps.py `quantize_linears`, `quantized_weights`; CPU
-    only), and with `quantize_head` the output layer too. `stored`: a quantised package's scheme (its manifest's
-    `quantization`): its weights' values and scales are taken as they are (the rest, as `quantize` says)."""
-    from export.inference import Layout
+def place_experts(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, resident_fraction: float = 1.0,
+                  files: dict | None = None, transport: str = "auto",
+                  quantize: str | None = None) -> tuple[GPT, Exchange]:
+    """(the model with `PlacedMoE` layers on this rank, its `Exchange`): every rank holds the dense part and the
+    gates; experts come through its exchange (its native experts, resident or mapped, plus replicas). Expert parallel
+    over all ranks (`serve --placement` needs --ep-size = ranks, no --tp-size: ServeConfig checks the flags).
+    `files`: what verification saw of each file (export.package.VerifiedPackage); every read from the package
+    compares it with the open file first. `quantize` ("int8", "int4", "w8a8"): the experts quantised as they load
+    (CPU only). The served model with its kernels swapped in: export/serve/served.py `placed_model`."""
     from pipeline import dist
     from pipeline.build import cast_keeping_gates, meta_model
     from pipeline.weights import load_weights
@@ -585,9 +553,4 @@ def placed_model(cfg: ModelConfig, src: Path, ranks, dtype: torch.dtype, residen
         model.lm_head.weight = model.wte.weight
     cast_keeping_gates(model, dtype)
     load_weights(model, src, files=files)
-    model = model.to(device=dist.device()).eval().requires_grad_(False)
-    serving_linears(model)  # on the CPU: the few-row kernel and oneDNN (export/serve/kernels)
-    kernels.serving_norms(model)  # and RMSNorm in one call
-    if quantize is not None:
-        kernels.quantize_linears(model, quantize, head=quantize_head, stored=_stored_dense(model, src, stored, files))
-    return PlacedModel(model, exchange, Layout(ranks.world, 1, tuple(ranks.world for _ in cfg.experts), ranks.world))
+    return model.to(device=dist.device()).eval().requires_grad_(False), exchange
