@@ -12,8 +12,10 @@ and `qwen3-30b`, Qwen3-30B-A3B's own (hidden 2048, 128 experts of width 768, top
 32: decode batches; 128 and 2048: prefill chunks). Routing: the random router's, close to uniform (a trained
 router's is more skewed).
 
-Every instruction-set build of the kernels this CPU can run is measured in the same process (kernels/extension.py
-`build`: AVX2, AVX512, AVX512_BF16, AMX_BF16; the ones the CPU lacks are listed as skipped with the reason).
+Every instruction-set build of the kernels this CPU can run is measured (kernels/extension.py `build`: AVX2, AVX512,
+AVX512_BF16, AMX_BF16; the ones the CPU lacks are listed as skipped with the reason), each in a process of its own
+whose oneDNN and ATen are limited to that instruction set (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), as on a CPU that
+has no more: an AVX2 row on an AVX-512 machine is what an AVX2-only CPU of its bandwidth and clock would run.
 
 Bounds, both measured here first: the read bandwidth (benchmarks/common.py `read_bandwidth`, the best of three) and the multiply-add
 peak (the best GFLOP/s of large torch.mm products in fp32, bf16 and int8 where torch has one). A cell's bandwidth
@@ -61,17 +63,22 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split())
 
 
-def fma_peak(threads: int) -> dict:
-    """GFLOP/s of large products through torch (oneDNN), best of a few: fp32, bf16, int8 (torch._int_mm, where this
-    torch has it on the CPU)."""
+def fma_peak(threads: int, isa: str) -> dict:
+    """GFLOP/s of large products through torch (oneDNN), best of a few: fp32; bf16 where `isa` multiplies bf16
+    (AVX512_BF16, AMX); int8 (torch._int_mm, where this torch has it on the CPU) where it has VPDPBUSD."""
     import torch
 
     torch.set_num_threads(threads)
     out = {}
     n = 2048
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    kinds = [("fp32", torch.float32)] + ([("bf16", torch.bfloat16)] if isa in ("AVX512_BF16", "AMX_BF16") else [])
+    for name, dtype in kinds:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         out[name] = 2 * n ** 3 / best_seconds(lambda: torch.mm(a, b), 5) / 1e9
+    out["bf16"] = out.get("bf16")
+    if isa not in ("AVX512_BF16", "AMX_BF16"):
+        out["int8"] = None
+        return out
     try:
         a8 = torch.randint(-100, 100, (n, n), dtype=torch.int8)
         b8 = torch.randint(-100, 100, (n, n), dtype=torch.int8)
@@ -137,19 +144,16 @@ def use_isa(isa: str):
 
 
 def expert_bytes(weights: tuple) -> int:
-    """Bytes an expert's kernels read: its weights (values and scales) and biases."""
+    """Bytes an expert's kernels read: its weights (a quantised one's values and scales; a bf16 one's weight, not
+    the packed copy oneDNN reads for many rows) and biases."""
     import torch
 
     total = 0
     for w in weights:
         if w is None:
             continue
-        if isinstance(w, torch.Tensor):
-            total += w.numel() * w.element_size()
-            continue
-        for t in vars(w).values():
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                total += t.numel() * t.element_size()
+        parts = [w] if isinstance(w, torch.Tensor) else [w.q, w.scale] if hasattr(w, "q") else [w.weight]
+        total += sum(t.numel() * t.element_size() for t in parts)
     return total
 
 
@@ -184,7 +188,6 @@ def measure(cfg, src: Path, fmt: str, rows_list, budget_s: float) -> list[dict]:
                     "flops": 2 * pairs * 3 * cfg.hidden * cfg.expert_hidden + 2 * rows * cfg.hidden * cfg.experts[0],
                     "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
                     "calls": len(times)})
-    del model, exchange, moes
     return out
 
 
@@ -193,7 +196,7 @@ def peak_for(isa: str, fmt: str, peaks: dict) -> tuple[str, float]:
     else fp32 (AVX2 and AVX512 widen bf16 to fp32)."""
     if fmt == "w8a8" and peaks.get("int8"):
         return "int8", peaks["int8"]
-    if isa in ("AVX512_BF16", "AMX_BF16"):
+    if peaks.get("bf16"):
         return "bf16", max(peaks["bf16"], peaks["fp32"])
     return "fp32", peaks["fp32"]
 
@@ -230,6 +233,52 @@ def draw(cells: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# each build measured in a process of its own whose oneDNN and ATen are limited to that instruction set, as on a CPU
+# that has no more (the GEMMs our kernels leave to oneDNN, a prefill's, run as they would there)
+EMULATE = {"AVX2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+           "AVX512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512"},
+           "AVX512_BF16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "ATEN_CPU_CAPABILITY": "avx512"},
+           "AMX_BF16": {"ONEDNN_MAX_CPU_ISA": "ALL", "ATEN_CPU_CAPABILITY": "avx512"}}
+
+
+def worker(args, isa: str, bw: float) -> dict:
+    """This process's part: `isa`'s build over every shape, format and row count (run with EMULATE[isa]'s
+    environment); its peaks, measured as limited, and its cells."""
+    peaks = fma_peak(args.threads, isa)
+    print(f"{isa}: multiply-add peak (torch.mm, oneDNN limited to {EMULATE[isa]['ONEDNN_MAX_CPU_ISA']}) " +
+          ", ".join(f"{k} {v:.0f} GFLOP/s" if v else f"{k} n/a" for k, v in peaks.items()), flush=True)
+    use_isa(isa)
+    cells, notes = [], []
+    started, done, total = time.perf_counter(), 0, len(args.shapes) * len(args.formats)
+    for shape in args.shapes:
+        cfg, src = layer_dir(shape, args.work)
+        for fmt in args.formats:
+            done += 1
+            if fmt in FORMAT_NEEDS and ISAS.index(isa) < ISAS.index(FORMAT_NEEDS[fmt]):
+                notes.append(f"{shape} {fmt} on {isa}: its kernel needs a {FORMAT_NEEDS[fmt]} build (VPDPBUSD)")
+                print(f"skipped {notes[-1]}", flush=True)
+                continue
+            for r in measure(cfg, src, fmt, args.rows, args.budget):
+                t_bw = r["bytes"] / bw
+                arith, peak = peak_for(isa, fmt, peaks)
+                t_fma = r["flops"] / (peak * 1e9)
+                cell = {"shape": shape, "isa": isa, "format": fmt, **r, "gb_per_s": r["bytes"] / r["median_s"] / 1e9,
+                        "gflop_per_s": r["flops"] / r["median_s"] / 1e9, "bw_fraction": t_bw / r["median_s"],
+                        "fma_fraction": t_fma / r["median_s"], "peak": arith, "peak_gflop_per_s": peak,
+                        "bound_fraction": max(t_bw, t_fma) / r["median_s"]}
+                cell["miss"] = verdict(cell)
+                cells.append(cell)
+                print(f"{shape:9s} {isa:11s} {fmt:5s} {r['rows']:5d} rows: {r['median_s'] * 1e3:9.3f} ms "
+                      f"[{r['min_s'] * 1e3:.3f}-{r['max_s'] * 1e3:.3f}, {r['calls']}] "
+                      f"{cell['gb_per_s']:6.1f} GB/s ({cell['bw_fraction']:4.0%} of bw) "
+                      f"{cell['gflop_per_s']:7.1f} GFLOP/s ({cell['fma_fraction']:4.0%} of {arith} peak) "
+                      f"bound {cell['bound_fraction']:4.0%}{'  MISS' if cell['miss'] else ''}", flush=True)
+            el = time.perf_counter() - started
+            print(f"  [{isa}: {done}/{total} shape x format, {el:.0f} s, ETA {el / done * (total - done):.0f} s]",
+                  flush=True)
+    return {"isa": isa, "peaks": peaks, "cells": cells, "skipped": notes}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -242,77 +291,73 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "moe_layer_bench",
                     help="the random layers' weights (reused)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/moe_layer_bench"))
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # ISA BANDWIDTH: one build's process
     args = ap.parse_args()
 
     import os
+    import subprocess
 
     import torch
 
-    threads = args.threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
+    args.threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.worker:
+        isa, bw = args.worker.split(":")
+        print("RESULT " + json.dumps(worker(args, isa, float(bw))), flush=True)
+        return 0
+
     cpu = cpu_info()
     flags = cpu_flags()
-    print(f"CPU: {cpu_line(cpu)}; {threads} threads", flush=True)
-    samples = [read_bandwidth(threads) for _ in range(3)]  # the best of three (a shared machine's slow moments out)
+    print(f"CPU: {cpu_line(cpu)}; {args.threads} threads", flush=True)
+    samples = [read_bandwidth(args.threads) for _ in range(3)]  # the best of three (a shared machine's slow moments out)
     bw = best_bandwidth(samples)["bytes_per_s"]
-    peaks = fma_peak(threads)
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s; multiply-add peak (torch.mm) " +
-          ", ".join(f"{k} {v:.0f} GFLOP/s" if v else f"{k} n/a" for k, v in peaks.items()), flush=True)
-    wanted = args.isa or list(ISAS)
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s (best of {[round(s['bytes_per_s'] / 1e9, 1) for s in samples]})",
+          flush=True)
     isas, skipped = [], []
-    for isa in wanted:
+    for isa in args.isa or list(ISAS):
         missing = ISA_NEEDS[isa] - flags
         (skipped.append(f"{isa}: this CPU lacks {', '.join(sorted(missing))}") if missing else isas.append(isa))
     for line in skipped:
         print(f"skipped {line}", flush=True)
+    for shape in args.shapes:  # written once, before the workers read them
+        layer_dir(shape, args.work)
 
-
-    cells: list[dict] = []
-    args.work.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    total = len(args.shapes) * len(isas) * len(args.formats)
-    done = 0
-    for shape in args.shapes:
-        cfg, src = layer_dir(shape, args.work)
-        for isa in isas:
-            use_isa(isa)
-            for fmt in args.formats:
-                done += 1
-                if fmt in FORMAT_NEEDS and ISAS.index(isa) < ISAS.index(FORMAT_NEEDS[fmt]):
-                    print(f"skipped {shape} {fmt} on {isa}: its kernel needs a {FORMAT_NEEDS[fmt]} build", flush=True)
-                    continue
-                for r in measure(cfg, src, fmt, args.rows, args.budget):
-                    t_bw = r["bytes"] / bw
-                    arith, peak = peak_for(isa, fmt, peaks)
-                    t_fma = r["flops"] / (peak * 1e9)
-                    cell = {"shape": shape, "isa": isa, "format": fmt, **r, "gb_per_s": r["bytes"] / r["median_s"] / 1e9,
-                            "gflop_per_s": r["flops"] / r["median_s"] / 1e9, "bw_fraction": t_bw / r["median_s"],
-                            "fma_fraction": t_fma / r["median_s"], "peak": arith,
-                            "bound_fraction": max(t_bw, t_fma) / r["median_s"]}
-                    cell["miss"] = verdict(cell)
-                    cells.append(cell)
-                    print(f"{shape:9s} {isa:11s} {fmt:5s} {r['rows']:5d} rows: {r['median_s'] * 1e3:9.3f} ms "
-                          f"[{r['min_s'] * 1e3:.3f}-{r['max_s'] * 1e3:.3f}, {r['calls']}] "
-                          f"{cell['gb_per_s']:6.1f} GB/s ({cell['bw_fraction']:4.0%} of bw) "
-                          f"{cell['gflop_per_s']:7.1f} GFLOP/s ({cell['fma_fraction']:4.0%} of {arith} peak) "
-                          f"bound {cell['bound_fraction']:4.0%}{'  MISS' if cell['miss'] else ''}", flush=True)
-                el = time.perf_counter() - started
-                print(f"  [{done}/{total} shape x build x format, {el:.0f} s, ETA {el / done * (total - done):.0f} s]",
-                      flush=True)
+    cells, peaks = [], {}
+    for isa in isas:
+        cmd = [sys.executable, __file__, "--worker", f"{isa}:{bw}", "--shapes", *args.shapes, "--rows",
+               *map(str, args.rows), "--formats", *args.formats, "--threads", str(args.threads), "--budget",
+               str(args.budget), "--work", str(args.work)]
+        proc = subprocess.Popen(cmd, env={**os.environ, **EMULATE[isa]}, stdout=subprocess.PIPE, text=True)
+        result = None
+        for line in proc.stdout:
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT "):])
+            else:
+                print(line, end="", flush=True)
+        if proc.wait() != 0 or result is None:
+            print(f"{isa}: its worker failed ({proc.returncode})", flush=True)
+            return 2
+        cells += result["cells"]
+        skipped += result["skipped"]
+        peaks[isa] = result["peaks"]
 
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"cpu": cpu, "threads": threads, "bandwidth_bytes_per_s": bw, "peaks_gflop_per_s": peaks,
+    result = {"cpu": cpu, "threads": args.threads, "bandwidth_bytes_per_s": bw,
+              "bandwidth_samples": [s["bytes_per_s"] for s in samples], "peaks_gflop_per_s": peaks,
               "skipped": skipped, "cells": cells, "command": " ".join(sys.argv)}
     (args.out / "moe_layer_bench.json").write_text(json.dumps(result, indent=1))
-    lines = [f"CPU: {cpu_line(cpu)}; {threads} threads; read bandwidth {bw / 1e9:.1f} GB/s; peaks " +
-             ", ".join(f"{k} {v:.0f}" for k, v in peaks.items() if v) + " GFLOP/s", "",
-             "| shape | build | format | rows | median ms [min-max] | GB/s | % bw | GFLOP/s | % peak | % lower bound | |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"CPU: {cpu_line(cpu)}; {args.threads} threads; read bandwidth {bw / 1e9:.1f} GB/s; multiply-add peaks "
+             "(GFLOP/s, torch.mm with oneDNN limited to each build's instructions): " +
+             "; ".join(f"{isa} " + ", ".join(f"{k} {v:.0f}" for k, v in p.items() if v) for isa, p in peaks.items()),
+             "", "| shape | build | format | rows | median ms [min-max] | GB/s | % bw | GFLOP/s | % peak | "
+             "% lower bound | |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         lines.append(f"| {c['shape']} | {c['isa']} | {c['format']} | {c['rows']} | {c['median_s'] * 1e3:.3f} "
                      f"[{c['min_s'] * 1e3:.3f}-{c['max_s'] * 1e3:.3f}] | {c['gb_per_s']:.1f} | "
                      f"{c['bw_fraction']:.0%} | {c['gflop_per_s']:.1f} | {c['fma_fraction']:.0%} ({c['peak']}) | "
-                     f"{c['bound_fraction']:.0%} | {'MISS' if c['miss'] else 'met' if c['rows'] == 1 or c['rows'] >= 32 else ''} |")
+                     f"{c['bound_fraction']:.0%} | "
+                     f"{'MISS' if c['miss'] else 'met' if c['rows'] == 1 or c['rows'] >= 32 else ''} |")
     lines += [f"skipped: {s}" for s in skipped]
     (args.out / "moe_layer_bench.md").write_text("\n".join(lines) + "\n")
     if cells:

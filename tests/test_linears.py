@@ -149,6 +149,7 @@ def check_all(gemv):
     check_int8(gemv)
     check_int4(gemv)
     check_routed(gemv)
+    check_combine(gemv)
     if hasattr(gemv, "amx_linear"):
         check_amx(gemv)
     if hasattr(gemv, "w8a8_linear"):
@@ -637,6 +638,33 @@ def test_only_an_output_layer_that_fits_gets_a_screen(monkeypatch):
     assert HeadScreen.of(ServingWeight(w), None) is None
     with options.using(head_screen=False):
         assert HeadScreen.of(ServingWeight(torch.randn(4096, 64)), None) is None
+
+
+def check_combine(kernel):
+    """combine_pairs (routed_experts' weighted sum, vectorised) to the bit: each choice's product added and rounded
+    to bf16 once, to nearest even, as c10::BFloat16 rounds (the data makes every fp32 sum exact, so only the rounding
+    to bf16 can differ, and many land halfway); a NaN stays a NaN; fp32 too; widths off the vector width."""
+    torch.manual_seed(0)
+    for C in (1024, 37):
+        S, k = 33, 4
+        y = (1 + torch.rand(S, k, C)).bfloat16()  # 8 significant bits: each product with a bf16 weight exact in fp32
+        mix = torch.rand(S, k).bfloat16().float()
+        y[3, 1, 5] = float("nan")
+        got = kernel.combine_pairs(y, mix)
+        want = (y[:, 0].float() * mix[:, :1]).bfloat16()
+        halfway = 0  # exact sums halfway between two bf16 values: where ties to even decides
+        for j in range(1, k):
+            exact = want.float() + y[:, j].float() * mix[:, j:j + 1]
+            halfway += int(((exact.view(torch.int32) & 0xFFFF) == 0x8000).sum())
+            want = exact.bfloat16()
+        assert halfway > 0
+        assert torch.isnan(got[3, 5]) and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+        got32 = kernel.combine_pairs(y.float(), mix)
+        want32 = y[:, 0].float() * mix[:, :1]
+        for j in range(1, k):
+            want32 = torch.addcmul(want32, y[:, j].float(), mix[:, j:j + 1])
+        assert torch.equal(torch.nan_to_num(got32), torch.nan_to_num(want32))
 
 
 def check_routed(kernel):

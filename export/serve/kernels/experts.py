@@ -17,12 +17,15 @@ GROUPED_MAX_ROWS = 16  # experts' mean rows up to which `expert_mlps` runs a lay
 
 def grouped_max_rows(x: torch.Tensor) -> int:
     """Experts' mean rows up to which `expert_mlps` runs a layer's experts over x's rows: GROUPED_MAX_ROWS (a decode
-    batch's), or any number for bf16 on a CPU with AMX (its experts of more rows than a pass of VDPBF16PS go to AMX
-    tiles that read the expert's weight as it is: a prefill too, in one call where oneDNN took two GEMMs and ~10
-    operators an expert). W8A8 experts of a prefill go one at a time through `w8a8_linear` (grouping them gained
-    nothing at 32 concurrent)."""
+    batch's), or any number for bf16 where oneDNN's GEMM is the slower way: on a CPU with AMX (its experts of more
+    rows than a pass of VDPBF16PS go to AMX tiles that read the expert's weight as it is: a prefill too, in one call
+    where oneDNN took two GEMMs and ~10 operators an expert), and on a build without bf16 products (AVX2, AVX-512
+    without AVX512_BF16), where oneDNN's bf16 GEMM widens its operands at a fraction of the fp32 FMA rate while the
+    few-row kernels widen each weight vector once for 8 rows (benchmarks/moe_layer_bench.py, 2048 rows). W8A8 experts
+    of a prefill go one at a time through `w8a8_linear` (grouping them gained nothing at 32 concurrent)."""
     k = kernel()
-    if k is not None and hasattr(k, "amx_ready") and x.dtype == torch.bfloat16 and k.amx_ready():
+    if k is not None and x.dtype == torch.bfloat16 and (
+            (hasattr(k, "amx_ready") and k.amx_ready()) or not getattr(k, "BF16_PRODUCTS", True)):
         return 1 << 40
     return GROUPED_MAX_ROWS
 
@@ -31,7 +34,7 @@ def grouped_max_rows(x: torch.Tensor) -> int:
 def grouped_experts(x: torch.Tensor, counts: list[int]) -> bool:
     """Whether `expert_mlps` runs these experts: the kernel is here, x is on the CPU in its dtype, and the experts
     have few rows each (a decode batch's; a prefill's go one expert at a time to oneDNN's GEMM), or any number in
-    bf16 where the kernel has AMX (`grouped_max_rows`)."""
+    bf16 where oneDNN's GEMM is the slower way (AMX; no bf16 products: `grouped_max_rows`)."""
     return kernel_has("expert_mlps", x) and bool(counts) and sum(counts) <= grouped_max_rows(x) * len(counts)
 
 
@@ -46,7 +49,7 @@ def expert_mlps(x: torch.Tensor, counts: list[int], weights: list[tuple], swiglu
 def local_layer(x: torch.Tensor, wg: torch.Tensor, top_k: int) -> bool:
     """Whether `routed_layer` runs an MoE layer over these tokens: the kernel is here, x is on the CPU in its
     dtype, the gate fp32, and the batch a decode batch's (a prefill's tokens go one expert at a time to oneDNN) or
-    any batch in bf16 where the kernel has AMX (`grouped_max_rows`)."""
+    any batch in bf16 where oneDNN's GEMM is the slower way (`grouped_max_rows`)."""
     return (kernel_has("routed_experts", x) and 0 < x.shape[0] and wg.dtype == torch.float32
             and x.shape[0] * top_k <= grouped_max_rows(x) * wg.shape[0])
 

@@ -27,7 +27,8 @@ THRESHOLDS = {
                      "tiles (more: oneDNN's GEMM, as fast some hundreds of rows on)"),
     "VNNI_MAX_ROWS": (None, "VNNI_MAX_ROWS", "rows the int8 x int8 head screen takes in one pass"),
     "GROUPED_MAX_ROWS": (experts, "GROUPED_MAX_ROWS", "experts' mean rows up to which a layer's experts run in one "
-                         "kernel call (more: one GEMM an expert, oneDNN's)"),
+                         "kernel call (more: one GEMM an expert, oneDNN's); any number in bf16 on AMX, or on a build "
+                         "without bf16 products, where oneDNN's bf16 GEMM is the slower way"),
     "DEQUANTIZE_ABOVE": (quantized, "DEQUANTIZE_ABOVE", "rows above which a quantised weight is dequantised for one "
                          "oneDNN GEMM (the kernels read it MAX_ROWS rows a pass)"),
     "HeadScreen.GIVE_UP": (heads, "HeadScreen.GIVE_UP", "fallbacks to the whole layer after which a screen stops "

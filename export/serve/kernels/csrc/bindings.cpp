@@ -49,6 +49,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a decode token's q, k, v split into heads, q and k normalised (qk_norm) and rotated (RoPE), as pipeline/model.py",
         nogil);
   m.attr("MAX_ROWS") = MAX_ROWS;
+  // whether this build multiplies bf16 as it is (VDPBF16PS); without, the kernels widen bf16 to fp32
+#if defined(__AVX512BF16__)
+  m.attr("BF16_PRODUCTS") = true;
+#else
+  m.attr("BF16_PRODUCTS") = false;
+#endif
 #if defined(__AVX512VNNI__)
   m.def("vnni_pack", &vnni_pack, "an int8 [out, in] weight in tiles of 64 outputs for screen_argmax_vnni");
   m.def("screen_argmax_i4", &screen_argmax_i4,

@@ -334,28 +334,52 @@ static void rows_i4_dp_any(int64_t M, const uint8_t* q, const float* scale, cons
 }
 #endif
 
-// Any CPU: x in fp32, each group's 64-input chunks unpacked to floats, FMAs, the group's sum times its scale.
+// Any CPU: x in fp32; each 64-input chunk's 32 bytes unpacked VW at a time to floats (`vnibbles`: the low nibbles
+// are inputs j, the high ones 32 + j), each unpacked vector multiplied with every input row's; P independent sums per
+// row and half (a chunk's VW-steps in turn), so that one row's FMAs do not wait on each other; a group's sums times its
+// scale into each row's total.
+template <int M, typename Out>
+static void rows_i4(const uint8_t* q, const float* scale, const float* x, int64_t I, int64_t group, int64_t o0,
+                    int64_t o1, const Out& out) {
+  constexpr int STEPS = 32 / VW;                  // VW-steps in a chunk's 32 bytes
+  constexpr int P = M == 1 ? STEPS : M == 2 ? (STEPS > 2 ? 2 : STEPS) : 1;
+  const int64_t G = I / group, chunks = group / 64;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* qr = q + o * (I / 2);
+    const float* sr = scale + o * G;
+    vf total[M];
+    for (int m = 0; m < M; ++m) total[m] = vzero();
+    for (int64_t g = 0; g < G; ++g) {
+      vf lo_sum[M][P], hi_sum[M][P];
+      for (int m = 0; m < M; ++m)
+        for (int p = 0; p < P; ++p) lo_sum[m][p] = hi_sum[m][p] = vzero();
+      for (int64_t c = g * chunks; c < (g + 1) * chunks; ++c) {
+        const uint8_t* qc = qr + c * 32;
+        if (c % 2 == 0) ahead(qc);
+        for (int st = 0; st < STEPS; ++st) {
+          vf lo, hi;
+          vnibbles(qc + st * VW, lo, hi);
+          for (int m = 0; m < M; ++m) {
+            const float* xm = x + m * I + c * 64 + st * VW;
+            lo_sum[m][st % P] = vfma(lo, vload(xm), lo_sum[m][st % P]);
+            hi_sum[m][st % P] = vfma(hi, vload(xm + 32), hi_sum[m][st % P]);
+          }
+        }
+      }
+      const vf sg = vset(sr[g]);
+      for (int m = 0; m < M; ++m) {
+        vf v = lo_sum[m][0] + hi_sum[m][0];
+        for (int p = 1; p < P; ++p) v = v + lo_sum[m][p] + hi_sum[m][p];
+        total[m] = vfma(v, sg, total[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) out(m, o, vsum(total[m]));
+  }
+}
+
+// M (1 to MAX_ROWS) input rows: rows_i4 instantiated for that many.
 template <typename Out>
 static void rows_i4_any(int64_t M, const uint8_t* q, const float* scale, const float* x, int64_t I, int64_t group,
                         int64_t o0, int64_t o1, const Out& out) {
-  const int64_t G = I / group;
-  alignas(64) float w[64];
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* qr = q + o * (I / 2);
-    float total[MAX_ROWS] = {};
-    for (int64_t g = 0; g < G; ++g) {
-      vf sums[MAX_ROWS];
-      for (int64_t m = 0; m < M; ++m) sums[m] = vzero();
-      for (int64_t c = g * group / 64; c < (g + 1) * group / 64; ++c) {
-        for (int j = 0; j < 32; ++j) {
-          w[j] = static_cast<float>((qr[c * 32 + j] & 0x0F) - 8);
-          w[32 + j] = static_cast<float>((qr[c * 32 + j] >> 4) - 8);
-        }
-        for (int i = 0; i < 64; i += VW)
-          for (int64_t m = 0; m < M; ++m) sums[m] = vfma(vload(w + i), vload(x + m * I + c * 64 + i), sums[m]);
-      }
-      for (int64_t m = 0; m < M; ++m) total[m] += vsum(sums[m]) * scale[o * G + g];
-    }
-    for (int64_t m = 0; m < M; ++m) out(m, o, total[m]);
-  }
+  for_rows(M, [&](auto m) { rows_i4<decltype(m)::value>(q, scale, x, I, group, o0, o1, out); });
 }

@@ -59,6 +59,14 @@ static void block_rows_i8(const int8_t* q, const float* scale, const W* x, const
   rows_any(M, q, xf, I, 0, n, out);
 }
 
+// A thread's room for at least n floats (x widened for the kernels), kept between calls: a task's own vector,
+// zeroed each time, cost as much as its expert's few rows on a decode batch's many small tasks
+static float* thread_scratch(size_t n) {
+  thread_local std::vector<float> room;
+  if (room.size() < n) room.resize(n);
+  return room.data();
+}
+
 struct Task {
   int64_t expert, o0, o1, cost;
 };
@@ -310,22 +318,24 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
       }
       return release();
     }
-    T g[MAX_ROWS * BLOCK], u[MAX_ROWS * BLOCK];
-    std::vector<float> scratch(MAX_ROWS * C);
+    alignas(64) T g[MAX_ROWS * BLOCK], u[MAX_ROWS * BLOCK];
+    float* scratch = thread_scratch(MAX_ROWS * C);
     for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
       const int64_t M = std::min(MAX_ROWS, start[t.expert + 1] - r);
-      fc(w1, s1, t.expert, t.o0, xp + r * C, b ? b + t.o0 : nullptr, g, M, C, BLOCK, n, scratch.data());
+      fc(w1, s1, t.expert, t.o0, xp + r * C, b ? b + t.o0 : nullptr, g, M, C, BLOCK, n, scratch);
       if (swiglu)
-        fc(w1, s1, t.expert, F + t.o0, xp + r * C, b ? b + F + t.o0 : nullptr, u, M, C, BLOCK, n, scratch.data());
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t o = 0; o < n; ++o) {
-          T* out = ap + (r + m) * F + t.o0 + o;
-          if (swiglu)  // as F.silu(gate) * up in this dtype: silu rounded, then the product rounded
-            *out = static_cast<T>(static_cast<float>(static_cast<T>(silu(static_cast<float>(g[m * BLOCK + o])))) *
-                                  static_cast<float>(u[m * BLOCK + o]));
-          else
-            *out = static_cast<T>(gelu(static_cast<float>(g[m * BLOCK + o])));
-        }
+        fc(w1, s1, t.expert, F + t.o0, xp + r * C, b ? b + F + t.o0 : nullptr, u, M, C, BLOCK, n, scratch);
+      for (int64_t m = 0; m < M; ++m) {
+        T* out = ap + (r + m) * F + t.o0;
+        const T* gm = g + m * BLOCK;
+        int64_t o = 0;
+        if (swiglu)  // as F.silu(gate) * up in this dtype: silu rounded, then the product rounded; VW at a time
+          for (; o + VW <= n; o += VW) vstore(out + o, vmul(vrounded<T>(vsilu(vload(gm + o))), vload(u + m * BLOCK + o)));
+        for (; o < n; ++o)
+          out[o] = swiglu ? static_cast<T>(static_cast<float>(static_cast<T>(silu(static_cast<float>(gm[o])))) *
+                                           static_cast<float>(u[m * BLOCK + o]))
+                          : static_cast<T>(gelu(static_cast<float>(gm[o])));
+      }
     }
   });
   tasks.clear();
@@ -352,11 +362,11 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
       }
       return release();
     }
-    std::vector<float> scratch(MAX_ROWS * F);
+    float* scratch = thread_scratch(MAX_ROWS * F);
     for (int64_t r = start[t.expert]; r < start[t.expert + 1]; r += MAX_ROWS) {
       const int64_t M = std::min(MAX_ROWS, start[t.expert + 1] - r);
       fc(w2, s2, t.expert, t.o0, ap + r * F, b ? b + t.o0 : nullptr, yp + r * C + t.o0, M, F, C, t.o1 - t.o0,
-         scratch.data());
+         scratch);
     }
   });
 }
@@ -523,8 +533,12 @@ static void combine(const T* y, const float* weights, const std::vector<int64_t>
       for (int64_t j = 0; j < k; ++j) {
         const T* yr = y + pair_row[s * k + j] * C;
         const float w = static_cast<float>(static_cast<T>(weights[s * k + j]));  // the weight in the output dtype
-        for (int64_t c = 0; c < C; ++c)  // as y0 * w0, then addcmul_: one rounding per choice
-          o[c] = static_cast<T>((j ? static_cast<float>(o[c]) : 0.0f) + static_cast<float>(yr[c]) * w);
+        const vf wv = vset(w);
+        int64_t c = 0;
+        for (; c + VW <= C; c += VW)  // as y0 * w0, then addcmul_: one rounding per choice
+          vstore(o + c, vfma(vload(yr + c), wv, j ? vload(o + c) : vzero()));
+        for (; c < C; ++c)
+          o[c] = static_cast<T>(std::fma(static_cast<float>(yr[c]), w, j ? static_cast<float>(o[c]) : 0.0f));
       }
     }
   });
