@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import decode_bandwidth  # noqa: E402
 import ep_scale_model  # noqa: E402
 import int8_kernels  # noqa: E402
+import moe_layer_bench  # noqa: E402,F401
 
 TINY = ["model.hidden=64", "model.heads=4", "model.experts=[2, 4]", "data.seq_len=128"]
 
@@ -272,3 +273,32 @@ def test_the_peer_race_target_is_met_only_where_ours_and_a_peer_both_ran():
         "concurrency 1: not measured (no peer ran)"]
     assert peer_bench.verdict({"ours": None, "llama": {1: {"tok_s": 1.0}}}, [1]) == [
         "concurrency 1: not measured (ours did not run)"]
+
+
+def test_moe_layer_bench_times_the_placed_layer_and_counts_what_each_format_reads(tmp_path, monkeypatch):
+    """benchmarks/moe_layer_bench.py on a tiny shape: the served MoE layer (PlacedMoE) timed in bf16 and int4, the
+    bytes each call reads (every expert with a token, in its own format: int4 a quarter of bf16 plus its scales),
+    the flops, and the targets' verdicts."""
+    import moe_layer_bench
+
+    monkeypatch.setitem(moe_layer_bench.SHAPES, "tiny", dict(hidden=128, experts=8, width=128, top_k=2))
+    monkeypatch.setattr(moe_layer_bench, "COLD_BYTES", 3 * 8 * 3 * 128 * 128 * 2)  # three layers
+    cfg, src = moe_layer_bench.layer_dir("tiny", tmp_path)
+    assert cfg.layers == 3 and cfg.experts == (8, 8, 8) and cfg.top_k == 2
+    bf16 = {r["rows"]: r for r in moe_layer_bench.measure(cfg, src, "bf16", [1, 16], budget_s=0.05)}
+    int4 = {r["rows"]: r for r in moe_layer_bench.measure(cfg, src, "int4", [1, 16], budget_s=0.05)}
+    gate = 8 * 128 * 4
+    for rows, r in bf16.items():
+        assert 1 <= r["active_experts"] <= 8 and r["calls"] >= 3 and 0 < r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["bytes"] == pytest.approx(r["active_experts"] * 3 * 128 * 128 * 2 + gate)
+        assert r["flops"] == 2 * rows * 2 * 3 * 128 * 128 + 2 * rows * 128 * 8
+    assert bf16[1]["active_experts"] == 2
+    per_expert_int4 = (int4[1]["bytes"] - gate) / int4[1]["active_experts"]
+    # packed nibbles (a quarter of bf16's bytes) and one fp32 scale per 128 inputs of a row
+    assert per_expert_int4 == 3 * 128 * 128 / 2 + (2 * 128 + 128) * 4
+    cell = {"rows": 1, "bw_fraction": 0.5, "bound_fraction": 0.5}
+    assert "85%" in moe_layer_bench.verdict(cell) and moe_layer_bench.verdict({**cell, "bw_fraction": 0.9}) is None
+    assert moe_layer_bench.verdict({"rows": 32, "bw_fraction": 0.1, "bound_fraction": 0.4}) is not None
+    assert moe_layer_bench.verdict({"rows": 8, "bw_fraction": 0.1, "bound_fraction": 0.1}) is None  # no target at 8
+    assert moe_layer_bench.peak_for("AVX2", "bf16", {"fp32": 100, "bf16": None, "int8": None}) == ("fp32", 100)
+    assert moe_layer_bench.peak_for("AVX512_BF16", "w8a8", {"fp32": 100, "bf16": 200, "int8": 400}) == ("int8", 400)
