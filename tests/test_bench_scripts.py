@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import decode_bandwidth  # noqa: E402
 import ep_scale_model  # noqa: E402
 import int8_kernels  # noqa: E402
-import moe_layer_bench  # noqa: E402,F401
+import moe_layer_bench  # noqa: E402
 
 TINY = ["model.hidden=64", "model.heads=4", "model.experts=[2, 4]", "data.seq_len=128"]
 
@@ -279,8 +279,6 @@ def test_moe_layer_bench_times_the_placed_layer_and_counts_what_each_format_read
     """benchmarks/moe_layer_bench.py on a tiny shape: the served MoE layer (PlacedMoE) timed in bf16 and int4, the
     bytes each call reads (every expert with a token, in its own format: int4 a quarter of bf16 plus its scales),
     the flops, and the targets' verdicts."""
-    import moe_layer_bench
-
     monkeypatch.setitem(moe_layer_bench.SHAPES, "tiny", dict(hidden=128, experts=8, width=128, top_k=2))
     monkeypatch.setattr(moe_layer_bench, "COLD_BYTES", 3 * 8 * 3 * 128 * 128 * 2)  # three layers
     cfg, src = moe_layer_bench.layer_dir("tiny", tmp_path)
