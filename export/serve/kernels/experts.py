@@ -25,7 +25,7 @@ def grouped_max_rows(x: torch.Tensor) -> int:
     of a prefill go one at a time through `w8a8_linear` (grouping them gained nothing at 32 concurrent)."""
     k = kernel()
     if k is not None and x.dtype == torch.bfloat16 and (
-            (hasattr(k, "amx_ready") and k.amx_ready()) or not getattr(k, "BF16_PRODUCTS", True)):
+            (hasattr(k, "amx_ready") and k.amx_ready()) or not k.BF16_PRODUCTS):
         return 1 << 40
     return GROUPED_MAX_ROWS
 

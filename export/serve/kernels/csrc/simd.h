@@ -51,14 +51,17 @@ static inline vf vload_n(const float* p, int64_t n) {  // the first n (<= VW) fl
 }
 static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vminv(vf a, vf b) { return _mm512_min_ps(a, b); }
-// VW floats rounded to bf16 as c10::BFloat16 rounds (to nearest even; a NaN to the quiet NaN 0x7FC0), stored
-static inline void vstore(c10::BFloat16* p, vf v) {
+// each lane's bf16 bits (in its low half) as c10::BFloat16 rounds: to nearest even, a NaN to the quiet NaN 0x7FC0
+static inline __m512i vbf16_bits(vf v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
 }
+static inline void vstore(c10::BFloat16* p, vf v) {  // VW floats rounded to bf16, stored
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(vbf16_bits(v)));
+}
+static inline vf vround_bf16(vf v) { return _mm512_castsi512_ps(_mm512_slli_epi32(vbf16_bits(v), 16)); }
 // VW packed int4 values (pipeline/quantize.py `pack_int4`: a byte's low nibble and its high one, each the value + 8)
 // from VW bytes at p: (low nibbles - 8, high nibbles - 8) as floats, exact
 static inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
@@ -106,14 +109,18 @@ static inline vf vload_n(const float* p, int64_t n) {
 }
 static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vminv(vf a, vf b) { return _mm256_min_ps(a, b); }
-static inline void vstore(c10::BFloat16* p, vf v) {
+static inline __m256i vbf16_bits(vf v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+static inline void vstore(c10::BFloat16* p, vf v) {
+  const __m256i r = vbf16_bits(v);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
+static inline vf vround_bf16(vf v) { return _mm256_castsi256_ps(_mm256_slli_epi32(vbf16_bits(v), 16)); }
 static inline void vnibbles(const uint8_t* p, vf& lo, vf& hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   const __m256i f = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
@@ -239,16 +246,13 @@ static inline vf vexp(vf x) {
 // silu(g) = g / (1 + exp(-g)) on VW lanes, exp as `vexp` (~1 ulp; -g clamped to [-87, 88], where silu is g or ~0)
 static inline vf vsilu(vf g) { return vdiv(g, vfma(vexp(vminv(vzero() - g, vset(88.0f))), vset(1.0f), vset(1.0f))); }
 
-// v rounded to T (bf16: to nearest even, as c10::BFloat16; fp32: itself), back as floats: what storing and loading
-// it again would give
+// v rounded to T (bf16: to nearest even, as c10::BFloat16; fp32: itself), back as floats, in registers
 template <typename T>
 static inline vf vrounded(vf v) {
   if constexpr (std::is_same<T, float>::value) {
     return v;
   } else {
-    alignas(64) c10::BFloat16 tmp[VW];
-    vstore(tmp, v);
-    return vload(tmp);
+    return vround_bf16(v);
   }
 }
 

@@ -27,7 +27,7 @@ void adopt_storage(const at::Tensor& owner, const at::Tensor& mapping, int64_t o
 // however long they take. Where the ranks share a few cores with the server's other threads and its clients, a rank
 // that arrives first then holds a core the rank it waits for needs (2 ranks of expert-parallel serving on 2 cores under
 // 32 clients spent half of the follower's busy time spinning, py-spy showed). This one spins ~50 us, then yields the
-// core between looks (sched_yield). Every rank maps one region (export/serve/kernels/mapping.py
+// core between looks (sched_yield). Every rank maps one region (export/serve/transport.py
 // `attach_local_reduce`): a counter a rank, then two slots a rank. A call writes this rank's tensor (a slot's bytes at
 // a time) into its slot of the call's parity, raises its counter to the call's number, waits for every other counter to
 // reach it, then sums the slots in rank order (the same bits on every rank; bf16 and fp16 through torch's add, as many
