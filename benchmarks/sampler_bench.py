@@ -16,7 +16,9 @@ in random order each repeat (a shared machine's drift falls on all of them alike
   - kernel: the same through csrc/sampling.cpp (the serving path on the CPU).
 And a step of rows that sample among their top_k 40 with penalties (llama-server's default top_k), whole: the head's
 read and the kernel's sampling; screen: the head's int8 screen's candidates computed exactly (`HeadScreen.topk`,
-the same distribution) and the same sampling.
+the same distribution) and the same sampling. And a step of rows sampled at temperature 0.8 alone, whole: the
+head's read and the kernel's draw; screen: `HeadScreen.sample` (the same tokens, from the int8 screen and the few
+exact logits its bounds need).
 Beside them: the output layer's read (`linear` of the rows' hidden states [rows, 1024] through a bf16 head [vocab,
 1024] served as `ServingLinear` serves one: the few-row kernel, AMX or oneDNN's packed copy as the row count picks),
 and the machine's read bandwidth.
@@ -115,6 +117,18 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
         got = screen.topk(hidden, [40] * rows, [s.edited(None) for s in topk])
         return whole_topk() if got is None else sample_batch(topk, sparse_logits(*got, vocab))
 
+    # rows sampled at temperature 0.8 alone: the whole head and the kernel's draw, or the screen's draw
+    drawn = [Sampler.of(Sampling(0.8, seed=i), vocab) for i in range(rows)]
+
+    def whole_draw():
+        return sample_batch(drawn, kernels.linear(hidden, head))
+
+    def screen_draw():
+        got = screen.sample(hidden, [0.8] * rows, [1.0] * rows, [0.0] * rows, [s.seed for s in drawn], [0] * rows)
+        if got is None or min(got) < 0:
+            raise RuntimeError(f"the screen could not draw {rows} rows at temperature 0.8: {got}")
+        return got
+
     calls = {
         "head read": lambda: kernels.linear(hidden, head),
         "per-row sampled": lambda: per_row_sampler(logits, 0.8, 0.95, gens),
@@ -124,6 +138,9 @@ def measure(rows: int, vocab: int, repeats: int, rng: random.Random) -> dict:
         "kernel mixed": lambda: sample_batch(fresh["mixed"], logits),
         "head + top-k": whole_topk,
         "screen top-k": screen_topk if screen is not None else whole_topk,
+        "head + draw": whole_draw,
+        "screen draw": (screen_draw if screen is not None and rows <= min(screen.SAMPLE_ROWS, screen.rows)
+                        else whole_draw),
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
     for fn in calls.values():
@@ -183,19 +200,22 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     results, rows_out = {}, []
     names = ["head read", "per-row sampled", "reference sampled", "kernel sampled", "reference mixed", "kernel mixed",
-             "head + top-k", "screen top-k"]
-    print(f"\n{'rows':>4} {'vocab':>7} | " + " | ".join(f"{n:>17}" for n in names) + " | kernel/head sampled, mixed")
+             "head + top-k", "screen top-k", "head + draw", "screen draw"]
+    print(f"\n{'rows':>4} {'vocab':>7} | " + " | ".join(f"{n:>17}" for n in names)
+          + " | kernel/head sampled, mixed; screen/whole")
     for vocab in args.vocab:
         for rows in args.rows:
             ms = measure(rows, vocab, args.repeats, rng)
             med = {k: quartiles(v) for k, v in ms.items()}
             ratio = {k: med[f"kernel {k}"][1] / med["head read"][1] for k in ("sampled", "mixed")}
             screened = med["screen top-k"][1] / med["head + top-k"][1]
+            draw = med["screen draw"][1] / med["head + draw"][1]
             results[f"{rows}x{vocab}"] = {"ms": ms, "median_ms": {k: v[1] for k, v in med.items()}, "ratio": ratio,
-                                          "screened_topk_ratio": screened}
+                                          "screened_topk_ratio": screened, "screened_draw_ratio": draw}
             cells = [f"{med[n][1]:7.2f} ({med[n][0]:.2f}-{med[n][2]:.2f})" for n in names]
             print(f"{rows:>4} {vocab:>7} | " + " | ".join(f"{c:>17}" for c in cells) +
-                  f" | {ratio['sampled']:.2f}, {ratio['mixed']:.2f}; screen/whole top-k {screened:.2f}")
+                  f" | {ratio['sampled']:.2f}, {ratio['mixed']:.2f}; "
+                  f"screen/whole top-k {screened:.2f}, draw {draw:.2f}")
             rows_out.append((rows, vocab, ratio))
     print("\nms, median (interquartile range) of", args.repeats, "calls each, in random order")
     check = [r for rows, vocab, r in rows_out if rows == 32 and vocab == 50304]

@@ -146,6 +146,7 @@ def check_all(gemv):
     check_argmax(gemv)
     check_screen(gemv)
     check_screen_topk(gemv)
+    check_screen_sample(gemv)
     check_int8(gemv)
     check_int4(gemv)
     check_routed(gemv)
@@ -547,6 +548,48 @@ def check_screen_topk(kernel):
         x = torch.randn(1, I).to(dtype)
         x[0, 5] = float("nan")
         assert screen.topk(x, [3], [[]]) is None
+
+
+def check_screen_sample(kernel):
+    """HeadScreen.sample over this build's `screen_sample` (`screen_sample_vnni` where the build has AVX512_VNNI): every
+    sampled row it decides takes the token export/serve/sampling.py `sample_batch` draws from the few-row kernel's
+    logits with the same settings and seed (temperature, top_p, min_p); rows at temperature alone and rows of peaked
+    logits are always decided, flat logits under top_p may not be (-1: the caller's whole head); 1 to 32 rows (8
+    without VNNI), fp32 and bf16; a non-finite input gives None."""
+    from export.serve.kernels import HeadScreen, ServingWeight
+    from export.serve.sampling import Sampler, sample_batch
+    from export.serve.step import Sampling
+
+    torch.manual_seed(4)
+    O, I = 3000, 200
+    vnni = hasattr(kernel, "screen_sample_vnni")
+    for dtype in (torch.float32, torch.bfloat16):
+        for spread, peaked in ((0.05, False), (0.4, True)):  # logits' spread ~0.7 and ~5.7
+            w = (torch.randn(O, I) * spread).to(dtype)
+            served = ServingWeight(w)
+            served.gemv = kernel
+            screen = HeadScreen(served)
+            decided = 0
+            for M in [1, 2, 5, 8, *((13, 32) if vnni else ())]:
+                x = torch.randn(M, I).to(dtype)
+                settings = [Sampling([0.7, 1.0, 1.3][m % 3], top_p=[1.0, 0.95, 0.8, 0.5][m % 4],
+                                     min_p=[0.0, 0.0, 0.05][m % 3], seed=1000 * M + m) for m in range(M)]
+                samplers = [Sampler.of(s, O) for s in settings]
+                for s in samplers:
+                    s.sampled = 17
+                got = screen.sample(x, [s.temperature for s in settings], [s.top_p for s in settings],
+                                    [s.min_p for s in settings], [s.seed for s in samplers], [17] * M)
+                full = torch.cat([kernel.linear(x[i:i + kernel.MAX_ROWS], w, None)
+                                  for i in range(0, M, kernel.MAX_ROWS)])
+                want = [p["token"] for p in sample_batch(samplers, full)]
+                for m in range(M):
+                    assert got[m] in (want[m], -1), (dtype, spread, M, m)
+                    assert got[m] >= 0 or (not peaked and settings[m].top_p < 1)
+                    decided += got[m] >= 0
+            assert decided >= (61 if vnni else 16) * (1 if peaked else 0.5)
+        x = torch.randn(1, I).to(dtype)
+        x[0, 5] = float("nan")
+        assert screen.sample(x, [1.0], [1.0], [0.0], [1], [0]) is None
 
 
 def check_quantized_screen(kernel):

@@ -259,11 +259,12 @@ def test_a_seed_gives_the_same_tokens_in_any_batch_and_choices_share_the_prompt(
     assert all(len(c.generated) == 4 for c in children)
 
 
-def test_top_k_rows_and_edited_greedy_rows_take_the_same_tokens_through_the_head_s_screen():
+def test_sampled_rows_and_edited_greedy_rows_take_the_same_tokens_through_the_head_s_screen():
     """Served as `moe-pipeline serve` serves it (export/serve/kernels/swaps.py `serving_linears`: the output layer with
     its HeadScreen), rows that sample among their top_k and greedy rows with penalties or logit_bias take their logits'
-    candidates from the screen (`HeadScreen.topk`, none falling back) and the same tokens, seeded, as with the whole
-    output layer read; three requests decoded together and alone."""
+    candidates from the screen (`HeadScreen.topk`, none falling back), rows sampled at a temperature (and min_p) are
+    drawn from it (`HeadScreen.sample`, none falling back), rows under top_p where its bounds decide; all take the
+    same tokens, seeded, as with the whole output layer read; three requests decoded together and alone."""
     from export.serve.engine import Engine, generate
     from export.serve.kernels import kernel, serving_linears
     from export.serve.request import SamplingParams
@@ -283,14 +284,19 @@ def test_top_k_rows_and_edited_greedy_rows_take_the_same_tokens_through_the_head
     params = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=21, frequency_penalty=0.3,
                              presence_penalty=0.2),
               SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, logit_bias=[[11, 2.0]]),
-              SamplingParams(max_tokens=8, temperature=1.0, top_k=5, min_p=0.1, seed=3)]
+              SamplingParams(max_tokens=8, temperature=1.0, top_k=5, min_p=0.1, seed=3),
+              SamplingParams(max_tokens=8, temperature=0.8, seed=9),
+              SamplingParams(max_tokens=8, temperature=1.1, min_p=0.05, seed=10),
+              SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=11)]
 
     def run():
         together = [r.generated for p in params for r in generate(engine, prompts, p)]
         return together, [generate(engine, [prompts[1]], p)[0].generated for p in params]
 
     got = run()
-    assert screen.calls >= 3 * 8 and screen.fallbacks == 0
+    drawn = {key: tried for key, tried in screen.tried.items() if isinstance(key, tuple) and not key[2]}
+    assert screen.calls >= 6 * 8 and sum(calls for calls, _ in drawn.values()) >= 2 * 8
+    assert all(tried[1] == 0 for key, tried in screen.tried.items() if not (isinstance(key, tuple) and key[2]))
     model.lm_head.screen = None
     try:
         assert got == run()

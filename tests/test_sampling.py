@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from export.serve.sampling import Sampler, _edits, sample_batch, uniforms
+from export.serve.sampling import Sampler, _edits, gumbel_noise, sample_batch
 from export.serve.step import Sampling
 
 
@@ -101,13 +101,20 @@ def test_a_seed_gives_the_same_tokens_in_any_batch(fast):
     assert a == b and len(set(a)) > 1
 
 
-def test_uniforms_depend_on_seed_counter_and_attempt_alone():
-    u = uniforms([1, 1, 2, 1], [0, 1, 0, 0], 0)
-    assert u.dtype == torch.float64 and ((u >= 0) & (u < 1)).all()
-    assert u[0] == u[3] and len({float(u[0]), float(u[1]), float(u[2])}) == 3
-    assert uniforms([1], [0], 1)[0] != u[0]
-    big = uniforms(list(range(20000)), [5] * 20000)
-    assert abs(float(big.mean()) - 0.5) < 0.01  # uniform-looking
+def test_gumbel_numbers_depend_on_seed_counter_and_token_alone_and_the_kernel_makes_the_same():
+    g = gumbel_noise([1, 1, 2, 1], [0, 1, 0, 0], 4000)
+    assert g.dtype == torch.float32 and g.shape == (4, 4000) and torch.isfinite(g).all()
+    assert torch.equal(g[0], g[3]) and not torch.equal(g[0], g[1]) and not torch.equal(g[0], g[2])
+    assert torch.equal(gumbel_noise([1], [0], 10)[0], g[0, :10])  # a token's number does not depend on the width
+    big = gumbel_noise(list(range(50)), [5] * 50, 4000).double()
+    assert abs(float(big.mean()) - 0.5772) < 0.01 and abs(float(big.std()) - math.pi / math.sqrt(6)) < 0.01  # Gumbel
+    if kernel_built():
+        from export.serve import kernels
+
+        seeds = [1, 2**63 + 5, 7]
+        made = kernels.kernel().gumbel_rows(torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds]),
+                                            torch.tensor([0, 3, 9]), 4000)
+        assert (made - gumbel_noise(seeds, [0, 3, 9], 4000)).abs().max() < 1e-5  # polynomial logarithms there
 
 
 def vllm_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], s: Sampling) -> torch.Tensor:

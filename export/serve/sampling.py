@@ -11,10 +11,12 @@ As vLLM v1's `Sampler`, in this order: the processors that change the logits (`l
 a row: no full sort of the vocabulary (top-k by partial selection, top-p by exact rejection from the distribution,
 as FlashInfer's sorting-free sampler: draw, accept if the token is inside the nucleus, else draw again above it).
 
-Each draw is the inverse CDF at a uniform number that a counter-based hash makes of the request's seed and the
-number of tokens sampled before (`uniforms`): the same seed gives the same tokens in any batch, on any rank, after
-a preemption, and a request with no seed gets one drawn at admission (`Request.seed`). Every rank samples its own
-sequences: the sampled tokens travel back to rank 0, not the logits.
+Each draw is the Gumbel-max trick (vLLM's exponential race): the kept token with the largest logit / temperature +
+g[t], g a Gumbel number that a counter-based hash makes of the request's seed, the number of tokens sampled before
+and the token (`gumbel_noise`): the same seed gives the same tokens in any batch, on any rank, after a preemption,
+and a request with no seed gets one drawn at admission (`Request.seed`). A token's draw depends on its own logit
+alone, so the head's int8 screen can draw without most logits (export/serve/kernels/heads.py `HeadScreen.sample`).
+Every rank samples its own sequences: the sampled tokens travel back to rank 0, not the logits.
 """
 
 from __future__ import annotations
@@ -103,48 +105,53 @@ class Sampler:
 _M64 = (1 << 64) - 1
 
 
-def uniforms(seeds: list[int], counters: list[int], attempt: int = 0) -> torch.Tensor:
-    """One uniform number in [0, 1) per row, float64 [n]: splitmix64 of (seed, counter, attempt). A function of
-    those three alone, so a row's draw does not depend on the other rows of its batch."""
+def _splitmix(seeds: list[int], counters: list[int], index: np.ndarray) -> np.ndarray:
+    """splitmix64 of (seed, counter, index) [n, len(index)] uint64, as csrc/draws.h `splitmix`."""
     with np.errstate(over="ignore"):
-        z = (np.array(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-             + np.array(counters, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
-             + np.uint64((attempt * 0x8CB92BA72F3D8DD7 + 0x632BE59BD9B4E019) & _M64))  # (0, 0, 0) is not 0
+        z = (np.array(seeds, dtype=np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15)
+             + np.array(counters, dtype=np.uint64)[:, None] * np.uint64(0xD1B54A32D192ED03)
+             + index.astype(np.uint64)[None] * np.uint64(0x8CB92BA72F3D8DD7)
+             + np.uint64(0x632BE59BD9B4E019))  # so that (0, 0, 0) is not 0
         for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
             z = (z ^ (z >> np.uint64(shift))) * np.uint64(mult)
-        z ^= z >> np.uint64(31)
-    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)
+        return z ^ (z >> np.uint64(31))
 
 
-def _draw(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF: per row of weights p [n, V] (not normalized), the first token whose cumulative weight passes
-    u x the row's total ([n] long)."""
-    c = p.cumsum(-1)
-    total = c[:, -1:]
-    v = (u.to(c.dtype)[:, None] * total).minimum(torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(c, v, right=True).clamp_(max=p.shape[-1] - 1)[:, 0]
+def gumbel_noise(seeds: list[int], counters: list[int], V: int) -> torch.Tensor:
+    """The draws' Gumbel numbers [n, V] fp32: g[i, t] = -ln(-ln(u)), u = (2 k + 1) / 2^24 with k the top 23 bits of
+    splitmix64(seeds[i], counters[i], t). A function of those three alone, so a row's draw does not depend on the
+    other rows of its batch (csrc/draws.h `gumbel_row` is the same, its logarithms polynomial: they agree to ~1e-7)."""
+    k = (_splitmix(seeds, counters, np.arange(V)) >> np.uint64(41)).astype(np.int64)
+    u = torch.from_numpy(((2 * k + 1).astype(np.float32)) * np.float32(2.0 ** -24))
+    return -torch.log(-torch.log(u))
 
 
-def _top_p(p: torch.Tensor, top_p: torch.Tensor, seeds: list[int], counters: list[int]) -> torch.Tensor:
-    """One token per row of probabilities p [n, V] (each row sums to 1) from its nucleus: the smallest set of most
-    probable tokens whose mass reaches top_p [n]. Exact, with no sort: a draw is inside the nucleus iff the mass of
-    the tokens more probable than it is below top_p; a draw outside it means every token as improbable is outside
-    too, so the next draw is from the tokens above it alone (a rejection sampler whose accepted draw is distributed
-    as the nucleus, renormalized)."""
-    tokens = _draw(p, uniforms(seeds, counters))
+def _top_p(a: torch.Tensor, kept: torch.Tensor, g: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """One token per row of scaled logits a [n, V] from its nucleus among the `kept` tokens: the smallest set of the
+    largest whose weight exp(a - max) reaches top_p [n] of the kept total, drawn by the Gumbel-max trick with g [n,
+    V]. Exact, with no sort: the kept tokens' largest a + g is a draw from them; it is inside the nucleus iff the
+    weight above it is below top_p x the total; outside, every token as low is outside too, and the draw is made
+    again over the tokens above it alone (csrc/sampling.cpp `choose`)."""
+    key = torch.where(kept, a + g, float("-inf"))
+    tokens = key.argmax(-1)  # the first largest
     todo = torch.nonzero(top_p < 1.0).flatten()
-    attempt = 0
-    while todo.numel():
-        rows = p.index_select(0, todo)
-        pt = rows.gather(1, tokens[todo, None])  # [m, 1]
-        above = torch.where(rows > pt, rows, 0.0)
-        out = above.sum(-1) >= top_p[todo]  # outside the nucleus: draw again from above pt
+    if not todo.numel():
+        return tokens
+    w = torch.where(kept, torch.exp(a - a.amax(-1, keepdim=True)), 0.0).double()
+    total = w.sum(-1)
+    for _ in range(64):
+        at = a[todo].gather(1, tokens[todo, None])  # [m, 1]
+        above = a[todo] > at
+        out = torch.where(above, w[todo], 0.0).sum(-1) >= top_p[todo].double() * total[todo]
         if not bool(out.any()):
             break
         todo, above = todo[out], above[out]
-        attempt += 1
-        idx = todo.tolist()
-        tokens[todo] = _draw(above, uniforms([seeds[i] for i in idx], [counters[i] for i in idx], attempt))
+        redrawn = torch.where(kept[todo] & above, a[todo] + g[todo], float("-inf"))
+        found = redrawn.amax(-1) > float("-inf")
+        tokens[todo[found]] = redrawn[found].argmax(-1)
+        todo = todo[found]
+        if not todo.numel():
+            break
     return tokens
 
 
@@ -227,22 +234,25 @@ def _unpack(mask: torch.Tensor, V: int) -> torch.Tensor:
     return torch.from_numpy(bits[:, :V].astype(bool))
 
 
-def _temperature_and_cuts(x: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
-    """Probabilities [n, V] of logits x [n, V] (sampled rows) after temperature, min_p and top_k."""
-    setting = lambda name: torch.tensor([getattr(s.settings, name) for s in samplers], dtype=x.dtype)  # noqa: E731
-    x = x / setting("temperature")[:, None]
-    min_p = setting("min_p")
+def _scaled_and_cut(x: torch.Tensor, samplers: list[Sampler]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits x [n, V] (sampled rows) times 1 / temperature (in fp32, as csrc/sampling.cpp) and the tokens min_p and
+    top_k keep, in vLLM's order: a >= max + ln(min_p), then a >= the k-th largest -> (a, kept [n, V] bool)."""
+    inv_t = 1.0 / torch.tensor([s.settings.temperature for s in samplers], dtype=torch.float32)
+    a = x.float() * inv_t.to(x.device)[:, None]
+    a = a.masked_fill(a.isnan(), float("-inf"))
+    cut = torch.full((x.shape[0], 1), float("-inf"), device=x.device)
+    min_p = torch.tensor([s.settings.min_p for s in samplers], dtype=torch.float32)
     if bool((min_p > 0).any()):  # tokens less probable than min_p x the most probable one's (vLLM's order: first)
-        p = F.softmax(x, dim=-1)
-        x = x.masked_fill(p < min_p[:, None] * p.amax(-1, keepdim=True), float("-inf"))
+        m = a.amax(-1, keepdim=True)
+        at_p = m + torch.log(min_p.clamp(min=1e-38)).to(x.device)[:, None]
+        cut = torch.where((min_p > 0).to(x.device)[:, None], at_p, cut)
     top_k = torch.tensor([s.settings.top_k for s in samplers])
     top_k = torch.where((top_k <= 0) | (top_k > x.shape[1]), x.shape[1], top_k)
     if bool((top_k < x.shape[1]).any()):  # the k-th largest logit by partial selection, at the largest k asked
-        kth = x.topk(int(top_k[top_k < x.shape[1]].max()), dim=-1, sorted=True).values
-        cut = kth.gather(1, (top_k.clamp(max=kth.shape[1]) - 1)[:, None])
-        cut = torch.where(top_k[:, None] < x.shape[1], cut, float("-inf"))
-        x = x.masked_fill(x < cut, float("-inf"))
-    return F.softmax(x, dim=-1)
+        kth = a.topk(int(top_k[top_k < x.shape[1]].max()), dim=-1, sorted=True).values
+        at_k = kth.gather(1, (top_k.clamp(max=kth.shape[1]) - 1).to(x.device)[:, None])
+        cut = torch.where((top_k < x.shape[1]).to(x.device)[:, None], torch.maximum(cut, at_k), cut)
+    return a, (a >= cut) & (a > float("-inf"))
 
 
 def _reference(x: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
@@ -258,9 +268,12 @@ def _reference(x: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
     if drawn:
         d = _index(drawn)
         sub = [samplers[i] for i in drawn]
-        p = _temperature_and_cuts(x.index_select(0, d).float(), sub)
-        top_p = torch.tensor([s.settings.top_p for s in sub], dtype=p.dtype)
-        tokens[d] = _top_p(p, top_p, [s.seed for s in sub], [s.sampled for s in sub])
+        a, kept = _scaled_and_cut(x.index_select(0, d), sub)
+        noise = gumbel_noise([s.seed for s in sub], [s.sampled for s in sub], x.shape[1]).to(x.device)
+        top_p = torch.tensor([s.settings.top_p for s in sub], dtype=torch.float32, device=x.device)
+        picked = _top_p(a, kept, noise, top_p)
+        none = ~kept.any(-1)  # every token banned: token 0, as the kernel
+        tokens[d] = torch.where(none, 0, picked)
     return tokens
 
 

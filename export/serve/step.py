@@ -44,7 +44,7 @@ class Sampling:
     temperature: float
     top_p: float = 1.0
     logprobs: int | None = None  # top alternatives per token to return; None: no log-probabilities
-    seed: int | None = None  # the seed of the request's draws (export/serve/sampling.py `uniforms`); None: greedy
+    seed: int | None = None  # the seed of the request's draws (export/serve/sampling.py `gumbel_noise`); None: greedy
     top_k: int = 0  # 0 (or -1): every token
     min_p: float = 0.0
     presence_penalty: float = 0.0

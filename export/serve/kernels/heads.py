@@ -12,6 +12,7 @@ same for a head held quantised), and `argmax_rows`; csrc/heads.cpp.
 from __future__ import annotations
 
 
+import numpy as np
 import torch
 
 import export.serve.kernels.options as options
@@ -29,7 +30,7 @@ class _Tries:
     GIVE_UP = 8
 
     def _start(self) -> None:
-        self.tried: dict[int, list[int]] = {}  # row count -> [calls, fallbacks]
+        self.tried: dict = {}  # row count (or a kind of call and its row count) -> [calls, fallbacks]
         self.calls = self.fallbacks = 0  # screened calls, and those that read the whole layer after all
 
     def _try(self, n: int) -> bool:
@@ -72,9 +73,13 @@ class HeadScreen(_Tries):
     distribution, for the screen's bytes and one row of the layer a candidate: on a trained model's peaked logits a
     few dozen; the peer benchmark's random model's flat ones give ~1,000 for top_k 40, past TOPK_MOST at 32 rows).
 
+    `sample` draws sampled rows (temperature, min_p, top_p) the same way: the draw is the Gumbel-max trick
+    (csrc/draws.h), a token's chance of being drawn depends on its own logit, and the screen's bounds rule out all but
+    a few tokens; top_p's nucleus is decided from the bounds' sums where they allow (peaked logits), else that row
+    takes the whole head (flat logits: the peer benchmark's random model's rows, about half of them at top_p 0.95).
+
     Not for: a bias, a weight that is not finite, rows the head would send to AMX (`amx_linear`'s other sums), rows
-    that sample from the whole vocabulary (top_p, min_p alone: the nucleus needs every logit) or ask for
-    log-probabilities. A row count whose calls keep falling back (candidates past `most`:
+    that ask for log-probabilities. A row count whose calls keep falling back (candidates past `most`:
     flat logits) stops trying after GIVE_UP of them. `--no-head-screen`: none."""
 
     CHUNK = 4096  # output rows quantised at a time (a float64 copy of this many rows at most)
@@ -84,6 +89,7 @@ class HeadScreen(_Tries):
     # logits are flat; 1/16 of its outputs is 3,144), re-checked in ~0.3 ms where a fallback costs the whole layer
     MOST_PER_ROW = 1 / 4
     TOPK_MOST = 512  # `topk`: candidates a row may have at least, however many rows (the peer model's top_k 40: ~100)
+    SAMPLE_ROWS = 32  # `sample`: rows a call at most (it keeps 12 bytes a row a token: 19 MB at 32 x 50,304)
 
     def __init__(self, served: ServingWeight):
         w = served.weight
@@ -150,6 +156,37 @@ class HeadScreen(_Tries):
         else:
             out = self.gemv.screen_argmax(x.contiguous(), self.served.weight, self.q, self.scale, self.err, self.most)
         return self._result(n, out)
+
+    def sample(self, x: torch.Tensor, temperature: list[float], top_p: list[float], min_p: list[float],
+               seeds: list[int], counters: list[int]) -> list[int] | None:
+        """Each sampled row's token of hidden states x [n, C] (the head's dtype): the one export/serve/sampling.py
+        `sample_batch` draws from the whole head's logits with these settings (temperature, top_p, min_p; no top_k,
+        nothing that edits the logits, no log-probabilities) and draw numbers (seeds, counters: uint64 and the
+        tokens sampled before), from the int8 copy and the few exact logits its bounds need (csrc/heads.cpp
+        `screened_sample`), or -1 for a row they cannot decide (top_p on flat logits: the caller runs the whole head
+        for it). None where the screen does not apply."""
+        n = x.shape[0]
+        if not self._fits(x) or n > self.SAMPLE_ROWS or not hasattr(self.gemv, "screen_sample"):
+            return None
+        key = ("sample", n, min(top_p) < 1)  # rows under top_p may keep needing the whole head (flat logits)
+        if not self._try(key):  # ... then they are not tried again; the others still are
+            return None
+        f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+        settings = (f32(temperature), f32(top_p), f32(min_p),
+                    torch.from_numpy(np.array(seeds, dtype=np.uint64).view(np.int64)),
+                    torch.tensor(counters, dtype=torch.long))
+        most = max(self.TOPK_MOST, self.most // n)
+        if self.vnni:
+            out = self.gemv.screen_sample_vnni(x.contiguous(), self.served.weight, self.int8.q, self.int8.scale,
+                                               self.err, self.err2, self.top, self.norm, most, *settings)
+        else:
+            out = self.gemv.screen_sample(x.contiguous(), self.served.weight, self.q, self.scale, self.err, most,
+                                          *settings)
+        tokens = out.tolist()
+        if not tokens or 2 * sum(t < 0 for t in tokens) > n:  # most rows undecided: a fallback
+            self.fallbacks += 1
+            self.tried[key][1] += 1
+        return tokens or None
 
     def topk(self, x: torch.Tensor, ks: list[int], edited: list[list[int]]):
         """The logits of the rows of hidden states x [n, C] that sample among their ks[i] largest (top_k; 1 for a

@@ -37,6 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1)", nogil);
   m.def("sample_rows", &sample_rows, "each asked row's token after temperature, min_p, top_k, top_p and one "
         "counter-based draw (csrc/sampling.cpp)", nogil);
+  m.def("gumbel_rows", &gumbel_rows, "the draws' Gumbel numbers [n, V] of (seed, counter) [n] (csrc/draws.h)", nogil);
+  m.def("screen_sample", &screen_sample,
+        "each sampled row's token from an int8 copy of w and the exact logits its bounds need, -1 where they cannot "
+        "decide (csrc/heads.cpp)", nogil);
   m.def("int8_linear", &int8_linear, "y = x @ (scale * q).T (+ bias) for int8 weights q, one scale a row", nogil);
   m.def("int4_linear", &int4_linear, "y = x @ w.T (+ bias) for int4 weights, two a byte, one scale a group of a row",
         nogil);
@@ -64,6 +68,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screen_argmax_vnni", &screen_argmax_vnni,
         "screen_argmax for up to VNNI_MAX_ROWS rows, its int8 pass on x rounded to int8 too (VPDPBUSD)", nogil);
   m.def("screen_topk_vnni", &screen_topk_vnni, "screen_topk for up to VNNI_MAX_ROWS rows, as screen_argmax_vnni",
+        nogil);
+  m.def("screen_sample_vnni", &screen_sample_vnni, "screen_sample for up to VNNI_MAX_ROWS rows, as screen_argmax_vnni",
         nogil);
   m.attr("VNNI_MAX_ROWS") = VNNI_MAX_ROWS;
   m.def("w8a8_linear", &w8a8_linear,

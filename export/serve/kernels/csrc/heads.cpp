@@ -1,6 +1,7 @@
 // The output layer's greedy rows: each row's argmax (`argmax_rows`), and the argmax or top-k candidates read from an
 // int8 copy of the layer plus the exact rows its error bound cannot rule out (`screen_argmax`, `screen_topk`, and
 // their int8 x int8 forms); a quantised layer's screened the same way (`screen_argmax_i4`, `screen_argmax_i8`).
+#include "draws.h"
 #include "gemv.h"
 #include "kernels.h"
 #include "vnni.h"
@@ -312,6 +313,303 @@ static std::vector<at::Tensor> screened_topk(const at::Tensor& x, const at::Tens
   return {offsets, tokens, logits};
 }
 
+// -- sampled rows, screened ----------------------------------------------------------------------------------------
+//
+// A sampled row's token, the one csrc/sampling.cpp `choose` draws from the whole layer's logits (temperature, min_p,
+// top_p, the Gumbel-max draw of csrc/draws.h), from the screen's sums and bounds and the few exact logits they cannot
+// do without. Every token's scaled logit a (as the sampler computes it: `linear`'s value times 1 / t) lies in
+// [lo, hi]: the screen's bound, widened by the rounding to w's dtype (2^-7 relative, above its 2^-8), then times 1 / t
+// (rounding is monotone, so bounds stay bounds). A token is computed exactly (`candidate_logits`: `linear`'s bits),
+// after which its lo = hi = a, only where the bounds cannot decide:
+//  - the maximum m (min_p's cut, top_p's weights): the tokens whose hi reaches the largest lo;
+//  - the draw over the tokens with a >= cut and a > above: the largest lo + g over the tokens surely in is a floor,
+//    and only a token maybe in whose hi + g reaches it can be drawn (a few: the largest Gumbel numbers of a row are
+//    ~1 apart, the bounds' width a fraction of that);
+//  - top_p: the weight exp(a - m) above the drawn token and the kept total, each between the sums over the tokens
+//    surely and maybe counted of exp(lo - m) and exp(hi - m); decided where those intervals, widened by 1e-4 for the
+//    sampler's own roundings, do not straddle top_p x total (undecided: the 64, then 512 tokens not yet exact whose
+//    bounds' weights differ most, computed where they hold half the difference or more, and the test made again);
+//    outside, the draw is made again above the token.
+// A row they cannot decide (top_p on flat logits: the nucleus's edge then needs nearly every logit) is -1: the caller
+// runs the whole head for it and samples it with the same numbers, drawing the token this would have.
+namespace {
+struct ScreenedDraw {
+  int phase = 0;  // 0 the maximum, 1 the draw, 2 top_p's test, 3 drawn, 4 the whole head
+  float m = 0, cut = -INFINITY, above = -INFINITY;
+  int64_t token = -1;
+  int redraws = 0, tightened = 0;
+};
+constexpr int SCREEN_REDRAWS = 2;  // top_p's redraws tried from the bounds; past them, the whole head
+constexpr int SCREEN_TIGHTEN = 2;  // top_p undecided: the 64, then 512 heaviest tokens not yet exact, computed
+constexpr int SCREEN_STAGES = 8;   // exact computations a call at most (each one `candidate_logits` for every row)
+}  // namespace
+
+static float row_top(const float* v, int64_t O) {  // max of v [O], in lanes (vectorized)
+  constexpr int L = 16;
+  float lanes[L];
+  for (int j = 0; j < L; ++j) lanes[j] = -INFINITY;
+  int64_t o = 0;
+  for (; o + L <= O; o += L)
+    for (int j = 0; j < L; ++j) lanes[j] = v[o + j] > lanes[j] ? v[o + j] : lanes[j];
+  float top = -INFINITY;
+  for (int j = 0; j < L; ++j) top = std::max(top, lanes[j]);
+  for (; o < O; ++o) top = std::max(top, v[o]);
+  return top;
+}
+
+// The tokens of one row that may be the largest a + g over a >= cut, a > above (`known`: computed, skipped), with
+// the floor (the largest lo + g of the tokens surely in) -> best.
+static void draw_candidates(const float* lo, const float* hi, const float* g, const uint8_t* known, int64_t O,
+                            float cut, float above, std::vector<int64_t>& out, float& best) {
+  const float over = std::nextafter(above, INFINITY);  // a > above iff a >= over
+  constexpr int L = 16;  // lanes: a float reduction the compiler vectorizes (it keeps a single sum's order)
+  float lanes[L];
+  for (int j = 0; j < L; ++j) lanes[j] = -INFINITY;
+  int64_t o = 0;
+  for (; o + L <= O; o += L)
+    for (int j = 0; j < L; ++j) {
+      const float v = lo[o + j] >= cut && lo[o + j] >= over ? lo[o + j] + g[o + j] : -INFINITY;
+      lanes[j] = v > lanes[j] ? v : lanes[j];
+    }
+  float b = -INFINITY;
+  for (int j = 0; j < L; ++j) b = std::max(b, lanes[j]);
+  for (; o < O; ++o) b = std::max(b, lo[o] >= cut && lo[o] >= over ? lo[o] + g[o] : -INFINITY);
+  best = b;
+  const vf vb = vset(b), vc = vset(cut), va = vset(over);
+  for (o = 0; o + VW <= O; o += VW) {
+    const vf h = vload(hi + o);
+    for (unsigned bits = vge(h + vload(g + o), vb) & vge(h, vc) & vge(h, va); bits; bits &= bits - 1)
+      if (!known[o + __builtin_ctz(bits)]) out.push_back(o + __builtin_ctz(bits));
+  }
+  for (; o < O; ++o)
+    if (hi[o] + g[o] >= b && hi[o] >= cut && hi[o] >= over && !known[o]) out.push_back(o);
+}
+
+// top_p's test of a drawn token at a (exact) with maximum m: 1 inside the nucleus, -1 outside, 0 undecided
+static int nucleus_test(const float* lo, const float* hi, int64_t O, float m, float cut, float a, float top_p) {
+  constexpr int L = 16;  // lanes (vectorized), summed in double a block
+  double z_lo = 0, z_hi = 0, h_lo = 0, h_hi = 0;
+  for (int64_t b = 0; b < O; b += 256) {
+    const int64_t e = std::min(O, b + 256);
+    float zl[L] = {0}, zh[L] = {0}, hl[L] = {0}, hh[L] = {0};
+    int64_t o = b;
+    for (; o + L <= e; o += L)
+      for (int j = 0; j < L; ++j) {
+        const float l = lo[o + j], h = hi[o + j];
+        const float wl = draws::exp_clamped(l - m), wh = draws::exp_clamped(h - m);
+        zl[j] += l >= cut ? wl : 0.0f;
+        zh[j] += h >= cut ? wh : 0.0f;
+        hl[j] += l > a ? wl : 0.0f;
+        hh[j] += h > a ? wh : 0.0f;
+      }
+    for (int j = 0; j < L; ++j) z_lo += zl[j], z_hi += zh[j], h_lo += hl[j], h_hi += hh[j];
+    for (; o < e; ++o) {
+      const float wl = draws::exp_clamped(lo[o] - m), wh = draws::exp_clamped(hi[o] - m);
+      z_lo += lo[o] >= cut ? wl : 0.0f;
+      z_hi += hi[o] >= cut ? wh : 0.0f;
+      h_lo += lo[o] > a ? wl : 0.0f;
+      h_hi += hi[o] > a ? wh : 0.0f;
+    }
+  }
+  const double p = top_p, slack = 1e-4;
+  if (h_hi * (1 + slack) < p * z_lo * (1 - slack)) return 1;
+  if (h_lo * (1 - slack) > p * z_hi * (1 + slack)) return -1;
+  return 0;
+}
+
+// The screens' second half for sampled rows (above): temperature, top_p, min_p fp32 [M], seed, counter int64 [M]
+// (the draw's hash, as sample_rows takes them); `most`: a row's exact logits a stage at most -> tokens [M] int64, -1
+// where a row needs the whole head; or an empty tensor where a logit is NaN.
+template <typename RowBound>
+static at::Tensor screened_sample(const at::Tensor& x, const at::Tensor& w, const float* y, int64_t O, int64_t most,
+                                  RowBound row_bound, const at::Tensor& temperature, const at::Tensor& top_p,
+                                  const at::Tensor& min_p, const at::Tensor& seed, const at::Tensor& counter) {
+  const int64_t M = x.size(0);
+  for (const at::Tensor* t : {&temperature, &top_p, &min_p})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == M && t->is_contiguous(), "screen_sample: fp32 [M]");
+  for (const at::Tensor* t : {&seed, &counter})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == M && t->is_contiguous(), "screen_sample: int64 [M]");
+  const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
+  const int64_t *sp = seed.data_ptr<int64_t>(), *cp = counter.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(tp[m] >= draws::GREEDY_BELOW && pp[m] > 0 && pp[m] <= 1 && mp[m] >= 0 && mp[m] <= 1,
+                "screen_sample: a sampled row (temperature >= ", draws::GREEDY_BELOW,
+                ", 0 < top_p <= 1, min_p in [0, 1])");
+  thread_local std::vector<float> room;  // kept between calls: a step's rows' worth
+  thread_local std::vector<uint8_t> known;
+  room.resize(static_cast<size_t>(4 * M * O));
+  known.assign(static_cast<size_t>(M * O), 0);
+  // lo, hi, g and top_p's gaps of every row (the workers see this thread's buffers through these pointers)
+  float *LO = room.data(), *HI = LO + M * O, *G = HI + M * O, *GAP = G + M * O;
+  uint8_t* KN = known.data();
+  const float tiny = 1e-30f;
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    alignas(64) float l[VW], h[VW];
+    for (int64_t m = r0; m < r1; ++m) {
+      const float inv_t = 1.0f / tp[m];
+      const auto bound = row_bound(m);
+      const vf vt = vset(tiny), vr = vset(0x1p-7f);
+      float *lo = LO + m * O, *hi = HI + m * O;
+      const vf vi = vset(inv_t);
+      for (int64_t o = 0; o < O; o += VW) {
+        const int64_t n = std::min<int64_t>(VW, O - o);
+        const vf v = vload_n(y + m * O + o, n), e = bound(o, v, n) + vt;
+        const vf vl = v - e, vh = v + e;
+        const vf sl = vmul(vl - vabs(vl) * vr, vi), sh = vmul(vh + vabs(vh) * vr, vi);  // as the sampler scales
+        if (n == VW) {
+          vstore(lo + o, sl);
+          vstore(hi + o, sh);
+        } else {
+          vstore(l, sl);
+          vstore(h, sh);
+          std::copy(l, l + n, lo + o);
+          std::copy(h, h + n, hi + o);
+        }
+      }
+      draws::gumbel_row(static_cast<uint64_t>(sp[m]), static_cast<uint64_t>(cp[m]), O, G + m * O);
+    }
+  });
+  std::vector<ScreenedDraw> st(M);
+  std::vector<std::vector<int64_t>> need(M);
+  // a row's steps until it needs exact logits (need[m] filled) or is decided
+  auto advance = [&](int64_t m) {
+    ScreenedDraw& d = st[m];
+    const float *lo = LO + m * O, *hi = HI + m * O, *g = G + m * O;
+    const uint8_t* kn = KN + m * O;
+    auto& want = need[m];
+    while (d.phase < 3) {
+      if (d.phase == 0) {
+        if (mp[m] <= 0 && pp[m] >= 1) {  // neither needs the maximum
+          d.phase = 1;
+          continue;
+        }
+        float top = row_top(lo, O);
+        const vf vtop = vset(top);
+        int64_t o = 0;
+        for (; o + VW <= O; o += VW)
+          for (unsigned bits = vge(vload(hi + o), vtop); bits; bits &= bits - 1)
+            if (!kn[o + __builtin_ctz(bits)]) want.push_back(o + __builtin_ctz(bits));
+        for (; o < O; ++o)
+          if (hi[o] >= top && !kn[o]) want.push_back(o);
+        if (!want.empty()) {  // the draw's candidates without a cut too, in the same stage (usually the answer)
+          float best;
+          draw_candidates(lo, hi, g, kn, O, -INFINITY, -INFINITY, want, best);
+          std::sort(want.begin(), want.end());
+          want.erase(std::unique(want.begin(), want.end()), want.end());
+          if (static_cast<int64_t>(want.size()) > most) d.phase = 4;
+          return;
+        }
+        d.m = top;  // every token that may reach the largest lo is exact: top is the maximum
+        if (mp[m] > 0) d.cut = d.m + std::log(mp[m]);
+        d.phase = 1;
+      } else if (d.phase == 1) {
+        float best;
+        draw_candidates(lo, hi, g, kn, O, d.cut, d.above, want, best);
+        if (static_cast<int64_t>(want.size()) > most) {
+          d.phase = 4;
+          return;
+        }
+        if (!want.empty()) return;
+        d.token = -1;
+        for (int64_t o = 0; o < O && d.token < 0; ++o)  // the first largest: every token that can reach it is exact
+          if (kn[o] && lo[o] >= d.cut && lo[o] > d.above && lo[o] + g[o] == best) d.token = o;
+        if (d.token < 0) {
+          d.phase = 4;
+          return;
+        }
+        d.phase = pp[m] >= 1.0f ? 3 : 2;
+      } else {
+        const int verdict = nucleus_test(lo, hi, O, d.m, d.cut, lo[d.token], pp[m]);
+        if (verdict > 0) {
+          d.phase = 3;
+        } else if (verdict < 0 && d.redraws < SCREEN_REDRAWS) {
+          ++d.redraws;
+          d.above = lo[d.token];
+          d.phase = 1;
+        } else if (verdict == 0 && d.tightened < SCREEN_TIGHTEN) {
+          // the sums' intervals are widest where the weight is: the tokens not yet exact whose bounds' weights differ
+          // most, computed, where they hold most of the difference (on flat logits they never do: the whole head)
+          const size_t k = static_cast<size_t>(std::min<int64_t>(most, int64_t(64) << (3 * d.tightened)));
+          ++d.tightened;
+          float* gaps = GAP + m * O;  // each token's difference (0 once exact)
+          double gap = 0;
+          float widest = 0;
+          {
+            constexpr int L = 16;
+            float sum[L] = {0}, top[L] = {0};
+            int64_t o = 0;
+            for (; o + L <= O; o += L)
+              for (int j = 0; j < L; ++j) {
+                const float l = lo[o + j], h = hi[o + j];
+                const float v = (h >= d.cut ? draws::exp_clamped(h - d.m) : 0.0f) -
+                                (l >= d.cut ? draws::exp_clamped(l - d.m) : 0.0f);
+                gaps[o + j] = v;
+                sum[j] += v;
+                top[j] = v > top[j] ? v : top[j];
+              }
+            for (int j = 0; j < L; ++j) gap += sum[j], widest = std::max(widest, top[j]);
+            for (; o < O; ++o) {
+              const float v = (hi[o] >= d.cut ? draws::exp_clamped(hi[o] - d.m) : 0.0f) -
+                              (lo[o] >= d.cut ? draws::exp_clamped(lo[o] - d.m) : 0.0f);
+              gaps[o] = v;
+              gap += v;
+              widest = std::max(widest, v);
+            }
+          }
+          if (!(static_cast<double>(widest) * k >= 0.5 * gap)) {  // k tokens cannot hold half of it
+            d.phase = 4;
+            return;
+          }
+          std::vector<std::pair<float, int64_t>> open;
+          const float least = static_cast<float>(0.5 * gap / (4.0 * k));  // below it, k of them hold little
+          for (int64_t o = 0; o < O; ++o)
+            if (gaps[o] > least && !kn[o]) open.emplace_back(gaps[o], o);
+          const size_t kk = std::min(k, open.size());
+          if (kk > 0) std::nth_element(open.begin(), open.begin() + (kk - 1), open.end(), std::greater<>());
+          double held = 0;
+          for (size_t j = 0; j < kk; ++j) held += open[j].first;
+          if (kk == 0 || held < 0.5 * gap) {
+            d.phase = 4;
+            return;
+          }
+          for (size_t j = 0; j < kk; ++j) want.push_back(open[j].second);
+          std::sort(want.begin(), want.end());
+          return;
+        } else {
+          d.phase = 4;
+          return;
+        }
+      }
+    }
+  };
+  for (int stage = 0; stage <= SCREEN_STAGES; ++stage) {
+    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t m = r0; m < r1; ++m)
+        if (st[m].phase < 3) advance(m);
+    });
+    bool any = false;
+    for (int64_t m = 0; m < M; ++m) {
+      if (st[m].phase == 4) need[m].clear();
+      any = any || !need[m].empty();
+    }
+    if (!any || stage == SCREEN_STAGES) break;
+    std::vector<std::vector<float>> vals(M);
+    if (!candidate_logits(x, w, need, vals)) return at::empty({0}, x.options().dtype(at::kLong));
+    for (int64_t m = 0; m < M; ++m) {
+      const float inv_t = 1.0f / tp[m];
+      for (size_t j = 0; j < need[m].size(); ++j) {
+        const int64_t o = need[m][j];
+        LO[m * O + o] = HI[m * O + o] = vals[m][j] * inv_t;  // as the sampler scales it
+        KN[m * O + o] = 1;
+      }
+      need[m].clear();
+    }
+  }
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  for (int64_t m = 0; m < M; ++m) out.data_ptr<int64_t>()[m] = st[m].phase == 3 ? st[m].token : -1;
+  return out;
+}
+
 // screen_argmax's checks and int8 pass: done(y, row_bound) with the approximate sums y [M, O] and each row's bound
 // (as `screened` takes them), or `none` where x is not finite.
 template <typename R, typename Done>
@@ -363,6 +661,17 @@ static R screen_pass(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     return [n1, errp](int64_t o, vf v, int64_t n) {
       return vfma(vload_n(errp + o, n), vset(n1), vmul(vabs(v), vset(0x1p-21f)));
     };
+  });
+}
+
+// screen_argmax's pass, then each sampled row's token (`screened_sample`), -1 where it needs the whole head
+at::Tensor screen_sample(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, const at::Tensor& scale,
+                         const at::Tensor& err, int64_t most, const at::Tensor& temperature, const at::Tensor& top_p,
+                         const at::Tensor& min_p, const at::Tensor& seed, const at::Tensor& counter) {
+  RECORD_FUNCTION("moe_pipeline::screen_sample", std::vector<c10::IValue>({x, q}));
+  const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
+  return screen_pass(x, w, q, scale, err, none, [&](const float* y, auto bound) {
+    return screened_sample(x, w, y, w.size(0), most, bound, temperature, top_p, min_p, seed, counter);
   });
 }
 
@@ -480,6 +789,20 @@ std::vector<at::Tensor> screen_topk_vnni(const at::Tensor& x, const at::Tensor& 
   return screen_pass_vnni(x, w, packed, scale, err1, err2, top, norm, std::vector<at::Tensor>{},
                           [&](const float* y, auto bound) {
                             return screened_topk(x, w, y, w.size(0), most, bound, ks, foff, ftok);
+                          });
+}
+
+// screen_argmax_vnni's pass, then screen_sample's draws.
+at::Tensor screen_sample_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
+                              const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
+                              const at::Tensor& top, const at::Tensor& norm, int64_t most,
+                              const at::Tensor& temperature, const at::Tensor& top_p, const at::Tensor& min_p,
+                              const at::Tensor& seed, const at::Tensor& counter) {
+  RECORD_FUNCTION("moe_pipeline::screen_sample_vnni", std::vector<c10::IValue>({x, packed}));
+  return screen_pass_vnni(x, w, packed, scale, err1, err2, top, norm, at::empty({0}, x.options().dtype(at::kLong)),
+                          [&](const float* y, auto bound) {
+                            return screened_sample(x, w, y, w.size(0), most, bound, temperature, top_p, min_p, seed,
+                                                   counter);
                           });
 }
 

@@ -124,7 +124,15 @@ at::Tensor screen_argmax(const at::Tensor& x, const at::Tensor& w, const at::Ten
 std::vector<at::Tensor> screen_topk(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q,
                                     const at::Tensor& scale, const at::Tensor& err, int64_t most, const at::Tensor& ks,
                                     const at::Tensor& foff, const at::Tensor& ftok);
+at::Tensor screen_sample(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, const at::Tensor& scale,
+                         const at::Tensor& err, int64_t most, const at::Tensor& temperature, const at::Tensor& top_p,
+                         const at::Tensor& min_p, const at::Tensor& seed, const at::Tensor& counter);
 #if defined(__AVX512VNNI__)
+at::Tensor screen_sample_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
+                              const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
+                              const at::Tensor& top, const at::Tensor& norm, int64_t most,
+                              const at::Tensor& temperature, const at::Tensor& top_p, const at::Tensor& min_p,
+                              const at::Tensor& seed, const at::Tensor& counter);
 at::Tensor screen_argmax_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
                               const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
                               const at::Tensor& top, const at::Tensor& norm, int64_t most);
@@ -150,3 +158,4 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& rows, const a
                        const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
                        const at::Tensor& seed, const at::Tensor& counter, const at::Tensor& offsets,
                        const at::Tensor& tokens, const at::Tensor& values, const at::Tensor& allowed);
+at::Tensor gumbel_rows(const at::Tensor& seed, const at::Tensor& counter, int64_t V);

@@ -2,14 +2,14 @@
 // with its row in cache, no sort of the vocabulary (export/serve/sampling.py says what each setting means and holds
 // the reference in tensor ops; this is its fast path, built into the same extension as the other kernels: kernels.h).
 //
-// A row of V logits s (divided by its temperature) is read once into a float buffer with its maximum m. min_p keeps
-// s >= m + log(min_p); top_k keeps s >= its k-th largest (a size-k heap over the row); both are thresholds on s, so
-// applying them in vLLM's order (min_p, then top_k) keeps s >= the larger one. The kept tokens get weights
-// w = exp(s - m), summed per block of BLOCK tokens. A draw is the inverse CDF at u x the total: a walk over the block
-// sums, then inside one block. top_p is exact rejection (FlashInfer's sorting-free top-p): a token is inside the
-// nucleus iff the weight of the tokens heavier than it is below top_p x the total; when the draw is outside, so is
-// every token as light, and the next draw is from the tokens heavier than it alone. u is splitmix64 of (the request's
-// seed, the tokens it sampled before, the attempt): the draw depends on the row alone, never on its batch.
+// A row of V logits a (divided by its temperature) is read once into a float buffer with its maximum m. min_p keeps
+// a >= m + log(min_p); top_k keeps a >= its k-th largest (a size-k heap over the row); both are thresholds on a, so
+// applying them in vLLM's order (min_p, then top_k) keeps a >= the larger one. The draw is the Gumbel-max trick
+// (csrc/draws.h): the kept token with the largest a + g[t]. top_p is exact rejection (as FlashInfer's sorting-free
+// top-p): a token is inside the nucleus iff the weight exp(a - m) of the tokens above it is below top_p x the kept
+// total; when the drawn one is outside, so is every token as low, and the draw is made again over the tokens above it
+// alone (their own a + g: the largest of them is a draw from them). The same choice, token for token, is what
+// csrc/heads.cpp `screen_sample` makes from the output layer's int8 copy and bounds: both are defined here.
 
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/Dispatch.h>
@@ -28,44 +28,12 @@
 #include <queue>
 #include <vector>
 
+#include "draws.h"
+
 namespace {
 
-constexpr float GREEDY_BELOW = 1e-5f;  // export/serve/request.py GREEDY_BELOW
-constexpr int64_t BLOCK = 256;         // tokens a block sum covers: the draw walks V / BLOCK sums, then one block
-constexpr int L = 16;                  // lanes of the loops below (one AVX-512 vector, two AVX2 ones)
-
-uint64_t splitmix(uint64_t seed, uint64_t counter, uint64_t attempt) {  // as sampling.py `uniforms`
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter * 0xD1B54A32D192ED03ull + attempt * 0x8CB92BA72F3D8DD7ull +
-               0x632BE59BD9B4E019ull;  // so that (0, 0, 0) does not hash to 0
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-double uniform(uint64_t seed, uint64_t counter, uint64_t attempt) {
-  return static_cast<double>(splitmix(seed, counter, attempt) >> 11) * 0x1.0p-53;
-}
-
-// exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n from the exponent bits), relative
-// error ~1e-7, in plain arithmetic the compiler vectorizes; 0 below -87 (and for -inf: a masked token weighs nothing).
-inline float exp_neg(float x0) {
-  const float keep = static_cast<float>(x0 >= -87.0f);  // 0 or 1: arithmetic, not a branch (vectorized)
-  const float x = std::max(x0, -87.0f);
-  const float magic = 12582912.0f;  // 1.5 x 2^23: adding and subtracting it rounds to the nearest integer
-  const float n = (x * 1.44269504088896341f + magic) - magic;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale * keep;
-}
+constexpr int L = 16;  // lanes of the loops below (one AVX-512 vector, two AVX2 ones)
+constexpr int REDRAWS = 64;  // top_p: draws past the first at most (each from tokens strictly above the last)
 
 float row_max(const float* s, int64_t V) {
   float lanes[L];
@@ -135,83 +103,56 @@ float kth_largest(const float* s, int64_t V, int64_t k, std::vector<float>& scra
   return heap.top();
 }
 
-// w = s >= cut ? exp(s - m) : 0 over [0, V) in place; the block sums of w; returns the total. Sums in L lanes (a
-// float sum in one accumulator is not vectorized: the compiler keeps its order).
-double weigh(float* s, int64_t V, float m, float cut, std::vector<double>& blocks) {
-  double total = 0;
-  for (int64_t b = 0, nb = (V + BLOCK - 1) / BLOCK; b < nb; ++b) {
-    const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK), hv = lo + (hi - lo) / L * L;
-    float lanes[L] = {0};
-    for (int64_t i = lo; i < hv; i += L)
-      for (int j = 0; j < L; ++j) {
-        const float v = s[i + j];
-        const float w = exp_neg(v - m) * static_cast<float>(v >= cut);
-        s[i + j] = w;
-        lanes[j] += w;
-      }
-    double acc = 0;
-    for (int j = 0; j < L; ++j) acc += lanes[j];
-    for (int64_t i = hv; i < hi; ++i) {
-      const float w = s[i] >= cut ? exp_neg(s[i] - m) : 0.0f;
-      s[i] = w;
-      acc += w;
-    }
-    blocks[b] = acc;
-    total += acc;
-  }
-  return total;
-}
-
-// the block sums of w restricted to w > floor; returns the total
-double reweigh(const float* w, int64_t V, float floor, std::vector<double>& blocks) {
-  double total = 0;
-  for (int64_t b = 0, nb = (V + BLOCK - 1) / BLOCK; b < nb; ++b) {
-    const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK), hv = lo + (hi - lo) / L * L;
-    float lanes[L] = {0};
-    for (int64_t i = lo; i < hv; i += L)
-      for (int j = 0; j < L; ++j) lanes[j] += w[i + j] > floor ? w[i + j] : 0.0f;
-    double acc = 0;
-    for (int j = 0; j < L; ++j) acc += lanes[j];
-    for (int64_t i = hv; i < hi; ++i) acc += w[i] > floor ? w[i] : 0.0f;
-    blocks[b] = acc;
-    total += acc;
-  }
-  return total;
-}
-
-// the token at u x total of the weights w > floor (the last such token if rounding runs past the end)
-int64_t draw(const float* w, int64_t V, float floor, const std::vector<double>& blocks, double total, double u) {
-  const double target = u * total;
-  double run = 0;
-  int64_t last = -1;
-  for (int64_t b = 0, nb = (V + BLOCK - 1) / BLOCK; b < nb; ++b) {
-    if (blocks[b] <= 0) continue;
-    const int64_t lo = b * BLOCK, hi = std::min(V, lo + BLOCK);
-    if (run + blocks[b] <= target) {
-      run += blocks[b];
-      for (int64_t i = hi - 1; i >= lo; --i)
-        if (w[i] > floor) { last = i; break; }
-      continue;
-    }
-    for (int64_t i = lo; i < hi; ++i) {
-      if (w[i] <= floor) continue;
-      run += w[i];
-      last = i;
-      if (run > target) return i;
-    }
-  }
-  return last;
-}
-
-double heavier(const float* w, int64_t V, float than) {  // the weight of the tokens heavier than `than`
-  float lanes[L] = {0};
+// The drawn token: the first largest s + g over the tokens with s >= cut and s > above (some must be)
+int64_t pick(const float* __restrict s, const float* __restrict g, int64_t V, float cut, float above) {
+  float lanes[L];
+  for (int j = 0; j < L; ++j) lanes[j] = -INFINITY;
   const int64_t Vv = V / L * L;
   for (int64_t i = 0; i < Vv; i += L)
-    for (int j = 0; j < L; ++j) lanes[j] += w[i + j] > than ? w[i + j] : 0.0f;
-  double acc = 0;
-  for (int j = 0; j < L; ++j) acc += lanes[j];
-  for (int64_t i = Vv; i < V; ++i) acc += w[i] > than ? w[i] : 0.0f;
-  return acc;
+    for (int j = 0; j < L; ++j) {
+      const float v = s[i + j] >= cut && s[i + j] > above ? s[i + j] + g[i + j] : -INFINITY;
+      lanes[j] = v > lanes[j] ? v : lanes[j];
+    }
+  float best = -INFINITY;
+  for (int j = 0; j < L; ++j) best = std::max(best, lanes[j]);
+  for (int64_t i = Vv; i < V; ++i)
+    if (s[i] >= cut && s[i] > above) best = std::max(best, s[i] + g[i]);
+  for (int64_t i = 0; i < V; ++i)
+    if (s[i] >= cut && s[i] > above && s[i] + g[i] == best) return i;
+  return -1;
+}
+
+// sum of w over the tokens with s > above (w = 0 where cut)
+double heavier(const float* s, const float* w, int64_t V, float above) {
+  double total = 0;
+  for (int64_t b = 0; b < V; b += 256) {  // float lanes a block, summed in double
+    const int64_t e = std::min(V, b + 256);
+    float lanes[L] = {0};
+    int64_t i = b;
+    for (; i + L <= e; i += L)
+      for (int j = 0; j < L; ++j) lanes[j] += s[i + j] > above ? w[i + j] : 0.0f;
+    double acc = 0;
+    for (int j = 0; j < L; ++j) acc += lanes[j];
+    for (; i < e; ++i) acc += s[i] > above ? w[i] : 0.0f;
+    total += acc;
+  }
+  return total;
+}
+
+// csrc/draws.h's choice on a row's scaled logits s [V] (edited, masked: -inf where a token may not be drawn) with
+// max m > -inf: the kept tokens' Gumbel-max, then top_p's redraws. g: the row's Gumbel numbers; w: room for V floats.
+int64_t choose(const float* s, const float* g, float* w, int64_t V, float m, float cut, float top_p) {
+  int64_t token = pick(s, g, V, cut, -INFINITY);
+  if (top_p >= 1.0f || token < 0) return token;
+  for (int64_t i = 0; i < V; ++i) w[i] = s[i] >= cut ? draws::exp_clamped(s[i] - m) : 0.0f;
+  const double total = heavier(s, w, V, -INFINITY);
+  for (int redraw = 0; redraw < REDRAWS; ++redraw) {
+    if (heavier(s, w, V, s[token]) < static_cast<double>(top_p) * total) return token;
+    const int64_t next = pick(s, g, V, cut, s[token]);
+    if (next < 0) return token;  // rounding: nothing above
+    token = next;
+  }
+  return token;
 }
 
 struct Edits {  // a row's processed logits (sampling.py `_edits`: bias, a banned token, penalties) and allowed tokens
@@ -221,13 +162,18 @@ struct Edits {  // a row's processed logits (sampling.py `_edits`: bias, a banne
   const int32_t* allowed = nullptr;  // a bitmask, bit t of word t / 32 set where token t may be sampled; or none
 };
 
+struct Room {  // a thread's buffers for one row at a time
+  std::vector<float> s, g, w, scratch;
+  explicit Room(int64_t V) : s(V), g(V), w(V) {}
+};
+
 template <typename T>
 int64_t sample_row(const T* x, int64_t V, float temperature, int64_t top_k, float top_p, float min_p, uint64_t seed,
-                   uint64_t counter, const Edits& edits, std::vector<float>& s, std::vector<float>& scratch,
-                   std::vector<double>& blocks) {
-  const bool greedy = temperature < GREEDY_BELOW;
+                   uint64_t counter, const Edits& edits, Room& room) {
+  const bool greedy = temperature < draws::GREEDY_BELOW;
   const float inv_t = greedy ? 1.0f : 1.0f / temperature;
-  float m = load_scaled<T>(x, s.data(), V, inv_t);
+  float* s = room.s.data();
+  float m = load_scaled<T>(x, s, V, inv_t);
   if (edits.count || edits.allowed) {
     for (int64_t e = 0; e < edits.count; ++e) {
       const float v = edits.values[e] * inv_t;
@@ -236,7 +182,7 @@ int64_t sample_row(const T* x, int64_t V, float temperature, int64_t top_k, floa
     if (edits.allowed)
       for (int64_t i = 0; i < V; ++i)
         if (!((static_cast<uint32_t>(edits.allowed[i >> 5]) >> (i & 31)) & 1u)) s[i] = -INFINITY;
-    m = row_max(s.data(), V);
+    m = row_max(s, V);
   }
   if (greedy || m == -INFINITY) {  // the first largest (torch.argmax's); every token banned: token 0
     for (int64_t i = 0; i < V; ++i)
@@ -245,21 +191,10 @@ int64_t sample_row(const T* x, int64_t V, float temperature, int64_t top_k, floa
   }
   float cut = -INFINITY;
   if (min_p > 0) cut = m + std::log(min_p);
-  if (top_k > 0 && top_k < V) cut = std::max(cut, kth_largest(s.data(), V, top_k, scratch));
-  double total = weigh(s.data(), V, m, cut, blocks);
-  float floor = 0.0f;  // weights above it are candidates (a cut token weighs 0)
-  int64_t token = draw(s.data(), V, floor, blocks, total, uniform(seed, counter, 0));
-  if (top_p >= 1.0f) return token;
-  const double full = total;
-  for (uint64_t attempt = 1; attempt < 64; ++attempt) {
-    const double above = heavier(s.data(), V, s[token]);
-    if (above < static_cast<double>(top_p) * full) return token;
-    floor = s[token];
-    total = reweigh(s.data(), V, floor, blocks);
-    if (total <= 0) return token;  // rounding: nothing heavier
-    token = draw(s.data(), V, floor, blocks, total, uniform(seed, counter, attempt));
-  }
-  return token;
+  if (top_k > 0 && top_k < V) cut = std::max(cut, kth_largest(s, V, top_k, room.scratch));
+  draws::gumbel_row(seed, counter, V, room.g.data());
+  const int64_t token = choose(s, room.g.data(), room.w.data(), V, m, cut, top_p);
+  return token < 0 ? 0 : token;
 }
 
 }  // namespace
@@ -309,21 +244,36 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& rows, const a
   AT_DISPATCH_SWITCH(logits.scalar_type(), "sample_rows", AT_DISPATCH_CASE(at::kFloat, [&] {
     const scalar_t* base = logits.data_ptr<scalar_t>();
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> s(V), scratch;
-      std::vector<double> blocks((V + BLOCK - 1) / BLOCK);
+      Room room(V);
       for (int64_t j = b; j < e; ++j)
         op[j] = sample_row<scalar_t>(base + rp[j] * V, V, tp[j], kp[j], pp[j], mp[j], static_cast<uint64_t>(sp[j]),
-                                     static_cast<uint64_t>(cp[j]), edits_of(j), s, scratch, blocks);
+                                     static_cast<uint64_t>(cp[j]), edits_of(j), room);
     });
   }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
     const scalar_t* base = logits.data_ptr<scalar_t>();
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> s(V), scratch;
-      std::vector<double> blocks((V + BLOCK - 1) / BLOCK);
+      Room room(V);
       for (int64_t j = b; j < e; ++j)
         op[j] = sample_row<scalar_t>(base + rp[j] * V, V, tp[j], kp[j], pp[j], mp[j], static_cast<uint64_t>(sp[j]),
-                                     static_cast<uint64_t>(cp[j]), edits_of(j), s, scratch, blocks);
+                                     static_cast<uint64_t>(cp[j]), edits_of(j), room);
     });
   }));
+  return out;
+}
+
+// seed, counter [n] int64 -> the draws' Gumbel numbers [n, V] fp32 (csrc/draws.h `gumbel_row`; tests hold
+// export/serve/sampling.py `gumbel_noise` to it)
+at::Tensor gumbel_rows(const at::Tensor& seed, const at::Tensor& counter, int64_t V) {
+  TORCH_CHECK(seed.scalar_type() == at::kLong && counter.scalar_type() == at::kLong &&
+                  seed.numel() == counter.numel() && seed.is_contiguous() && counter.is_contiguous() && V > 0,
+              "gumbel_rows: seed, counter int64 [n], V > 0");
+  const int64_t n = seed.numel();
+  at::Tensor out = at::empty({n, V}, seed.options().dtype(at::kFloat));
+  const int64_t *sp = seed.data_ptr<int64_t>(), *cp = counter.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j)
+      draws::gumbel_row(static_cast<uint64_t>(sp[j]), static_cast<uint64_t>(cp[j]), V, op + j * V);
+  });
   return out;
 }
