@@ -553,11 +553,12 @@ def check_screen_topk(kernel):
 def check_screen_sample(kernel):
     """HeadScreen.sample over this build's `screen_sample` (`screen_sample_vnni` where the build has AVX512_VNNI): every
     sampled row it decides takes the token export/serve/sampling.py `sample_batch` draws from the few-row kernel's
-    logits with the same settings and seed (temperature, top_p, min_p); rows at temperature alone and rows of peaked
-    logits are always decided, flat logits under top_p may not be (-1: the caller's whole head); 1 to 32 rows (8
-    without VNNI), fp32 and bf16; a non-finite input gives None."""
+    logits with the same settings, seed and processors (temperature, top_p, min_p; logit_bias, a banned token,
+    repetition, frequency and presence penalties after some output, on every other row); rows at temperature alone
+    and rows of peaked logits are always decided, flat logits under top_p may not be (-1: the caller's whole head);
+    1 to 32 rows (8 without VNNI), fp32 and bf16; a non-finite input gives None."""
     from export.serve.kernels import HeadScreen, ServingWeight
-    from export.serve.sampling import Sampler, sample_batch
+    from export.serve.sampling import Sampler, edits_of, sample_batch
     from export.serve.step import Sampling
 
     torch.manual_seed(4)
@@ -572,16 +573,25 @@ def check_screen_sample(kernel):
             decided = 0
             for M in [1, 2, 5, 8, *((13, 32) if vnni else ())]:
                 x = torch.randn(M, I).to(dtype)
-                settings = [Sampling([0.7, 1.0, 1.3][m % 3], top_p=[1.0, 0.95, 0.8, 0.5][m % 4],
-                                     min_p=[0.0, 0.0, 0.05][m % 3], seed=1000 * M + m) for m in range(M)]
-                samplers = [Sampler.of(s, O) for s in settings]
-                for s in samplers:
-                    s.sampled = 17
-                got = screen.sample(x, [s.temperature for s in settings], [s.top_p for s in settings],
-                                    [s.min_p for s in settings], [s.seed for s in samplers], [17] * M)
                 full = torch.cat([kernel.linear(x[i:i + kernel.MAX_ROWS], w, None)
                                   for i in range(0, M, kernel.MAX_ROWS)])
-                want = [p["token"] for p in sample_batch(samplers, full)]
+                top = full.float().topk(3).indices  # processors on tokens that matter
+                settings = [Sampling([0.7, 1.0, 1.3][m % 3], top_p=[1.0, 0.95, 0.8, 0.5][m % 4],
+                                     min_p=[0.0, 0.0, 0.05][m % 3], seed=1000 * M + m,
+                                     **({} if m % 2 else {"presence_penalty": 0.4, "frequency_penalty": 0.7,
+                                                          "repetition_penalty": 1.3, "prompt": [int(top[m, 1]), 5],
+                                                          "logit_bias": [[int(top[m, 2]), 1.5], [11, -2.0]]}))
+                            for m in range(M)]
+                samplers = [Sampler.of(s, O) for s in settings]
+                for m, s in enumerate(samplers):
+                    for t in ((int(top[m, 0]), int(top[m, 0]), 40) if m % 2 == 0 else ()):
+                        s.took(t)  # an output to penalize
+                    s.sampled = 17
+                banned = [[int(top[m, 1])] if m % 4 == 2 else None for m in range(M)]
+                got = screen.sample(x, [s.temperature for s in settings], [s.top_p for s in settings],
+                                    [s.min_p for s in settings], [s.seed for s in samplers], [17] * M,
+                                    edits_of(samplers, banned, O))
+                want = [p["token"] for p in sample_batch(samplers, full, banned)]
                 for m in range(M):
                     assert got[m] in (want[m], -1), (dtype, spread, M, m)
                     assert got[m] >= 0 or (not peaked and settings[m].top_p < 1)

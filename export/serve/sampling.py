@@ -167,14 +167,37 @@ def _distinct(a: np.ndarray) -> np.ndarray:
     return a[np.concatenate([[True], a[1:] != a[:-1]])] if a.size else a
 
 
-def _edits(samplers: list[Sampler], banned: list[list[int] | None], logits: torch.Tensor):
-    """The logits the processors change, as (offsets [n + 1], tokens [E], values [E] fp32): row i's edited tokens are
-    tokens[offsets[i]:offsets[i + 1]]. In vLLM's order: logit_bias added, the banned token -inf, then
-    repetition_penalty over the prompt's and output's tokens (a positive logit divided by it, another multiplied),
-    then frequency_penalty x each output token's count and presence_penalty once per output token subtracted. Only
-    the (row, token) pairs they touch are read and written, never a row of the vocabulary; as flat index arrays
-    (row x V + token), in numpy (a few arrays a row with a processor, one op per kind over all of them)."""
-    n, V = logits.shape
+@dataclass
+class Edits:
+    """What the processors do to a batch's logits, as a transform of each (row, token) pair they touch: row i's
+    tokens are tokens[offsets[i]:offsets[i + 1]] (ascending), each logit v becoming ((v + bias) repetition-penalized
+    by rep) - sub: v + bias, then v / rep where positive, else v * rep, then v - sub, in fp32 (a banned token's bias
+    -inf). `values` applies it to a batch's logits; csrc/heads.cpp `screened_sample` applies the same ops to the exact
+    logits it computes (the same bits)."""
+
+    offsets: torch.Tensor  # [n + 1] int64
+    tokens: torch.Tensor  # [E] int64
+    bias: np.ndarray  # [E] fp32 (0: none; -inf: banned)
+    rep: np.ndarray  # [E] fp32 (1: none)
+    sub: np.ndarray  # [E] fp32: frequency_penalty x count + presence_penalty (0: none)
+
+    def values(self, logits: torch.Tensor) -> torch.Tensor:
+        """The edited logits [E] fp32 of logits [n, V]."""
+        if not self.tokens.numel():
+            return torch.empty(0)
+        rows = np.repeat(np.arange(self.offsets.numel() - 1), np.diff(self.offsets.numpy()))
+        v = logits[torch.from_numpy(rows), self.tokens].float().numpy() + self.bias
+        v = np.where(v > 0, v / self.rep, v * self.rep).astype(np.float32)
+        return torch.from_numpy(v - self.sub)
+
+
+def edits_of(samplers: list[Sampler], banned: list[list[int] | None], V: int) -> Edits:
+    """The processors' transforms of rows [n] of V logits (`Edits`), in vLLM's order: logit_bias added, the banned
+    token -inf, then repetition_penalty over the prompt's and output's tokens (a positive logit divided by it,
+    another multiplied), then frequency_penalty x each output token's count and presence_penalty once per output
+    token subtracted. Only the (row, token) pairs they touch, never a row of the vocabulary; as flat index arrays (row
+    x V + token), in numpy (a few arrays a row with a processor, one op per kind over all of them)."""
+    n = len(samplers)
     bias, biases, rep, out, count = [], [], [], [], []
     for i, s in enumerate(samplers):  # rows with a processor only
         base = i * V
@@ -193,27 +216,29 @@ def _edits(samplers: list[Sampler], banned: list[list[int] | None], logits: torc
     cat = lambda parts, dtype=np.int64: np.concatenate(parts) if parts else np.empty(0, dtype)  # noqa: E731
     bias, rep, out = cat(bias), cat(rep), cat(out)  # rep may repeat a token (prompt and output): marked once below
     keys = _distinct(np.concatenate([bias, ban, rep, out]))
-    if not keys.size:
-        return torch.zeros(n + 1, dtype=torch.long), torch.from_numpy(keys), torch.empty(0)
-    values = logits.reshape(-1)[torch.from_numpy(keys)].float().numpy()
+    E = keys.size
+    add, factor, less = np.zeros(E, np.float32), np.ones(E, np.float32), np.zeros(E, np.float32)
     setting = lambda name: np.array([getattr(s.settings, name) for s in samplers], dtype=np.float32)  # noqa: E731
     if bias.size:  # one bias a token a row (Sampler.of merged them)
-        values[np.searchsorted(keys, bias)] += cat(biases, np.float32)
+        add[np.searchsorted(keys, bias)] = cat(biases, np.float32)
     if ban.size:
-        values[np.searchsorted(keys, ban)] = -np.inf
+        add[np.searchsorted(keys, ban)] = -np.inf
     if rep.size:
-        marked = np.zeros(keys.size, dtype=bool)
-        marked[np.searchsorted(keys, rep)] = True
-        j = np.flatnonzero(marked)
-        r = setting("repetition_penalty")[keys[j] // V]
-        v = values[j]
-        values[j] = np.where(v > 0, v / r, v * r)
+        j = np.searchsorted(keys, rep)
+        factor[j] = setting("repetition_penalty")[keys[j] // V]
     if out.size:
         j, row = np.searchsorted(keys, out), out // V
-        values[j] -= setting("frequency_penalty")[row] * cat(count, np.float32) + setting("presence_penalty")[row]
+        less[j] = setting("frequency_penalty")[row] * cat(count, np.float32) + setting("presence_penalty")[row]
     offsets = torch.zeros(n + 1, dtype=torch.long)
     offsets[1:] = torch.from_numpy(np.bincount(keys // V, minlength=n)).cumsum(0)
-    return offsets, torch.from_numpy(keys % V), torch.from_numpy(values)
+    return Edits(offsets, torch.from_numpy(keys % V), add, factor, less)
+
+
+def _edits(samplers: list[Sampler], banned: list[list[int] | None], logits: torch.Tensor):
+    """The logits the processors change, as (offsets [n + 1], tokens [E], values [E] fp32): row i's edited tokens are
+    tokens[offsets[i]:offsets[i + 1]] (`edits_of`, applied to logits [n, V])."""
+    e = edits_of(samplers, banned, logits.shape[1])
+    return e.offsets, e.tokens, e.values(logits)
 
 
 def _allowed(samplers: list[Sampler], V: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from export.serve.kv_cache import PagedCache, served_kv
 from export.serve.placement.controller import Directive
 from export.serve.placement.exchange import Exchange
 from export.serve.grammar import Grammars
-from export.serve.sampling import Sampler, sample_batch, score_positions, sparse_logits
+from export.serve.sampling import Sampler, edits_of, sample_batch, score_positions, sparse_logits
 from export.serve.step import Row, RowResult, Step
 from pipeline.model import GPT
 
@@ -156,9 +156,9 @@ class Worker:
         log-probabilities, nothing that changes their logits, no banned token, not scored) take the argmax through the
         head's screen where it has one (export/serve/kernels/heads.py `HeadScreen`, reading half the head's bytes); rows
         that keep their top_k largest logits (top_k up to TOPK_SCREEN; greedy rows with processors, k = 1) take
-        their candidates' exact logits from it too (`HeadScreen.topk`); sampled rows with nothing that edits their
-        logits are drawn from it where its bounds decide (`HeadScreen.sample`); every other row is projected through
-        the head; each group sampled in one batch (export/serve/sampling.py), so sampled rows do not make greedy ones
+        their candidates' exact logits from it too (`HeadScreen.topk`); other sampled rows (no grammar, no
+        log-probabilities) are drawn from it where its bounds decide (`HeadScreen.sample`); every other row is
+        projected through the head; each group sampled in one batch (export/serve/sampling.py), so sampled rows do not make greedy ones
         read the whole head."""
         samplers = [self.samplers.get(row.seq) for row in rows]
         out: list[dict | None] = [None] * len(rows)
@@ -184,16 +184,17 @@ class Worker:
                               [samplers[j].edited(rows[j].banned) for j in few])
             if got is not None:
                 self._pick(few, sparse_logits(*got, screen.served.weight.shape[0]), samplers, rows, out)
-        # sampled rows with nothing that edits their logits (temperature, min_p, top_p): drawn from the screen where
-        # its bounds decide (export/serve/kernels/heads.py `HeadScreen.sample`), the rest through the whole head
+        # other sampled rows (temperature, min_p, top_p, the processors; no grammar): drawn from the screen where its
+        # bounds decide (export/serve/kernels/heads.py `HeadScreen.sample`), the rest through the whole head
         free = [j for j, (row, s) in enumerate(zip(rows, samplers)) if out[j] is None and isinstance(s, Sampler)
-                and not s.greedy and not s.processed and s.settings.logprobs is None and row.banned is None
-                and not scored[j] and not 0 < s.settings.top_k < self.vocab]
+                and not s.greedy and s.matcher is None and s.settings.logprobs is None and not scored[j]
+                and not 0 < s.settings.top_k < self.vocab]
         if free and screen is not None and hasattr(screen, "sample"):
             sub = [samplers[j] for j in free]
             got = screen.sample(last if len(free) == len(rows) else last.index_select(0, _rows(free)),
                                 [s.settings.temperature for s in sub], [s.settings.top_p for s in sub],
-                                [s.settings.min_p for s in sub], [s.seed for s in sub], [s.sampled for s in sub])
+                                [s.settings.min_p for s in sub], [s.seed for s in sub], [s.sampled for s in sub],
+                                edits_of(sub, [rows[j].banned for j in free], self.vocab))
             for j, t in zip(free, got or ()):
                 if t >= 0:
                     out[j] = {"token": t}

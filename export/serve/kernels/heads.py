@@ -158,13 +158,13 @@ class HeadScreen(_Tries):
         return self._result(n, out)
 
     def sample(self, x: torch.Tensor, temperature: list[float], top_p: list[float], min_p: list[float],
-               seeds: list[int], counters: list[int]) -> list[int] | None:
+               seeds: list[int], counters: list[int], edits=None) -> list[int] | None:
         """Each sampled row's token of hidden states x [n, C] (the head's dtype): the one export/serve/sampling.py
         `sample_batch` draws from the whole head's logits with these settings (temperature, top_p, min_p; no top_k,
-        nothing that edits the logits, no log-probabilities) and draw numbers (seeds, counters: uint64 and the
-        tokens sampled before), from the int8 copy and the few exact logits its bounds need (csrc/heads.cpp
-        `screened_sample`), or -1 for a row they cannot decide (top_p on flat logits: the caller runs the whole head
-        for it). None where the screen does not apply."""
+        no grammar, no log-probabilities), draw numbers (seeds, counters: uint64 and the tokens sampled before) and
+        processors (`edits`: export/serve/sampling.py `Edits`, or None), from the int8 copy and the few exact logits
+        its bounds need (csrc/heads.cpp `screened_sample`), or -1 for a row they cannot decide (top_p on flat logits:
+        the caller runs the whole head for it). None where the screen does not apply."""
         n = x.shape[0]
         if not self._fits(x) or n > self.SAMPLE_ROWS or not hasattr(self.gemv, "screen_sample"):
             return None
@@ -175,13 +175,19 @@ class HeadScreen(_Tries):
         settings = (f32(temperature), f32(top_p), f32(min_p),
                     torch.from_numpy(np.array(seeds, dtype=np.uint64).view(np.int64)),
                     torch.tensor(counters, dtype=torch.long))
+        if edits is None:
+            processors = (torch.zeros(n + 1, dtype=torch.long), torch.empty(0, dtype=torch.long),
+                          *(torch.empty(0) for _ in range(3)))
+        else:
+            processors = (edits.offsets, edits.tokens, *(torch.from_numpy(a) for a in (edits.bias, edits.rep,
+                                                                                        edits.sub)))
         most = max(self.TOPK_MOST, self.most // n)
         if self.vnni:
             out = self.gemv.screen_sample_vnni(x.contiguous(), self.served.weight, self.int8.q, self.int8.scale,
-                                               self.err, self.err2, self.top, self.norm, most, *settings)
+                                               self.err, self.err2, self.top, self.norm, most, *settings, *processors)
         else:
             out = self.gemv.screen_sample(x.contiguous(), self.served.weight, self.q, self.scale, self.err, most,
-                                          *settings)
+                                          *settings, *processors)
         tokens = out.tolist()
         if not tokens or 2 * sum(t < 0 for t in tokens) > n:  # most rows undecided: a fallback
             self.fallbacks += 1

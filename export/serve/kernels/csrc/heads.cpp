@@ -335,6 +335,7 @@ static std::vector<at::Tensor> screened_topk(const at::Tensor& x, const at::Tens
 namespace {
 struct ScreenedDraw {
   int phase = 0;  // 0 the maximum, 1 the draw, 2 top_p's test, 3 drawn, 4 the whole head
+  bool edited = false;  // the processors' tokens computed (first, before any bound is trusted)
   float m = 0, cut = -INFINITY, above = -INFINITY;
   int64_t token = -1;
   int redraws = 0, tightened = 0;
@@ -355,6 +356,14 @@ static float row_top(const float* v, int64_t O) {  // max of v [O], in lanes (ve
   for (int j = 0; j < L; ++j) top = std::max(top, lanes[j]);
   for (; o < O; ++o) top = std::max(top, v[o]);
   return top;
+}
+
+// A processed logit as export/serve/sampling.py `Edits` makes it: each op rounded to fp32 as numpy rounds it (the
+// product is stored before the subtraction: never contracted into one fused multiply-add)
+static inline float processed(float v, float bias, float rep, float sub) {
+  v = v + bias;
+  volatile float scaled = v > 0 ? v / rep : v * rep;
+  return scaled - sub;
 }
 
 // The tokens of one row that may be the largest a + g over a >= cut, a > above (`known`: computed, skipped), with
@@ -418,13 +427,30 @@ static int nucleus_test(const float* lo, const float* hi, int64_t O, float m, fl
 }
 
 // The screens' second half for sampled rows (above): temperature, top_p, min_p fp32 [M], seed, counter int64 [M]
-// (the draw's hash, as sample_rows takes them); `most`: a row's exact logits a stage at most -> tokens [M] int64, -1
-// where a row needs the whole head; or an empty tensor where a logit is NaN.
+// (the draw's hash, as sample_rows takes them); the processors' transforms (export/serve/sampling.py `Edits`): row
+// m's tokens ftok[foff[m]:foff[m + 1]] (ascending), each logit v becoming processed(v, bias, rep, sub), computed
+// exactly before anything else; `most`: a row's exact logits a stage at most -> tokens [M] int64, -1 where a row
+// needs the whole head; or an empty tensor where a logit is NaN.
 template <typename RowBound>
 static at::Tensor screened_sample(const at::Tensor& x, const at::Tensor& w, const float* y, int64_t O, int64_t most,
                                   RowBound row_bound, const at::Tensor& temperature, const at::Tensor& top_p,
-                                  const at::Tensor& min_p, const at::Tensor& seed, const at::Tensor& counter) {
+                                  const at::Tensor& min_p, const at::Tensor& seed, const at::Tensor& counter,
+                                  const at::Tensor& foff, const at::Tensor& ftok, const at::Tensor& fbias,
+                                  const at::Tensor& frep, const at::Tensor& fsub) {
   const int64_t M = x.size(0);
+  TORCH_CHECK(foff.scalar_type() == at::kLong && foff.numel() == M + 1 && foff.is_contiguous() &&
+                  ftok.scalar_type() == at::kLong && ftok.is_contiguous(),
+              "screen_sample: foff int64 [M + 1], ftok int64 [E]");
+  for (const at::Tensor* t : {&fbias, &frep, &fsub})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == ftok.numel() && t->is_contiguous(),
+                "screen_sample: fbias, frep, fsub fp32 [E]");
+  const int64_t *fo = foff.data_ptr<int64_t>(), *ft = ftok.data_ptr<int64_t>();
+  const float *fb = fbias.data_ptr<float>(), *fr = frep.data_ptr<float>(), *fs = fsub.data_ptr<float>();
+  TORCH_CHECK(fo[0] == 0 && fo[M] == ftok.numel(), "screen_sample: foff runs from 0 to ftok's length");
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = fo[m]; j < fo[m + 1]; ++j)
+      TORCH_CHECK(ft[j] >= 0 && ft[j] < O && (j == fo[m] || ft[j] > ft[j - 1]),
+                  "screen_sample: each row's edited tokens ascending, in [0, out)");
   for (const at::Tensor* t : {&temperature, &top_p, &min_p})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == M && t->is_contiguous(), "screen_sample: fp32 [M]");
   for (const at::Tensor* t : {&seed, &counter})
@@ -477,6 +503,12 @@ static at::Tensor screened_sample(const at::Tensor& x, const at::Tensor& w, cons
     const float *lo = LO + m * O, *hi = HI + m * O, *g = G + m * O;
     const uint8_t* kn = KN + m * O;
     auto& want = need[m];
+    if (!d.edited) {  // the processors' tokens first: their bounds do not hold once edited
+      d.edited = true;
+      want.assign(ft + fo[m], ft + fo[m + 1]);
+      if (static_cast<int64_t>(want.size()) > most) d.phase = 4;
+      if (!want.empty()) return;
+    }
     while (d.phase < 3) {
       if (d.phase == 0) {
         if (mp[m] <= 0 && pp[m] >= 1) {  // neither needs the maximum
@@ -597,9 +629,14 @@ static at::Tensor screened_sample(const at::Tensor& x, const at::Tensor& w, cons
     if (!candidate_logits(x, w, need, vals)) return at::empty({0}, x.options().dtype(at::kLong));
     for (int64_t m = 0; m < M; ++m) {
       const float inv_t = 1.0f / tp[m];
+      const int64_t *e0 = ft + fo[m], *e1 = ft + fo[m + 1];
       for (size_t j = 0; j < need[m].size(); ++j) {
         const int64_t o = need[m][j];
-        LO[m * O + o] = HI[m * O + o] = vals[m][j] * inv_t;  // as the sampler scales it
+        float v = vals[m][j];
+        const int64_t* at = std::lower_bound(e0, e1, o);
+        if (at != e1 && *at == o) v = processed(v, fb[at - ft], fr[at - ft], fs[at - ft]);
+        v *= inv_t;  // as the sampler scales it
+        LO[m * O + o] = HI[m * O + o] = v == v ? v : -INFINITY;
         KN[m * O + o] = 1;
       }
       need[m].clear();
@@ -667,11 +704,14 @@ static R screen_pass(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // screen_argmax's pass, then each sampled row's token (`screened_sample`), -1 where it needs the whole head
 at::Tensor screen_sample(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, const at::Tensor& scale,
                          const at::Tensor& err, int64_t most, const at::Tensor& temperature, const at::Tensor& top_p,
-                         const at::Tensor& min_p, const at::Tensor& seed, const at::Tensor& counter) {
+                         const at::Tensor& min_p, const at::Tensor& seed, const at::Tensor& counter,
+                         const at::Tensor& foff, const at::Tensor& ftok, const at::Tensor& fbias,
+                         const at::Tensor& frep, const at::Tensor& fsub) {
   RECORD_FUNCTION("moe_pipeline::screen_sample", std::vector<c10::IValue>({x, q}));
   const at::Tensor none = at::empty({0}, x.options().dtype(at::kLong));
   return screen_pass(x, w, q, scale, err, none, [&](const float* y, auto bound) {
-    return screened_sample(x, w, y, w.size(0), most, bound, temperature, top_p, min_p, seed, counter);
+    return screened_sample(x, w, y, w.size(0), most, bound, temperature, top_p, min_p, seed, counter, foff, ftok,
+                           fbias, frep, fsub);
   });
 }
 
@@ -797,12 +837,14 @@ at::Tensor screen_sample_vnni(const at::Tensor& x, const at::Tensor& w, const at
                               const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
                               const at::Tensor& top, const at::Tensor& norm, int64_t most,
                               const at::Tensor& temperature, const at::Tensor& top_p, const at::Tensor& min_p,
-                              const at::Tensor& seed, const at::Tensor& counter) {
+                              const at::Tensor& seed, const at::Tensor& counter, const at::Tensor& foff,
+                              const at::Tensor& ftok, const at::Tensor& fbias, const at::Tensor& frep,
+                              const at::Tensor& fsub) {
   RECORD_FUNCTION("moe_pipeline::screen_sample_vnni", std::vector<c10::IValue>({x, packed}));
   return screen_pass_vnni(x, w, packed, scale, err1, err2, top, norm, at::empty({0}, x.options().dtype(at::kLong)),
                           [&](const float* y, auto bound) {
                             return screened_sample(x, w, y, w.size(0), most, bound, temperature, top_p, min_p, seed,
-                                                   counter);
+                                                   counter, foff, ftok, fbias, frep, fsub);
                           });
 }
 

@@ -126,13 +126,17 @@ std::vector<at::Tensor> screen_topk(const at::Tensor& x, const at::Tensor& w, co
                                     const at::Tensor& foff, const at::Tensor& ftok);
 at::Tensor screen_sample(const at::Tensor& x, const at::Tensor& w, const at::Tensor& q, const at::Tensor& scale,
                          const at::Tensor& err, int64_t most, const at::Tensor& temperature, const at::Tensor& top_p,
-                         const at::Tensor& min_p, const at::Tensor& seed, const at::Tensor& counter);
+                         const at::Tensor& min_p, const at::Tensor& seed, const at::Tensor& counter,
+                         const at::Tensor& foff, const at::Tensor& ftok, const at::Tensor& fbias,
+                         const at::Tensor& frep, const at::Tensor& fsub);
 #if defined(__AVX512VNNI__)
 at::Tensor screen_sample_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
                               const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
                               const at::Tensor& top, const at::Tensor& norm, int64_t most,
                               const at::Tensor& temperature, const at::Tensor& top_p, const at::Tensor& min_p,
-                              const at::Tensor& seed, const at::Tensor& counter);
+                              const at::Tensor& seed, const at::Tensor& counter, const at::Tensor& foff,
+                              const at::Tensor& ftok, const at::Tensor& fbias, const at::Tensor& frep,
+                              const at::Tensor& fsub);
 at::Tensor screen_argmax_vnni(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
                               const at::Tensor& scale, const at::Tensor& err1, const at::Tensor& err2,
                               const at::Tensor& top, const at::Tensor& norm, int64_t most);
