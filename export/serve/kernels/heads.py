@@ -168,8 +168,10 @@ class HeadScreen(_Tries):
         n = x.shape[0]
         if not self._fits(x) or n > self.SAMPLE_ROWS or not hasattr(self.gemv, "screen_sample"):
             return None
-        key = ("sample", n, min(top_p) < 1)  # rows under top_p may keep needing the whole head (flat logits)
-        if not self._try(key):  # ... then they are not tried again; the others still are
+        # rows under top_p may keep needing the whole head (a model's flat logits, whatever the row count): then they
+        # are not tried again, for any row count; the others still are
+        key = ("sample", min(top_p) < 1)
+        if not self._try(key):
             return None
         f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
         settings = (f32(temperature), f32(top_p), f32(min_p),
