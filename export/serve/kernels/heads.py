@@ -76,7 +76,8 @@ class HeadScreen(_Tries):
     `sample` draws sampled rows (temperature, min_p, top_p) the same way: the draw is the Gumbel-max trick
     (csrc/draws.h), a token's chance of being drawn depends on its own logit, and the screen's bounds rule out all but
     a few tokens; top_p's nucleus is decided from the bounds' sums where they allow (peaked logits), else that row
-    takes the whole head (flat logits: the peer benchmark's random model's rows, about half of them at top_p 0.95).
+    takes the whole head (flat logits: most of the peer benchmark's random model's rows at top_p 0.95; a few percent
+    of a trained model's, whose logits are peaked).
 
     Not for: a bias, a weight that is not finite, rows the head would send to AMX (`amx_linear`'s other sums), rows
     that ask for log-probabilities. A row count whose calls keep falling back (candidates past `most`:
@@ -89,7 +90,7 @@ class HeadScreen(_Tries):
     # logits are flat; 1/16 of its outputs is 3,144), re-checked in ~0.3 ms where a fallback costs the whole layer
     MOST_PER_ROW = 1 / 4
     TOPK_MOST = 512  # `topk`: candidates a row may have at least, however many rows (the peer model's top_k 40: ~100)
-    SAMPLE_ROWS = 32  # `sample`: rows a call at most (it keeps 12 bytes a row a token: 19 MB at 32 x 50,304)
+    SAMPLE_ROWS = 32  # `sample`: rows a call at most (it keeps 17 bytes a row a token: 27 MB at 32 x 50,304)
 
     def __init__(self, served: ServingWeight):
         w = served.weight
