@@ -555,7 +555,8 @@ def check_screen_sample(kernel):
     sampled row it decides takes the token export/serve/sampling.py `sample_batch` draws from the few-row kernel's
     logits with the same settings, seed and processors (temperature, top_p, min_p; logit_bias, a banned token,
     repetition, frequency and presence penalties after some output, on every other row); rows at temperature alone
-    and rows of peaked logits are always decided, flat logits under top_p may not be (-1: the caller's whole head);
+    are always decided, rows of peaked logits nearly always, flat logits under top_p half the time or more (-1:
+    the caller's whole head);
     1 to 32 rows (8 without VNNI), fp32 and bf16; a non-finite input gives None."""
     from export.serve.kernels import HeadScreen, ServingWeight
     from export.serve.sampling import Sampler, edits_of, sample_batch
@@ -594,9 +595,9 @@ def check_screen_sample(kernel):
                 want = [p["token"] for p in sample_batch(samplers, full, banned)]
                 for m in range(M):
                     assert got[m] in (want[m], -1), (dtype, spread, M, m)
-                    assert got[m] >= 0 or (not peaked and settings[m].top_p < 1)
+                    assert got[m] >= 0 or settings[m].top_p < 1  # temperature (and min_p) alone: always drawn
                     decided += got[m] >= 0
-            assert decided >= (61 if vnni else 16) * (1 if peaked else 0.5)
+            assert decided >= (61 if vnni else 16) * (0.9 if peaked else 0.5)
         x = torch.randn(1, I).to(dtype)
         x[0, 5] = float("nan")
         assert screen.sample(x, [1.0], [1.0], [0.0], [1], [0]) is None

@@ -119,10 +119,19 @@ def _splitmix(seeds: list[int], counters: list[int], index: np.ndarray) -> np.nd
 
 def gumbel_noise(seeds: list[int], counters: list[int], V: int) -> torch.Tensor:
     """The draws' Gumbel numbers [n, V] fp32: g[i, t] = -ln(-ln(u)), u = (2 k + 1) / 2^24 with k the top 23 bits of
-    splitmix64(seeds[i], counters[i], t). A function of those three alone, so a row's draw does not depend on the
-    other rows of its batch (csrc/draws.h `gumbel_row` is the same, its logarithms polynomial: they agree to ~1e-7)."""
-    k = (_splitmix(seeds, counters, np.arange(V)) >> np.uint64(41)).astype(np.int64)
-    u = torch.from_numpy(((2 * k + 1).astype(np.float32)) * np.float32(2.0 ** -24))
+    murmur3's 32-bit finalizer of (key >> 32) xor (key's low half + t x 0x9E3779B9), key = splitmix64(seeds[i],
+    counters[i], 0). A function of those three alone, so a row's draw does not depend on the other rows of its batch
+    (csrc/draws.h `gumbel` is the same, its logarithms polynomial: they agree to ~1e-7)."""
+    key = _splitmix(seeds, counters, np.zeros(1, dtype=np.uint64))  # [n, 1]
+    with np.errstate(over="ignore"):
+        x = (key >> np.uint64(32)).astype(np.uint32) ^ (
+            (key & np.uint64(0xFFFFFFFF)).astype(np.uint32) + np.arange(V, dtype=np.uint32)[None] * np.uint32(0x9E3779B9))
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x85EBCA6B)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(0xC2B2AE35)
+        x ^= x >> np.uint32(16)
+    u = torch.from_numpy(((x >> np.uint32(9)).astype(np.int64) * 2 + 1).astype(np.float32) * np.float32(2.0 ** -24))
     return -torch.log(-torch.log(u))
 
 

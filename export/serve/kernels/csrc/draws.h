@@ -76,14 +76,27 @@ inline float log_positive(float x) {
   return f + y + 0.693359375f * e;
 }
 
-// g[t] = -ln(-ln(u)) for t in [0, V), u = (2 k + 1) / 2^24 in (0, 1), k the top 23 bits of splitmix(seed, counter,
-// t): a Gumbel number a token (export/serve/sampling.py `gumbel_noise` is the same in tensor ops).
+// A token's Gumbel number: -ln(-ln(u)), u = (2 k + 1) / 2^24 in (0, 1), k the top 23 bits of murmur3's 32-bit
+// finalizer of (the row's key's high half) xor (its low half + t x 0x9E3779B9), the key splitmix(seed, counter, 0):
+// one hash a row, then 32-bit arithmetic a token (a bijection of t: no two tokens of a row share a number before the
+// rounding to 23 bits). export/serve/sampling.py `gumbel_noise` is the same in numpy and tensor ops.
+inline uint64_t row_key(uint64_t seed, uint64_t counter) { return splitmix(seed, counter, 0); }
+
+inline float gumbel(uint64_t key, int64_t t) {
+  uint32_t x = static_cast<uint32_t>(key >> 32) ^ (static_cast<uint32_t>(key) + static_cast<uint32_t>(t) * 0x9E3779B9u);
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  const float u = static_cast<float>(static_cast<int32_t>((x >> 9) * 2 + 1)) * 0x1p-24f;
+  return -log_positive(-log_positive(u));
+}
+
+// g[t] for t in [0, V): the row's numbers
 inline void gumbel_row(uint64_t seed, uint64_t counter, int64_t V, float* __restrict g) {
-  for (int64_t t = 0; t < V; ++t) {
-    const int32_t k = static_cast<int32_t>(splitmix(seed, counter, static_cast<uint64_t>(t)) >> 41);
-    const float u = static_cast<float>(2 * k + 1) * 0x1p-24f;
-    g[t] = -log_positive(-log_positive(u));
-  }
+  const uint64_t key = row_key(seed, counter);
+  for (int64_t t = 0; t < V; ++t) g[t] = gumbel(key, t);
 }
 
 }  // namespace draws

@@ -192,7 +192,19 @@ int64_t sample_row(const T* x, int64_t V, float temperature, int64_t top_k, floa
   float cut = -INFINITY;
   if (min_p > 0) cut = m + std::log(min_p);
   if (top_k > 0 && top_k < V) cut = std::max(cut, kth_largest(s, V, top_k, room.scratch));
-  draws::gumbel_row(seed, counter, V, room.g.data());
+  int64_t kept = V;
+  if (cut > -INFINITY) {
+    kept = 0;
+    for (int64_t i = 0; i < V; ++i) kept += s[i] >= cut;
+  }
+  if (kept * 16 < V) {  // few kept (top_k, min_p): their numbers alone (pick reads no other)
+    const uint64_t key = draws::row_key(seed, counter);
+    float* g = room.g.data();
+    for (int64_t i = 0; i < V; ++i)
+      if (s[i] >= cut) g[i] = draws::gumbel(key, i);
+  } else {
+    draws::gumbel_row(seed, counter, V, room.g.data());
+  }
   const int64_t token = choose(s, room.g.data(), room.w.data(), V, m, cut, top_p);
   return token < 0 ? 0 : token;
 }
