@@ -102,16 +102,12 @@ class Sampler:
 
 # -- the draw's random numbers -----------------------------------------------------------------------------------
 
-_M64 = (1 << 64) - 1
-
-
-def _splitmix(seeds: list[int], counters: list[int], index: np.ndarray) -> np.ndarray:
-    """splitmix64 of (seed, counter, index) [n, len(index)] uint64, as csrc/draws.h `splitmix`."""
+def _row_keys(seeds: list[int], counters: list[int]) -> np.ndarray:
+    """Each row's key, splitmix64 of (seed, counter) [n, 1] uint64, as csrc/draws.h `row_key`."""
     with np.errstate(over="ignore"):
         z = (np.array(seeds, dtype=np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15)
              + np.array(counters, dtype=np.uint64)[:, None] * np.uint64(0xD1B54A32D192ED03)
-             + index.astype(np.uint64)[None] * np.uint64(0x8CB92BA72F3D8DD7)
-             + np.uint64(0x632BE59BD9B4E019))  # so that (0, 0, 0) is not 0
+             + np.uint64(0x632BE59BD9B4E019))  # so that (0, 0) is not 0
         for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
             z = (z ^ (z >> np.uint64(shift))) * np.uint64(mult)
         return z ^ (z >> np.uint64(31))
@@ -120,9 +116,9 @@ def _splitmix(seeds: list[int], counters: list[int], index: np.ndarray) -> np.nd
 def gumbel_noise(seeds: list[int], counters: list[int], V: int) -> torch.Tensor:
     """The draws' Gumbel numbers [n, V] fp32: g[i, t] = -ln(-ln(u)), u = (2 k + 1) / 2^24 with k the top 23 bits of
     murmur3's 32-bit finalizer of (key >> 32) xor (key's low half + t x 0x9E3779B9), key = splitmix64(seeds[i],
-    counters[i], 0). A function of those three alone, so a row's draw does not depend on the other rows of its batch
+    counters[i]). A function of those three alone, so a row's draw does not depend on the other rows of its batch
     (csrc/draws.h `gumbel` is the same, its logarithms polynomial: they agree to ~1e-7)."""
-    key = _splitmix(seeds, counters, np.zeros(1, dtype=np.uint64))  # [n, 1]
+    key = _row_keys(seeds, counters)  # [n, 1]
     with np.errstate(over="ignore"):
         x = (key >> np.uint64(32)).astype(np.uint32) ^ (
             (key & np.uint64(0xFFFFFFFF)).astype(np.uint32) + np.arange(V, dtype=np.uint32)[None] * np.uint32(0x9E3779B9))

@@ -18,13 +18,27 @@ namespace draws {
 
 constexpr float GREEDY_BELOW = 1e-5f;  // export/serve/request.py GREEDY_BELOW
 
-// splitmix64 of (seed, counter, index), as export/serve/sampling.py `gumbel_noise` computes it
-inline uint64_t splitmix(uint64_t seed, uint64_t counter, uint64_t index) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter * 0xD1B54A32D192ED03ull + index * 0x8CB92BA72F3D8DD7ull +
-               0x632BE59BD9B4E019ull;  // so that (0, 0, 0) does not hash to 0
+// A row's key: splitmix64 of (seed, counter), as export/serve/sampling.py `_row_keys` computes it
+inline uint64_t row_key(uint64_t seed, uint64_t counter) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter * 0xD1B54A32D192ED03ull +
+               0x632BE59BD9B4E019ull;  // so that (0, 0) does not hash to 0
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
+}
+
+// max of v [V] (-inf for none), in lanes: a float reduction the compiler vectorizes (it keeps one sum's order)
+inline float row_max(const float* v, int64_t V) {
+  constexpr int L = 16;
+  float lanes[L];
+  for (int j = 0; j < L; ++j) lanes[j] = -INFINITY;
+  const int64_t Vv = V / L * L;
+  for (int64_t i = 0; i < Vv; i += L)
+    for (int j = 0; j < L; ++j) lanes[j] = v[i + j] > lanes[j] ? v[i + j] : lanes[j];
+  float m = -INFINITY;
+  for (int j = 0; j < L; ++j) m = std::max(m, lanes[j]);
+  for (int64_t i = Vv; i < V; ++i) m = std::max(m, v[i]);
+  return m;
 }
 
 // exp(x) for x in [-87, 88] (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n from the exponent bits),
@@ -77,10 +91,9 @@ inline float log_positive(float x) {
 }
 
 // A token's Gumbel number: -ln(-ln(u)), u = (2 k + 1) / 2^24 in (0, 1), k the top 23 bits of murmur3's 32-bit
-// finalizer of (the row's key's high half) xor (its low half + t x 0x9E3779B9), the key splitmix(seed, counter, 0):
-// one hash a row, then 32-bit arithmetic a token (a bijection of t: no two tokens of a row share a number before the
-// rounding to 23 bits). export/serve/sampling.py `gumbel_noise` is the same in numpy and tensor ops.
-inline uint64_t row_key(uint64_t seed, uint64_t counter) { return splitmix(seed, counter, 0); }
+// finalizer of (the row's key's high half) xor (its low half + t x 0x9E3779B9): one hash a row, then 32-bit
+// arithmetic a token (a bijection of t: no two tokens of a row share a number before the rounding to 23 bits).
+// export/serve/sampling.py `gumbel_noise` is the same in numpy and tensor ops.
 
 inline float gumbel(uint64_t key, int64_t t) {
   uint32_t x = static_cast<uint32_t>(key >> 32) ^ (static_cast<uint32_t>(key) + static_cast<uint32_t>(t) * 0x9E3779B9u);

@@ -345,19 +345,6 @@ constexpr int SCREEN_TIGHTEN = 2;  // top_p undecided: the 64, then 512 heaviest
 constexpr int SCREEN_STAGES = 8;   // exact computations a call at most (each one `candidate_logits` for every row)
 }  // namespace
 
-static float row_top(const float* v, int64_t O) {  // max of v [O], in lanes (vectorized)
-  constexpr int L = 16;
-  float lanes[L];
-  for (int j = 0; j < L; ++j) lanes[j] = -INFINITY;
-  int64_t o = 0;
-  for (; o + L <= O; o += L)
-    for (int j = 0; j < L; ++j) lanes[j] = v[o + j] > lanes[j] ? v[o + j] : lanes[j];
-  float top = -INFINITY;
-  for (int j = 0; j < L; ++j) top = std::max(top, lanes[j]);
-  for (; o < O; ++o) top = std::max(top, v[o]);
-  return top;
-}
-
 // A processed logit as export/serve/sampling.py `Edits` makes it: each op rounded to fp32 as numpy rounds it (the
 // product is stored before the subtraction: never contracted into one fused multiply-add)
 static inline float processed(float v, float bias, float rep, float sub) {
@@ -394,32 +381,37 @@ static void draw_candidates(const float* lo, const float* hi, const float* g, co
     if (hi[o] + g[o] >= b && hi[o] >= cut && hi[o] >= over && !known[o]) out.push_back(o);
 }
 
-// top_p's test of a drawn token at a (exact) with maximum m: 1 inside the nucleus, -1 outside, 0 undecided
-static int nucleus_test(const float* lo, const float* hi, int64_t O, float m, float cut, float a, float top_p) {
+// top_p's test of a drawn token at a (exact) with maximum m: 1 inside the nucleus, -1 outside, 0 undecided. Also
+// each token's gap, the difference of its bounds' kept weights (0 once exact), into gaps [O], their sum and largest
+// (what a tightening computes first).
+static int nucleus_test(const float* lo, const float* hi, int64_t O, float m, float cut, float a, float top_p,
+                        float* gaps, double& gap, float& widest) {
   constexpr int L = 16;  // lanes (vectorized), summed in double a block
   double z_lo = 0, z_hi = 0, h_lo = 0, h_hi = 0;
+  float top[L] = {0};
   for (int64_t b = 0; b < O; b += 256) {
     const int64_t e = std::min(O, b + 256);
     float zl[L] = {0}, zh[L] = {0}, hl[L] = {0}, hh[L] = {0};
     int64_t o = b;
+    auto one = [&](int64_t i, int j) {  // token i into lane j
+      const float l = lo[i], h = hi[i];
+      const float wl = draws::exp_clamped(l - m), wh = draws::exp_clamped(h - m);
+      const float kl = l >= cut ? wl : 0.0f, kh = h >= cut ? wh : 0.0f;
+      zl[j] += kl;
+      zh[j] += kh;
+      hl[j] += l > a ? wl : 0.0f;
+      hh[j] += h > a ? wh : 0.0f;
+      gaps[i] = kh - kl;
+      top[j] = kh - kl > top[j] ? kh - kl : top[j];
+    };
     for (; o + L <= e; o += L)
-      for (int j = 0; j < L; ++j) {
-        const float l = lo[o + j], h = hi[o + j];
-        const float wl = draws::exp_clamped(l - m), wh = draws::exp_clamped(h - m);
-        zl[j] += l >= cut ? wl : 0.0f;
-        zh[j] += h >= cut ? wh : 0.0f;
-        hl[j] += l > a ? wl : 0.0f;
-        hh[j] += h > a ? wh : 0.0f;
-      }
+      for (int j = 0; j < L; ++j) one(o + j, j);
+    for (int j = 0; e - o > j; ++j) one(o + j, j);
     for (int j = 0; j < L; ++j) z_lo += zl[j], z_hi += zh[j], h_lo += hl[j], h_hi += hh[j];
-    for (; o < e; ++o) {
-      const float wl = draws::exp_clamped(lo[o] - m), wh = draws::exp_clamped(hi[o] - m);
-      z_lo += lo[o] >= cut ? wl : 0.0f;
-      z_hi += hi[o] >= cut ? wh : 0.0f;
-      h_lo += lo[o] > a ? wl : 0.0f;
-      h_hi += hi[o] > a ? wh : 0.0f;
-    }
   }
+  widest = 0;
+  for (int j = 0; j < L; ++j) widest = std::max(widest, top[j]);
+  gap = z_hi - z_lo;
   const double p = top_p, slack = 1e-4;
   if (h_hi * (1 + slack) < p * z_lo * (1 - slack)) return 1;
   if (h_lo * (1 - slack) > p * z_hi * (1 + slack)) return -1;
@@ -515,7 +507,7 @@ static at::Tensor screened_sample(const at::Tensor& x, const at::Tensor& w, cons
           d.phase = 1;
           continue;
         }
-        float top = row_top(lo, O);
+        const float top = draws::row_max(lo, O);
         const vf vtop = vset(top);
         int64_t o = 0;
         for (; o + VW <= O; o += VW)
@@ -551,7 +543,10 @@ static at::Tensor screened_sample(const at::Tensor& x, const at::Tensor& w, cons
         }
         d.phase = pp[m] >= 1.0f ? 3 : 2;
       } else {
-        const int verdict = nucleus_test(lo, hi, O, d.m, d.cut, lo[d.token], pp[m]);
+        float* gaps = GAP + m * O;
+        double gap;
+        float widest;
+        const int verdict = nucleus_test(lo, hi, O, d.m, d.cut, lo[d.token], pp[m], gaps, gap, widest);
         if (verdict > 0) {
           d.phase = 3;
         } else if (verdict < 0 && d.redraws < SCREEN_REDRAWS) {
@@ -563,31 +558,6 @@ static at::Tensor screened_sample(const at::Tensor& x, const at::Tensor& w, cons
           // most, computed, where they hold most of the difference (on flat logits they never do: the whole head)
           const size_t k = static_cast<size_t>(std::min<int64_t>(most, int64_t(64) << (3 * d.tightened)));
           ++d.tightened;
-          float* gaps = GAP + m * O;  // each token's difference (0 once exact)
-          double gap = 0;
-          float widest = 0;
-          {
-            constexpr int L = 16;
-            float sum[L] = {0}, top[L] = {0};
-            int64_t o = 0;
-            for (; o + L <= O; o += L)
-              for (int j = 0; j < L; ++j) {
-                const float l = lo[o + j], h = hi[o + j];
-                const float v = (h >= d.cut ? draws::exp_clamped(h - d.m) : 0.0f) -
-                                (l >= d.cut ? draws::exp_clamped(l - d.m) : 0.0f);
-                gaps[o + j] = v;
-                sum[j] += v;
-                top[j] = v > top[j] ? v : top[j];
-              }
-            for (int j = 0; j < L; ++j) gap += sum[j], widest = std::max(widest, top[j]);
-            for (; o < O; ++o) {
-              const float v = (hi[o] >= d.cut ? draws::exp_clamped(hi[o] - d.m) : 0.0f) -
-                              (lo[o] >= d.cut ? draws::exp_clamped(lo[o] - d.m) : 0.0f);
-              gaps[o] = v;
-              gap += v;
-              widest = std::max(widest, v);
-            }
-          }
           if (!(static_cast<double>(widest) * k >= 0.5 * gap)) {  // k tokens cannot hold half of it
             d.phase = 4;
             return;

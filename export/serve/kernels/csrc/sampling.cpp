@@ -35,18 +35,6 @@ namespace {
 constexpr int L = 16;  // lanes of the loops below (one AVX-512 vector, two AVX2 ones)
 constexpr int REDRAWS = 64;  // top_p: draws past the first at most (each from tokens strictly above the last)
 
-float row_max(const float* s, int64_t V) {
-  float lanes[L];
-  for (int j = 0; j < L; ++j) lanes[j] = -INFINITY;
-  const int64_t Vv = V / L * L;
-  for (int64_t i = 0; i < Vv; i += L)
-    for (int j = 0; j < L; ++j) lanes[j] = s[i + j] > lanes[j] ? s[i + j] : lanes[j];
-  float m = -INFINITY;
-  for (int j = 0; j < L; ++j) m = std::max(m, lanes[j]);
-  for (int64_t i = Vv; i < V; ++i) m = std::max(m, s[i]);
-  return m;
-}
-
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) {  // a bf16's bits are a float's top half
   uint16_t h;
@@ -64,7 +52,7 @@ float load_scaled(const T* __restrict x, float* __restrict s, int64_t V, float i
     const float v = widen(x[i]) * inv_t;
     s[i] = v == v ? v : -INFINITY;
   }
-  return row_max(s, V);
+  return draws::row_max(s, V);
 }
 
 float kth_largest(const float* s, int64_t V, int64_t k, std::vector<float>& scratch) {
@@ -182,7 +170,7 @@ int64_t sample_row(const T* x, int64_t V, float temperature, int64_t top_k, floa
     if (edits.allowed)
       for (int64_t i = 0; i < V; ++i)
         if (!((static_cast<uint32_t>(edits.allowed[i >> 5]) >> (i & 31)) & 1u)) s[i] = -INFINITY;
-    m = row_max(s, V);
+    m = draws::row_max(s, V);
   }
   if (greedy || m == -INFINITY) {  // the first largest (torch.argmax's); every token banned: token 0
     for (int64_t i = 0; i < V; ++i)
