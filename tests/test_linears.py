@@ -142,6 +142,9 @@ def check_all(gemv):
     check_attention(gemv)
     check_experts(gemv)
     check_experts(gemv, C=128, width=64, counts=(1, 3, 9, 2))  # int4 experts too (groups of 64)
+    # experts of 16 rows and more (AVX512_BF16: tiles.h's tiles of 1 to 3 blocks of 16 rows, partial blocks; an odd
+    # hidden size; 100 rows: 7 blocks as 3 + 2 + 2) beside ones of fewer rows
+    check_experts(gemv, C=202, width=72, counts=(20, 3, 49, 16, 100, 15))
     check_norm(gemv)
     check_argmax(gemv)
     check_screen(gemv)

@@ -16,19 +16,18 @@ GROUPED_MAX_ROWS = 16  # experts' mean rows up to which `expert_mlps` runs a lay
 
 
 def grouped_max_rows(x: torch.Tensor) -> int:
-    """Experts' mean rows up to which `expert_mlps` runs a layer's experts over x's rows: GROUPED_MAX_ROWS (a decode
-    batch's), or any number for bf16 where oneDNN's GEMM is the slower way: on a CPU with AMX (its experts of more
-    rows than a pass of VDPBF16PS go to AMX tiles that read the expert's weight as it is: a prefill too, in one call
-    where oneDNN took two GEMMs and ~10 operators an expert), and on a build without bf16 products (AVX2, AVX-512
-    without AVX512_BF16), where oneDNN's bf16 GEMM widens its operands at a fraction of the fp32 FMA rate while the
-    few-row kernels widen each weight vector once for 8 rows (benchmarks/moe_layer_bench.py, 2048 rows). W8A8 experts
-    of a prefill go one at a time through `w8a8_linear` (grouping them gained nothing at 32 concurrent)."""
+    """Experts' mean rows up to which `expert_mlps` runs a layer's experts over x's rows: any number in bf16, where
+    oneDNN's GEMM, an expert at a time, is the slower way on every build: with AVX512_BF16, experts of 16 rows and
+    more go to tiles of VDPBF16PS over 16 rows a vector (csrc/tiles.h); with AMX, to AMX tiles; without bf16 products
+    (AVX2, AVX-512 without AVX512_BF16), oneDNN's bf16 GEMM widens its operands at a fraction of the fp32 FMA rate
+    while the few-row kernels widen each weight vector once for 8 rows (benchmarks/moe_layer_bench.py, 2048 rows); a
+    prefill's layer is then one call where oneDNN took two GEMMs and ~10 operators an expert. fp32: GROUPED_MAX_ROWS
+    (a decode batch's). W8A8 experts of a prefill go one at a time through `w8a8_linear` (grouping them gained
+    nothing at 32 concurrent)."""
     k = kernel()
-    if k is not None and x.dtype == torch.bfloat16 and (
-            (hasattr(k, "amx_ready") and k.amx_ready()) or not k.BF16_PRODUCTS):
+    if k is not None and x.dtype == torch.bfloat16:
         return 1 << 40
     return GROUPED_MAX_ROWS
-
 
 
 def grouped_experts(x: torch.Tensor, counts: list[int]) -> bool:

@@ -5,6 +5,7 @@
 #include "amx.h"
 #include "gemv.h"
 #include "kernels.h"
+#include "tiles.h"
 #include "vnni.h"
 
 // -- the routed experts of one MoE layer, in one call -------------------------------------------------------------
@@ -206,6 +207,86 @@ static void expert_mlps_w8a8(const at::Tensor& x, const std::vector<int64_t>& co
 }
 #endif
 
+#if defined(__AVX512BF16__)
+constexpr int64_t TILE_MIN_ROWS = 16;  // an expert's rows from which its fcs go through tiles.h's tiles
+
+// fc1 of a tiled expert (M rows, packed as pairs at x) for its outputs [o0, o1) (multiples of 4): gate rows o and up
+// rows F + o (swiglu: 4 of each a tile) or rows o (GeLU: 4 a tile), with the bias b, the activation rounded as
+// expert_mlps_typed's passes round it, written as pairs of outputs into `act` (fc2's packed rows, F / 2 pairs).
+static void tiled_fc1(const B16* w, const B16* b, const uint32_t* x, int64_t M, int64_t C, int64_t F, int64_t o0,
+                      int64_t o1, bool swiglu, uint32_t* act) {
+  const int64_t J = C / 2, FJ = F / 2, blocks = (M + TILE_LANES - 1) / TILE_LANES;
+  auto run = [&](auto n_c) {
+    constexpr int N = decltype(n_c)::value;  // 8 (4 gate, 4 up) or 4
+    for (int64_t o = o0; o < o1; o += 4) {
+      const B16* wr[N];
+      for (int q = 0; q < 4; ++q) {
+        wr[q] = w + (o + q) * C;
+        if constexpr (N == 8) wr[4 + q] = w + (F + o + q) * C;
+      }
+      for_block_groups(blocks, [&](int64_t rb, auto r_c) {
+          constexpr int R = decltype(r_c)::value;
+          alignas(64) float sums[R][N][TILE_LANES];
+          tile_sums<R, N>(x + rb * J * TILE_LANES, wr, J, sums);
+          for (int r = 0; r < R; ++r) {
+            __m512 a[4];
+            for (int q = 0; q < 4; ++q) {
+              const float bg = b ? static_cast<float>(b[o + q]) : 0.0f;
+              const __m512 g = vrounded<B16>(_mm512_add_ps(_mm512_load_ps(sums[r][q]), _mm512_set1_ps(bg)));
+              if constexpr (N == 8) {  // F.silu(gate) * up, each rounded as F.linear, F.silu and the product round
+                const float bu = b ? static_cast<float>(b[F + o + q]) : 0.0f;
+                const __m512 u = vrounded<B16>(_mm512_add_ps(_mm512_load_ps(sums[r][4 + q]), _mm512_set1_ps(bu)));
+                a[q] = _mm512_mul_ps(vrounded<B16>(vsilu(g)), u);
+              } else {
+                alignas(64) float f[16];
+                _mm512_store_ps(f, g);
+                for (float& v : f) v = gelu(v);
+                a[q] = _mm512_load_ps(f);
+              }
+            }
+            uint32_t* out = act + ((rb + r) * FJ + o / 2) * TILE_LANES;
+            _mm512_storeu_si512(out, pair_of(a[0], a[1]));
+            _mm512_storeu_si512(out + TILE_LANES, pair_of(a[2], a[3]));
+          }
+        });
+    }
+  };
+  if (swiglu)
+    run(std::integral_constant<int, 8>{});
+  else
+    run(std::integral_constant<int, 4>{});
+}
+
+// fc2 of a tiled expert: outputs [o0, o1) of its M rows (their activation packed as pairs at act) into y ([M, C]),
+// with the bias b, each rounded once
+static void tiled_fc2(const B16* w, const B16* b, const uint32_t* act, int64_t M, int64_t C, int64_t F, int64_t o0,
+                      int64_t o1, B16* y) {
+  const int64_t J = F / 2, blocks = (M + TILE_LANES - 1) / TILE_LANES;
+  uint16_t* yb = reinterpret_cast<uint16_t*>(y);
+  for (int64_t o = o0; o < o1; o += TILE_OUTS) {
+    const int nv = static_cast<int>(std::min<int64_t>(TILE_OUTS, o1 - o));
+    const B16* wr[TILE_OUTS];
+    float bo[TILE_OUTS];
+    for (int n = 0; n < TILE_OUTS; ++n) {  // past the last output: its row again, the sums left unused
+      wr[n] = w + (o + std::min(n, nv - 1)) * F;
+      bo[n] = b && n < nv ? static_cast<float>(b[o + n]) : 0.0f;
+    }
+    for_block_groups(blocks, [&](int64_t rb, auto r_c) {
+        constexpr int R = decltype(r_c)::value;
+        alignas(64) float sums[R][TILE_OUTS][TILE_LANES];
+        tile_sums<R, TILE_OUTS>(act + rb * J * TILE_LANES, wr, J, sums);
+        for (int r = 0; r < R; ++r) {
+          __m256i v[TILE_OUTS];
+          for (int n = 0; n < TILE_OUTS; ++n)
+            v[n] = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[r][n]), _mm512_set1_ps(bo[n])));
+          const int64_t row0 = (rb + r) * TILE_LANES;
+          store_rows8(v, yb + row0 * C + o, C, std::min<int64_t>(TILE_LANES, M - row0), nv);
+        }
+      });
+  }
+}
+#endif
+
 template <typename T>
 static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& counts,
                               const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
@@ -223,8 +304,6 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   std::vector<int64_t> start(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
   const T* xp = x.data_ptr<T>();
-  at::Tensor act = at::empty({start[E], F}, x.options());  // the activation of each row, fc2's input
-  T* ap = act.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   auto passes = [](int64_t rows) { return (rows + MAX_ROWS - 1) / MAX_ROWS; };
   // AMX (bf16, where this build and the process have it): the experts with more rows than one pass of MAX_ROWS,
@@ -239,6 +318,39 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   }
 #endif
   at::Tensor packed = at::empty({chunks * std::max(C, F) * 16}, x.options());
+  // VDPBF16PS tiles (tiles.h; bf16 experts on an AVX512_BF16 build, where AMX does not take them): the experts of
+  // TILE_MIN_ROWS rows or more, their rows packed as pairs for fc1 (`xpairs`) and their activation written so for
+  // fc2 (`apairs`); `tblock[e]` their first block of 16 rows (-1: not tiled)
+  std::vector<int64_t> tblock(E + 1, -1);
+  int64_t tblocks = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, B16>::value) {
+    if (s1.empty() && C % 2 == 0 && F % 4 == 0)
+      for (int64_t e = 0; e < E; ++e)
+        if (chunk[e] < 0 && counts[e] >= TILE_MIN_ROWS)
+          tblock[e] = tblocks, tblocks += (counts[e] + TILE_LANES - 1) / TILE_LANES;
+  }
+#endif
+  // the activation of each row not in tiles, fc2's input (none allocated where every expert is tiled)
+  int64_t untiled = 0;
+  for (int64_t e = 0; e < E; ++e) untiled += tblock[e] < 0 ? counts[e] : 0;
+  at::Tensor act = at::empty({untiled ? start[E] : 0, F}, x.options());
+  T* ap = act.data_ptr<T>();
+  // kept between calls (grown, never shrunk): a prefill's new 40 MB a layer cost a page fault every 4 KB
+  thread_local std::vector<uint32_t> xpairs, apairs;
+  if (xpairs.size() < size_t(tblocks * 16 * (C / 2))) xpairs.resize(tblocks * 16 * (C / 2));
+  if (apairs.size() < size_t(tblocks * 16 * (F / 2))) apairs.resize(tblocks * 16 * (F / 2));
+  uint32_t* xq = xpairs.data();
+  uint32_t* aq = apairs.data();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, B16>::value) {
+    if (tblocks)
+      at::parallel_for(0, E, 1, [&](int64_t b, int64_t e1) {
+        for (int64_t e = b; e < e1; ++e)
+          if (tblock[e] >= 0) pack_pairs(xp + start[e] * C, counts[e], C, C, xq + tblock[e] * 16 * (C / 2));
+      });
+  }
+#endif
   auto pack = [&](const T* rows, int64_t I) {  // each AMX expert's rows, in parallel
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if constexpr (std::is_same<T, B16>::value) {
@@ -275,16 +387,27 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
     }
     block_rows<T>(W[e].data_ptr<T>() + o0 * I, xr, b, out, M, I, O, n, scratch);
   };
+  // a task's cost: its weight rows times the passes over them (a tiled expert's block of 16 rows as two passes)
+  auto cost = [&](int64_t e, int64_t n) {
+    return n * (tblock[e] >= 0 ? 2 * ((counts[e] + TILE_LANES - 1) / TILE_LANES) : passes(counts[e]));
+  };
   std::vector<Task> tasks;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t o = 0; o < F && counts[e]; o += BLOCK)
-      tasks.push_back({e, o, std::min(F, o + BLOCK), passes(counts[e]) * (std::min(F, o + BLOCK) - o)});
+      tasks.push_back({e, o, std::min(F, o + BLOCK), cost(e, std::min(F, o + BLOCK) - o)});
   pack(xp, C);
   // fc1 and the activation: gate rows [o0, o1) and up rows F + [o0, o1) (swiglu), into act[:, o0:o1]
   run_tasks(tasks, (swiglu ? 2 : 1) * C * int64_t(sizeof(T)), [&](const Task& t) {
     const T* w = s1.empty() ? w1[t.expert].data_ptr<T>() : nullptr;
     const T* b = bias ? b1[t.expert].data_ptr<T>() : nullptr;
     const int64_t n = t.o1 - t.o0;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same<T, B16>::value) {
+      if (tblock[t.expert] >= 0)
+        return tiled_fc1(w, b, xq + tblock[t.expert] * 16 * (C / 2), counts[t.expert], C, F, t.o0, t.o1, swiglu,
+                         aq + tblock[t.expert] * 16 * (F / 2));
+    }
+#endif
     if (chunk[t.expert] >= 0) {
       alignas(64) float g[32][32], up[32][32];
       for (int64_t r = 0; r < counts[t.expert]; r += 32) {
@@ -341,12 +464,19 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   tasks.clear();
   for (int64_t e = 0; e < E; ++e)
     for (int64_t o = 0; o < C && counts[e]; o += BLOCK)
-      tasks.push_back({e, o, std::min(C, o + BLOCK), passes(counts[e]) * (std::min(C, o + BLOCK) - o)});
+      tasks.push_back({e, o, std::min(C, o + BLOCK), cost(e, std::min(C, o + BLOCK) - o)});
   pack(ap, F);
   // fc2: output columns [o0, o1) of each of the expert's rows
   run_tasks(tasks, F * int64_t(sizeof(T)), [&](const Task& t) {
     const T* w = s1.empty() ? w2[t.expert].data_ptr<T>() : nullptr;
     const T* b = bias ? b2[t.expert].data_ptr<T>() : nullptr;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same<T, B16>::value) {
+      if (tblock[t.expert] >= 0)
+        return tiled_fc2(w, b, aq + tblock[t.expert] * 16 * (F / 2), counts[t.expert], C, F, t.o0, t.o1,
+                         yp + start[t.expert] * C);
+    }
+#endif
     if (chunk[t.expert] >= 0) {
       alignas(64) float c[32][32];
       for (int64_t r = 0; r < counts[t.expert]; r += 32) {
@@ -377,10 +507,12 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
 // (empty lists). y [P, C] in x's order. fp32 or bf16, all alike; rounded to it where F.linear, F.silu and the
 // product round. int8 experts (s1, s2 given): w1[i], w2[i] int8 with one fp32 scale per row in s1[i], s2[i]
 // (pipeline/quantize.py `quantize_int8`), each fc as int8_linear computes it; biases in x's dtype.
-at::Tensor expert_mlps(const at::Tensor& x, const std::vector<int64_t>& counts, const std::vector<at::Tensor>& w1,
-                          const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
-                          const std::vector<at::Tensor>& b2, bool swiglu, const std::vector<at::Tensor>& s1,
-                          const std::vector<at::Tensor>& s2) {
+// expert_mlps into `out` ([rows, C] of x's dtype) where given
+static at::Tensor expert_mlps_into(const at::Tensor& x, const std::vector<int64_t>& counts,
+                                   const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
+                                   const std::vector<at::Tensor>& w2, const std::vector<at::Tensor>& b2, bool swiglu,
+                                   const std::vector<at::Tensor>& s1, const std::vector<at::Tensor>& s2,
+                                   const at::Tensor* out) {
   RECORD_FUNCTION("moe_pipeline::expert_mlps", std::vector<c10::IValue>({x}));
   const int64_t E = counts.size();
   TORCH_CHECK(E > 0 && int64_t(w1.size()) == E && int64_t(w2.size()) == E &&
@@ -441,13 +573,31 @@ at::Tensor expert_mlps(const at::Tensor& x, const std::vector<int64_t>& counts, 
                   "expert_mlps: biases of the weights' sizes and dtype");
   }
   TORCH_CHECK(rows == x.size(0), "expert_mlps: the counts add up to ", rows, " rows, x has ", x.size(0));
-  at::Tensor y = at::empty({rows, C}, x.options());
+  at::Tensor y = out ? *out : at::empty({rows, C}, x.options());
+  TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == dt && y.is_contiguous(), "expert_mlps: out as x");
   if (rows == 0) return y;
   if (dt == at::kFloat)
     expert_mlps_typed<float>(x, counts, w1, b1, w2, b2, swiglu, s1, s2, y);
   else
     expert_mlps_typed<c10::BFloat16>(x, counts, w1, b1, w2, b2, swiglu, s1, s2, y);
   return y;
+}
+
+at::Tensor expert_mlps(const at::Tensor& x, const std::vector<int64_t>& counts, const std::vector<at::Tensor>& w1,
+                          const std::vector<at::Tensor>& b1, const std::vector<at::Tensor>& w2,
+                          const std::vector<at::Tensor>& b2, bool swiglu, const std::vector<at::Tensor>& s1,
+                          const std::vector<at::Tensor>& s2) {
+  return expert_mlps_into(x, counts, w1, b1, w2, b2, swiglu, s1, s2, nullptr);
+}
+
+// A [rows, cols] tensor of `options` in room kept by this thread between calls (slot 0 or 1; grown, never shrunk):
+// a layer's intermediates, which a prefill of 2048 tokens would otherwise fault in 4 KB at a time (32 MB each)
+static at::Tensor kept_room(int slot, int64_t rows, int64_t cols, const at::TensorOptions& options) {
+  thread_local at::Tensor room[2];
+  at::Tensor& t = room[slot];
+  if (!t.defined() || t.numel() < rows * cols || t.scalar_type() != options.dtype().toScalarType())
+    t = at::empty({std::max<int64_t>(1, rows * cols)}, options);
+  return t.narrow(0, 0, rows * cols).view({rows, cols});
 }
 
 // -- a whole MoE layer on one rank: routing, the experts, the weighted sum ----------------------------------------
@@ -595,13 +745,16 @@ static std::pair<at::Tensor, std::vector<int64_t>> run_pairs(
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < S * k; ++i)
     if (slot_of(ep[i]) >= 0) pair_row[i] = fill[slot_of(ep[i])]++;  // token order within an expert
-  at::Tensor rows = at::empty({start[A], C}, x.options());
+  at::Tensor rows = kept_room(0, start[A], C, x.options());
   const int64_t bytes = C * x.element_size();
   const char* xp = static_cast<const char*>(x.data_ptr());
   char* rp = static_cast<char*>(rows.data_ptr());
-  for (int64_t i = 0; i < S * k; ++i)
-    if (pair_row[i] >= 0) std::memcpy(rp + pair_row[i] * bytes, xp + (i / k) * bytes, bytes);
-  return {expert_mlps(rows, counts, w1, b1, w2, b2, swiglu, s1, s2), pair_row};
+  at::parallel_for(0, S * k, 2048, [&](int64_t b, int64_t e) {  // a prefill's 16384 pairs: 32 MB at hidden 1024
+    for (int64_t i = b; i < e; ++i)
+      if (pair_row[i] >= 0) std::memcpy(rp + pair_row[i] * bytes, xp + (i / k) * bytes, bytes);
+  });
+  const at::Tensor y = kept_room(1, start[A], C, x.options());
+  return {expert_mlps_into(rows, counts, w1, b1, w2, b2, swiglu, s1, s2, &y), pair_row};
 }
 
 static at::Tensor combined(const at::Tensor& y, const at::Tensor& weights, const std::vector<int64_t>& pair_row,
