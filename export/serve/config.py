@@ -40,7 +40,9 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(None, repr=False)
     api_key_file: Path | None = None
     max_batch: int = Field(32, ge=1)  # sequences each rank decodes together
-    max_batched_tokens: int = Field(2048, ge=1)  # tokens each rank runs in a step (decode first, then prompt chunks)
+    # tokens each rank runs in a step (decode first, then prompt chunks): 512, where 2048 doubled the deep peer model's
+    # time to first token at 32 concurrent for the same throughput (docs/serving.md, "Prefill and decode in one step")
+    max_batched_tokens: int = Field(512, ge=1)
     max_prefill_seqs: int | None = Field(None, ge=1)  # prompts per prefill forward on a rank; None: all the step takes
     # KV cache (export/serve/kv_cache.py): GiB per rank (None: a share of the free memory), the longest sequence
     # (None: the model's context), tokens per block, sharing of prompt prefixes between requests

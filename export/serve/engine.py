@@ -76,7 +76,7 @@ class Engine:
     spread over the ranks (None: one rank). `own_requests`: each data-parallel rank its own requests and scheduler
     (`front`: this rank 0 takes every request and spreads them; export/serve/coordinator.py)."""
 
-    def __init__(self, model: GPT, tokenizer, max_batch: int = 32, ranks=None, max_batched_tokens: int = 2048,
+    def __init__(self, model: GPT, tokenizer, max_batch: int = 32, ranks=None, max_batched_tokens: int = 512,
                  max_prefill_seqs: int | None = None, kv_cache_memory: float | None = None,
                  max_model_len: int | None = None, block_size: int = 16, prefix_caching: bool = True,
                  exchange: Exchange | None = None, layout: Layout | None = None, controller: Controller | None = None,

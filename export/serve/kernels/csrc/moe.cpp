@@ -210,19 +210,51 @@ static void expert_mlps_w8a8(const at::Tensor& x, const std::vector<int64_t>& co
 #if defined(__AVX512BF16__)
 constexpr int64_t TILE_MIN_ROWS = 16;  // an expert's rows from which its fcs go through tiles.h's tiles
 
+// A tiled expert's weight: bf16 rows as they are, or int8 rows (one scale a row: w ~ scale[o] * q[o], as int8_linear
+// takes them) widened to bf16 a tile's rows at a time into this thread's room (exact: |q| <= 127), the scale applied
+// to the sums, as int8_linear applies it
+struct TileWeight {
+  const B16* w;
+  const int8_t* q;
+  const float* scale;
+  int64_t K;  // inputs a row
+  // row o's K values as bf16: w's own, or q's widened into room + slot * K
+  const B16* row(int64_t o, int slot, B16* room) const {
+    if (!q) return w + o * K;
+    const int8_t* src = q + o * K;
+    B16* dst = room + slot * K;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_cvtepi32_ps(
+                                                                     _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                                                         reinterpret_cast<const __m128i*>(src + k))))));
+    for (; k < K; ++k) dst[k] = static_cast<B16>(static_cast<float>(src[k]));
+    return dst;
+  }
+  float scale_of(int64_t o) const { return q ? scale[o] : 1.0f; }
+};
+
+// A thread's room for n bf16 values (a tile's int8 rows widened), kept between calls
+static B16* tile_room(size_t n) {
+  thread_local std::vector<B16> room;
+  if (room.size() < n) room.resize(n);
+  return room.data();
+}
+
 // fc1 of a tiled expert (M rows, packed as pairs at x) for its outputs [o0, o1) (multiples of 4): gate rows o and up
 // rows F + o (swiglu: 4 of each a tile) or rows o (GeLU: 4 a tile), with the bias b, the activation rounded as
 // expert_mlps_typed's passes round it, written as pairs of outputs into `act` (fc2's packed rows, F / 2 pairs).
-static void tiled_fc1(const B16* w, const B16* b, const uint32_t* x, int64_t M, int64_t C, int64_t F, int64_t o0,
-                      int64_t o1, bool swiglu, uint32_t* act) {
+static void tiled_fc1(const TileWeight& w, const B16* b, const uint32_t* x, int64_t M, int64_t C, int64_t F,
+                      int64_t o0, int64_t o1, bool swiglu, uint32_t* act) {
   const int64_t J = C / 2, FJ = F / 2, blocks = (M + TILE_LANES - 1) / TILE_LANES;
+  B16* room = w.q ? tile_room(8 * C) : nullptr;
   auto run = [&](auto n_c) {
     constexpr int N = decltype(n_c)::value;  // 8 (4 gate, 4 up) or 4
     for (int64_t o = o0; o < o1; o += 4) {
       const B16* wr[N];
       for (int q = 0; q < 4; ++q) {
-        wr[q] = w + (o + q) * C;
-        if constexpr (N == 8) wr[4 + q] = w + (F + o + q) * C;
+        wr[q] = w.row(o + q, q, room);
+        if constexpr (N == 8) wr[4 + q] = w.row(F + o + q, 4 + q, room);
       }
       for_block_groups(blocks, [&](int64_t rb, auto r_c) {
           constexpr int R = decltype(r_c)::value;
@@ -232,10 +264,13 @@ static void tiled_fc1(const B16* w, const B16* b, const uint32_t* x, int64_t M, 
             __m512 a[4];
             for (int q = 0; q < 4; ++q) {
               const float bg = b ? static_cast<float>(b[o + q]) : 0.0f;
-              const __m512 g = vrounded<B16>(_mm512_add_ps(_mm512_load_ps(sums[r][q]), _mm512_set1_ps(bg)));
+              const __m512 g = vrounded<B16>(_mm512_add_ps(  // as int8_linear: the sum times the scale, then the bias
+                  _mm512_mul_ps(_mm512_load_ps(sums[r][q]), _mm512_set1_ps(w.scale_of(o + q))), _mm512_set1_ps(bg)));
               if constexpr (N == 8) {  // F.silu(gate) * up, each rounded as F.linear, F.silu and the product round
                 const float bu = b ? static_cast<float>(b[F + o + q]) : 0.0f;
-                const __m512 u = vrounded<B16>(_mm512_add_ps(_mm512_load_ps(sums[r][4 + q]), _mm512_set1_ps(bu)));
+                const __m512 u = vrounded<B16>(_mm512_add_ps(
+                    _mm512_mul_ps(_mm512_load_ps(sums[r][4 + q]), _mm512_set1_ps(w.scale_of(F + o + q))),
+                    _mm512_set1_ps(bu)));
                 a[q] = _mm512_mul_ps(vrounded<B16>(vsilu(g)), u);
               } else {
                 alignas(64) float f[16];
@@ -259,17 +294,19 @@ static void tiled_fc1(const B16* w, const B16* b, const uint32_t* x, int64_t M, 
 
 // fc2 of a tiled expert: outputs [o0, o1) of its M rows (their activation packed as pairs at act) into y ([M, C]),
 // with the bias b, each rounded once
-static void tiled_fc2(const B16* w, const B16* b, const uint32_t* act, int64_t M, int64_t C, int64_t F, int64_t o0,
-                      int64_t o1, B16* y) {
+static void tiled_fc2(const TileWeight& w, const B16* b, const uint32_t* act, int64_t M, int64_t C, int64_t F,
+                      int64_t o0, int64_t o1, B16* y) {
   const int64_t J = F / 2, blocks = (M + TILE_LANES - 1) / TILE_LANES;
+  B16* room = w.q ? tile_room(TILE_OUTS * F) : nullptr;
   uint16_t* yb = reinterpret_cast<uint16_t*>(y);
   for (int64_t o = o0; o < o1; o += TILE_OUTS) {
     const int nv = static_cast<int>(std::min<int64_t>(TILE_OUTS, o1 - o));
     const B16* wr[TILE_OUTS];
-    float bo[TILE_OUTS];
+    float bo[TILE_OUTS], so[TILE_OUTS];
     for (int n = 0; n < TILE_OUTS; ++n) {  // past the last output: its row again, the sums left unused
-      wr[n] = w + (o + std::min(n, nv - 1)) * F;
+      wr[n] = n < nv ? w.row(o + n, n, room) : wr[nv - 1];
       bo[n] = b && n < nv ? static_cast<float>(b[o + n]) : 0.0f;
+      so[n] = w.scale_of(o + std::min(n, nv - 1));
     }
     for_block_groups(blocks, [&](int64_t rb, auto r_c) {
         constexpr int R = decltype(r_c)::value;
@@ -278,7 +315,8 @@ static void tiled_fc2(const B16* w, const B16* b, const uint32_t* act, int64_t M
         for (int r = 0; r < R; ++r) {
           __m256i v[TILE_OUTS];
           for (int n = 0; n < TILE_OUTS; ++n)
-            v[n] = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[r][n]), _mm512_set1_ps(bo[n])));
+            v[n] = (__m256i)_mm512_cvtneps_pbh(
+                _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(sums[r][n]), _mm512_set1_ps(so[n])), _mm512_set1_ps(bo[n])));
           const int64_t row0 = (rb + r) * TILE_LANES;
           store_rows8(v, yb + row0 * C + o, C, std::min<int64_t>(TILE_LANES, M - row0), nv);
         }
@@ -325,7 +363,7 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   int64_t tblocks = 0;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same<T, B16>::value) {
-    if (s1.empty() && C % 2 == 0 && F % 4 == 0)
+    if ((s1.empty() || int8) && C % 2 == 0 && F % 4 == 0)
       for (int64_t e = 0; e < E; ++e)
         if (chunk[e] < 0 && counts[e] >= TILE_MIN_ROWS)
           tblock[e] = tblocks, tblocks += (counts[e] + TILE_LANES - 1) / TILE_LANES;
@@ -387,6 +425,12 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
     }
     block_rows<T>(W[e].data_ptr<T>() + o0 * I, xr, b, out, M, I, O, n, scratch);
   };
+#if defined(__AVX512BF16__)
+  auto tile_weight = [&](const std::vector<at::Tensor>& W, const std::vector<at::Tensor>& S, int64_t e, int64_t K) {
+    if (int8) return TileWeight{nullptr, W[e].data_ptr<int8_t>(), S[e].data_ptr<float>(), K};
+    return TileWeight{reinterpret_cast<const B16*>(W[e].data_ptr()), nullptr, nullptr, K};
+  };
+#endif
   // a task's cost: its weight rows times the passes over them (a tiled expert's block of 16 rows as two passes)
   auto cost = [&](int64_t e, int64_t n) {
     return n * (tblock[e] >= 0 ? 2 * ((counts[e] + TILE_LANES - 1) / TILE_LANES) : passes(counts[e]));
@@ -404,7 +448,8 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same<T, B16>::value) {
       if (tblock[t.expert] >= 0)
-        return tiled_fc1(w, b, xq + tblock[t.expert] * 16 * (C / 2), counts[t.expert], C, F, t.o0, t.o1, swiglu,
+        return tiled_fc1(tile_weight(w1, s1, t.expert, C), b, xq + tblock[t.expert] * 16 * (C / 2), counts[t.expert], C,
+                         F, t.o0, t.o1, swiglu,
                          aq + tblock[t.expert] * 16 * (F / 2));
     }
 #endif
@@ -473,7 +518,8 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same<T, B16>::value) {
       if (tblock[t.expert] >= 0)
-        return tiled_fc2(w, b, aq + tblock[t.expert] * 16 * (F / 2), counts[t.expert], C, F, t.o0, t.o1,
+        return tiled_fc2(tile_weight(w2, s2, t.expert, F), b, aq + tblock[t.expert] * 16 * (F / 2), counts[t.expert],
+                         C, F, t.o0, t.o1,
                          yp + start[t.expert] * C);
     }
 #endif
