@@ -207,8 +207,10 @@ static void expert_mlps_w8a8(const at::Tensor& x, const std::vector<int64_t>& co
 }
 #endif
 
+// an expert's rows from which its fcs go through tiles.h's tiles (at 16 rows already faster than 2 passes of 8)
+constexpr int64_t TILE_MIN_ROWS = 16;
+
 #if defined(__AVX512BF16__)
-constexpr int64_t TILE_MIN_ROWS = 16;  // an expert's rows from which its fcs go through tiles.h's tiles
 
 // A tiled expert's weight: bf16 rows as they are, or int8 rows (one scale a row: w ~ scale[o] * q[o], as int8_linear
 // takes them) widened to bf16 a tile's rows at a time into this thread's room (exact: |q| <= 127), the scale applied
@@ -325,6 +327,96 @@ static void tiled_fc2(const TileWeight& w, const B16* b, const uint32_t* act, in
 }
 #endif
 
+#if !defined(__AVX512BF16__)
+
+// Weight row o (bf16 w, or int8 q: its scale applied to the sums) widened to fp32 into dst (K floats)
+static inline void widen_row(const B16* w, const int8_t* q, int64_t o, int64_t K, float* dst) {
+  int64_t k = 0;
+  if (q) {
+    for (; k + VW <= K; k += VW) vstore(dst + k, vload(q + o * K + k));
+    for (; k < K; ++k) dst[k] = static_cast<float>(q[o * K + k]);
+  } else {
+    for (; k + VW <= K; k += VW) vstore(dst + k, vload(w + o * K + k));
+    for (; k < K; ++k) dst[k] = static_cast<float>(w[o * K + k]);
+  }
+}
+
+// A thread's room for n floats (a tile's weight rows widened), kept between calls
+static float* f32_room(size_t n) {
+  thread_local std::vector<float> room;
+  if (room.size() < n) room.resize(n);
+  return room.data();
+}
+
+// fc1 of a tiled expert (M rows, packed by pack_rows_f32 at x) for its outputs [o0, o1): G gate rows (and G up rows,
+// swiglu) a tile, widened into L1 once for all its row blocks; with the bias b (and int8's row scales), the
+// activation rounded as expert_mlps_typed's passes round it, written into `act` (fc2's packed rows: F inputs).
+static void tiled_fc1_f32(const B16* w, const int8_t* q, const float* scale, const B16* b, const float* x, int64_t M,
+                          int64_t C, int64_t F, int64_t o0, int64_t o1, bool swiglu, float* act) {
+  constexpr int N = TILE_F32_OUTS;
+  const int G = swiglu ? N / 2 : N;
+  const int64_t blocks = (M + VW - 1) / VW;
+  float* room = f32_room(N * C);
+  auto sc = [&](int64_t o) { return q ? scale[o] : 1.0f; };
+  for (int64_t o = o0; o < o1; o += G) {
+    const int gv = static_cast<int>(std::min<int64_t>(G, o1 - o));
+    for (int i = 0; i < G; ++i) {  // past the last output: its rows again, the sums left unused
+      widen_row(w, q, o + std::min(i, gv - 1), C, room + i * C);
+      if (swiglu) widen_row(w, q, F + o + std::min(i, gv - 1), C, room + (G + i) * C);
+    }
+    for_block_groups_f32(blocks, [&](int64_t rb, auto r_c) {
+      constexpr int R = decltype(r_c)::value;
+      alignas(64) float sums[R][N][VW];
+      tile_sums_f32<R, N>(x + rb * C * VW, room, C, sums);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < gv; ++i) {  // as int8_linear: the sum times the scale, then the bias; rounded as F.linear
+          const vf g = vrounded<B16>(vmul(vload(sums[r][i]), vset(sc(o + i))) + vset(b ? float(b[o + i]) : 0.0f));
+          vf a;
+          if (swiglu) {
+            const vf u = vrounded<B16>(vmul(vload(sums[r][G + i]), vset(sc(F + o + i))) +
+                                       vset(b ? float(b[F + o + i]) : 0.0f));
+            a = vrounded<B16>(vmul(vrounded<B16>(vsilu(g)), u));
+          } else {
+            alignas(64) float f[VW];
+            vstore(f, g);
+            for (float& v : f) v = static_cast<float>(static_cast<B16>(gelu(v)));
+            a = vload(f);
+          }
+          vstore(act + ((rb + r) * F + o + i) * VW, a);
+        }
+    });
+  }
+}
+
+// fc2 of a tiled expert: outputs [o0, o1) of its M rows (their activation packed at act) into y ([M, C]), with the
+// bias b (and int8's row scales), each rounded once
+static void tiled_fc2_f32(const B16* w, const int8_t* q, const float* scale, const B16* b, const float* act,
+                          int64_t M, int64_t C, int64_t F, int64_t o0, int64_t o1, B16* y) {
+  constexpr int N = TILE_F32_OUTS;
+  const int64_t blocks = (M + VW - 1) / VW;
+  float* room = f32_room(N * F);
+  for (int64_t o = o0; o < o1; o += N) {
+    const int nv = static_cast<int>(std::min<int64_t>(N, o1 - o));
+    for (int n = 0; n < N; ++n) widen_row(w, q, o + std::min(n, nv - 1), F, room + n * F);
+    for_block_groups_f32(blocks, [&](int64_t rb, auto r_c) {
+      constexpr int R = decltype(r_c)::value;
+      alignas(64) float sums[R][N][VW];
+      tile_sums_f32<R, N>(act + rb * F * VW, room, F, sums);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row0 = (rb + r) * VW, rows = std::min<int64_t>(VW, M - row0);
+        for (int n = 0; n < nv; ++n) {
+          const float s = q ? scale[o + n] : 1.0f, bo = b ? static_cast<float>(b[o + n]) : 0.0f;
+          for (int64_t l = 0; l < rows; ++l) {
+            const float v = sums[r][n][l] * s;
+            y[(row0 + l) * C + o + n] = static_cast<B16>(b ? v + bo : v);
+          }
+        }
+      }
+    });
+  }
+}
+#endif
+
 template <typename T>
 static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& counts,
                               const std::vector<at::Tensor>& w1, const std::vector<at::Tensor>& b1,
@@ -356,9 +448,10 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   }
 #endif
   at::Tensor packed = at::empty({chunks * std::max(C, F) * 16}, x.options());
-  // VDPBF16PS tiles (tiles.h; bf16 experts on an AVX512_BF16 build, where AMX does not take them): the experts of
-  // TILE_MIN_ROWS rows or more, their rows packed as pairs for fc1 (`xpairs`) and their activation written so for
-  // fc2 (`apairs`); `tblock[e]` their first block of 16 rows (-1: not tiled)
+  // Tiles (tiles.h) for bf16 experts (int8 too) where AMX does not take them: VDPBF16PS on an AVX512_BF16 build,
+  // fp32 FMAs on the others; the experts of TILE_MIN_ROWS rows or more, their rows packed for fc1 (`xpairs`: pairs of
+  // 16 rows, or VW rows widened) and their activation written so for fc2 (`apairs`); `tblock[e]` their first block
+  // (-1: not tiled)
   std::vector<int64_t> tblock(E + 1, -1);
   int64_t tblocks = 0;
 #if defined(__AVX512BF16__)
@@ -368,6 +461,12 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
         if (chunk[e] < 0 && counts[e] >= TILE_MIN_ROWS)
           tblock[e] = tblocks, tblocks += (counts[e] + TILE_LANES - 1) / TILE_LANES;
   }
+#else
+  if constexpr (std::is_same<T, B16>::value) {  // fp32 tiles (tiles.h) of VW rows a block
+    if ((s1.empty() || int8) && C % 2 == 0)
+      for (int64_t e = 0; e < E; ++e)
+        if (counts[e] >= TILE_MIN_ROWS) tblock[e] = tblocks, tblocks += (counts[e] + VW - 1) / VW;
+  }
 #endif
   // the activation of each row not in tiles, fc2's input (none allocated where every expert is tiled)
   int64_t untiled = 0;
@@ -375,20 +474,30 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   at::Tensor act = at::empty({untiled ? start[E] : 0, F}, x.options());
   T* ap = act.data_ptr<T>();
   // kept between calls (grown, never shrunk): a prefill's new 40 MB a layer cost a page fault every 4 KB
+  // (bf16 tiles: pairs, 16 rows a block, 4 bytes a pair; fp32 tiles: VW rows a block, 4 bytes a value)
+#if defined(__AVX512BF16__)
+  const int64_t xwords = tblocks * 16 * (C / 2), awords = tblocks * 16 * (F / 2);
+#else
+  const int64_t xwords = tblocks * VW * C, awords = tblocks * VW * F;
+#endif
   thread_local std::vector<uint32_t> xpairs, apairs;
-  if (xpairs.size() < size_t(tblocks * 16 * (C / 2))) xpairs.resize(tblocks * 16 * (C / 2));
-  if (apairs.size() < size_t(tblocks * 16 * (F / 2))) apairs.resize(tblocks * 16 * (F / 2));
+  if (xpairs.size() < size_t(xwords)) xpairs.resize(xwords);
+  if (apairs.size() < size_t(awords)) apairs.resize(awords);
   uint32_t* xq = xpairs.data();
   uint32_t* aq = apairs.data();
-#if defined(__AVX512BF16__)
   if constexpr (std::is_same<T, B16>::value) {
     if (tblocks)
       at::parallel_for(0, E, 1, [&](int64_t b, int64_t e1) {
         for (int64_t e = b; e < e1; ++e)
-          if (tblock[e] >= 0) pack_pairs(xp + start[e] * C, counts[e], C, C, xq + tblock[e] * 16 * (C / 2));
+          if (tblock[e] >= 0) {
+#if defined(__AVX512BF16__)
+            pack_pairs(xp + start[e] * C, counts[e], C, C, xq + tblock[e] * 16 * (C / 2));
+#else
+            pack_rows_f32(xp + start[e] * C, counts[e], C, C, reinterpret_cast<float*>(xq) + tblock[e] * VW * C);
+#endif
+          }
       });
   }
-#endif
   auto pack = [&](const T* rows, int64_t I) {  // each AMX expert's rows, in parallel
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if constexpr (std::is_same<T, B16>::value) {
@@ -445,14 +554,19 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
     const T* w = s1.empty() ? w1[t.expert].data_ptr<T>() : nullptr;
     const T* b = bias ? b1[t.expert].data_ptr<T>() : nullptr;
     const int64_t n = t.o1 - t.o0;
-#if defined(__AVX512BF16__)
     if constexpr (std::is_same<T, B16>::value) {
-      if (tblock[t.expert] >= 0)
+      if (tblock[t.expert] >= 0) {
+#if defined(__AVX512BF16__)
         return tiled_fc1(tile_weight(w1, s1, t.expert, C), b, xq + tblock[t.expert] * 16 * (C / 2), counts[t.expert], C,
-                         F, t.o0, t.o1, swiglu,
-                         aq + tblock[t.expert] * 16 * (F / 2));
-    }
+                         F, t.o0, t.o1, swiglu, aq + tblock[t.expert] * 16 * (F / 2));
+#else
+        return tiled_fc1_f32(w, int8 ? w1[t.expert].data_ptr<int8_t>() : nullptr,
+                             int8 ? s1[t.expert].data_ptr<float>() : nullptr, b,
+                             reinterpret_cast<const float*>(xq) + tblock[t.expert] * VW * C, counts[t.expert], C, F,
+                             t.o0, t.o1, swiglu, reinterpret_cast<float*>(aq) + tblock[t.expert] * VW * F);
 #endif
+      }
+    }
     if (chunk[t.expert] >= 0) {
       alignas(64) float g[32][32], up[32][32];
       for (int64_t r = 0; r < counts[t.expert]; r += 32) {
@@ -515,14 +629,19 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   run_tasks(tasks, F * int64_t(sizeof(T)), [&](const Task& t) {
     const T* w = s1.empty() ? w2[t.expert].data_ptr<T>() : nullptr;
     const T* b = bias ? b2[t.expert].data_ptr<T>() : nullptr;
-#if defined(__AVX512BF16__)
     if constexpr (std::is_same<T, B16>::value) {
-      if (tblock[t.expert] >= 0)
+      if (tblock[t.expert] >= 0) {
+#if defined(__AVX512BF16__)
         return tiled_fc2(tile_weight(w2, s2, t.expert, F), b, aq + tblock[t.expert] * 16 * (F / 2), counts[t.expert],
-                         C, F, t.o0, t.o1,
-                         yp + start[t.expert] * C);
-    }
+                         C, F, t.o0, t.o1, yp + start[t.expert] * C);
+#else
+        return tiled_fc2_f32(w, int8 ? w2[t.expert].data_ptr<int8_t>() : nullptr,
+                             int8 ? s2[t.expert].data_ptr<float>() : nullptr, b,
+                             reinterpret_cast<const float*>(aq) + tblock[t.expert] * VW * F, counts[t.expert], C, F,
+                             t.o0, t.o1, yp + start[t.expert] * C);
 #endif
+      }
+    }
     if (chunk[t.expert] >= 0) {
       alignas(64) float c[32][32];
       for (int64_t r = 0; r < counts[t.expert]; r += 32) {

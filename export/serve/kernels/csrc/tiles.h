@@ -1,5 +1,6 @@
-// Register-blocked bf16 products for many rows (a prefill's experts) with AVX512_BF16, the weight read as it is
-// stored (inline; used by moe.cpp's expert_mlps).
+// Register-blocked products for many rows (a prefill's experts): bf16 pairs with AVX512_BF16, the weight read as it
+// is stored; fp32 FMAs on the other builds (AVX2, AVX-512), a tile's weight rows widened once (inline; used by
+// moe.cpp's expert_mlps).
 //
 // The few-row kernels (gemv.h) keep a weight vector's sums per input row and reduce each output row's 16 lanes at
 // its end: past 8 rows they read the weight once a pass of 8 and spend a horizontal sum a row and output. Here the
@@ -100,6 +101,77 @@ static inline void store_rows8(const __m256i (&a)[8], uint16_t* y, int64_t ld, i
   const __mmask8 m = static_cast<__mmask8>((1u << nv) - 1);
   for (int64_t l = 0; l < rows; ++l)
     _mm_mask_storeu_epi16(y + l * ld, m, l < 8 ? _mm256_castsi256_si128(d[l]) : _mm256_extracti128_si256(d[l - 8], 1));
+}
+
+#else  // no bf16 products (AVX2 + FMA, AVX-512 without AVX512_BF16): the same tiles in fp32 FMAs
+
+// Tiles of fp32 multiply-adds: lanes VW input rows (widened from bf16 once, `pack_rows_f32`), a weight value
+// broadcast from a tile's N rows widened once into L1 (`widen_rows`), R x N sums in registers: 3 x 8 of AVX-512's
+// 32 registers, 2 x 6 of AVX2's 16.
+#if defined(__AVX512F__)
+constexpr int TILE_F32_BLOCKS = 3, TILE_F32_OUTS = 8;
+#else
+constexpr int TILE_F32_BLOCKS = 2, TILE_F32_OUTS = 6;
+#endif
+
+// Rows [0, M) of x (ld bf16 apart; K and ld even) widened and packed: block b (rows VW b to VW b + VW - 1) at
+// out + b * K * VW, input k of it at out[b * K * VW + k * VW + lane] = x[VW b + lane][k]; rows past M zero.
+static inline void pack_rows_f32(const B16* x, int64_t M, int64_t K, int64_t ld, float* out) {
+  const int64_t J = K / 2;
+  for (int64_t b = 0; b * VW < M; ++b) {
+    const int rows = static_cast<int>(std::min<int64_t>(VW, M - b * VW));
+    const int32_t* base = reinterpret_cast<const int32_t*>(x + b * VW * ld);
+    float* o = out + b * K * VW;
+#if defined(__AVX512F__)
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(ld / 2)));
+    const __mmask16 m = rows == 16 ? 0xFFFF : static_cast<__mmask16>((1u << rows) - 1);
+    for (int64_t j = 0; j < J; ++j) {  // a pair of bf16 a lane: the low one is input 2j, the high one 2j + 1
+      const __m512i p = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + j, 4);
+      _mm512_storeu_ps(o + 2 * j * VW, _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)));
+      _mm512_storeu_ps(o + (2 * j + 1) * VW, _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32(-65536))));
+    }
+#else
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(static_cast<int>(ld / 2)));
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int64_t j = 0; j < J; ++j) {
+      const __m256i p = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), base + j, idx, m, 4);
+      _mm256_storeu_ps(o + 2 * j * VW, _mm256_castsi256_ps(_mm256_slli_epi32(p, 16)));
+      _mm256_storeu_ps(o + (2 * j + 1) * VW, _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32(-65536))));
+    }
+#endif
+  }
+}
+
+// sums[r][n] = the sums over K inputs of row block r (x + r * K * VW, packed as `pack_rows_f32` packs) with weight
+// row n of w ([N][K] fp32): VW rows' sums of output n. Not inlined: the loop has the registers to itself.
+template <int R, int N>
+__attribute__((noinline)) static void tile_sums_f32(const float* x, const float* w, int64_t K, float (*sums)[N][VW]) {
+  vf acc[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < N; ++n) acc[r][n] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    vf xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = vload(x + (r * K + k) * VW);
+    for (int n = 0; n < N; ++n) {
+      const vf wb = vset(w[n * K + k]);
+      for (int r = 0; r < R; ++r) acc[r][n] = vfma(xv[r], wb, acc[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < N; ++n) vstore(sums[r][n], acc[r][n]);
+}
+
+// f(rb, std::integral_constant<int, R>) for groups of R (1 to TILE_F32_BLOCKS) row blocks from rb, covering `blocks`
+template <typename F>
+static inline void for_block_groups_f32(int64_t blocks, F&& f) {
+  int64_t rb = 0;
+  if constexpr (TILE_F32_BLOCKS == 3) {
+    for (; blocks - rb >= 3 && blocks - rb != 4; rb += 3) f(rb, std::integral_constant<int, 3>{});
+  }
+  for (; blocks - rb >= 2; rb += 2) f(rb, std::integral_constant<int, 2>{});
+  if (rb < blocks) f(rb, std::integral_constant<int, 1>{});
 }
 
 #endif
