@@ -22,8 +22,8 @@ def grouped_max_rows(x: torch.Tensor) -> int:
     (AVX2, AVX-512 without AVX512_BF16), oneDNN's bf16 GEMM widens its operands at a fraction of the fp32 FMA rate
     while the few-row kernels widen each weight vector once for 8 rows (benchmarks/moe_layer_bench.py, 2048 rows); a
     prefill's layer is then one call where oneDNN took two GEMMs and ~10 operators an expert. fp32: GROUPED_MAX_ROWS
-    (a decode batch's). W8A8 experts of a prefill go one at a time through `w8a8_linear` (grouping them gained
-    nothing at 32 concurrent)."""
+    (a decode batch's). W8A8 experts of a prefill go there too (VNNI tiles; one at a time through `w8a8_linear` was
+    no faster)."""
     k = kernel()
     if k is not None and x.dtype == torch.bfloat16:
         return 1 << 40
