@@ -145,6 +145,7 @@ def check_all(gemv):
     # experts of 16 rows and more (AVX512_BF16: tiles.h's tiles of 1 to 3 blocks of 16 rows, partial blocks; an odd
     # hidden size; 100 rows: 7 blocks as 3 + 2 + 2) beside ones of fewer rows
     check_experts(gemv, C=202, width=72, counts=(20, 3, 49, 16, 100, 15))
+    check_experts(gemv, C=256, width=128, counts=(20, 3, 49, 16))  # int4 experts in tiles too (groups of 64)
     check_norm(gemv)
     check_argmax(gemv)
     check_screen(gemv)

@@ -219,9 +219,25 @@ struct TileWeight {
   const B16* w;
   const int8_t* q;
   const float* scale;
-  int64_t K;  // inputs a row
-  // row o's K values as bf16: w's own, or q's widened into room + slot * K
+  int64_t K;                     // inputs a row
+  const uint8_t* q4 = nullptr;   // int4 (`int4_linear`'s layout): two values a byte, scale [O, K / group]
+  int64_t group = 0;
+  // row o's K values as bf16: w's own, or q's (q4's: exact, -8..7) widened into room + slot * K
   const B16* row(int64_t o, int slot, B16* room) const {
+    if (q4) {
+      alignas(64) uint16_t table[32] = {};
+      for (int v = 0; v < 16; ++v) table[v] = c10::BFloat16(static_cast<float>(v - 8)).x;
+      const __m512i lut = _mm512_load_si512(table);
+      const __m256i low = _mm256_set1_epi8(0x0F);
+      B16* dst = room + slot * K;
+      for (int64_t c = 0; c < K / 64; ++c) {  // 64 inputs in 32 bytes: input j low, 32 + j high
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4 + o * (K / 2) + c * 32));
+        _mm512_storeu_si512(dst + c * 64, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(bytes, low)), lut));
+        _mm512_storeu_si512(dst + c * 64 + 32, _mm512_permutexvar_epi16(
+                                                   _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low)), lut));
+      }
+      return dst;
+    }
     if (!q) return w + o * K;
     const int8_t* src = q + o * K;
     B16* dst = room + slot * K;
@@ -233,8 +249,28 @@ struct TileWeight {
     for (; k < K; ++k) dst[k] = static_cast<B16>(static_cast<float>(src[k]));
     return dst;
   }
-  float scale_of(int64_t o) const { return q ? scale[o] : 1.0f; }
+  float scale_of(int64_t o) const { return q ? scale[o] : 1.0f; }  // int4's scales go in `tile_total`
 };
+
+// sums[r][n] over all K inputs of a tile (x: R blocks of pairs, J apart; w: its N rows as `TileWeight::row` gives
+// them): one pass, or with int4 a pass a group, each group's sums times its row's scale added in fp32, as
+// int4_linear adds them; `rows[n]`: the weight row of tile row n (int4's scales)
+template <int R, int N>
+static void tile_total(const TileWeight& tw, const int64_t (&rows)[N], const uint32_t* x, const B16* const (&w)[N],
+                       int64_t J, float (*sums)[N][TILE_LANES]) {
+  if (!tw.q4) return tile_sums<R, N>(x, w, J, 0, J, sums);
+  const int64_t gp = tw.group / 2, G = tw.K / tw.group;  // pairs a group, groups a row
+  alignas(64) float part[R][N][TILE_LANES];
+  for (int64_t g = 0; g < G; ++g) {
+    tile_sums<R, N>(x, w, J, g * gp, (g + 1) * gp, part);
+    for (int n = 0; n < N; ++n) {
+      const __m512 sg = _mm512_set1_ps(tw.scale[rows[n] * G + g]);
+      for (int r = 0; r < R; ++r)
+        _mm512_store_ps(sums[r][n], g ? _mm512_fmadd_ps(_mm512_load_ps(part[r][n]), sg, _mm512_load_ps(sums[r][n]))
+                                      : _mm512_mul_ps(_mm512_load_ps(part[r][n]), sg));
+    }
+  }
+}
 
 // A thread's room for n bf16 values (a tile's int8 rows widened), kept between calls
 static B16* tile_room(size_t n) {
@@ -249,19 +285,20 @@ static B16* tile_room(size_t n) {
 static void tiled_fc1(const TileWeight& w, const B16* b, const uint32_t* x, int64_t M, int64_t C, int64_t F,
                       int64_t o0, int64_t o1, bool swiglu, uint32_t* act) {
   const int64_t J = C / 2, FJ = F / 2, blocks = (M + TILE_LANES - 1) / TILE_LANES;
-  B16* room = w.q ? tile_room(8 * C) : nullptr;
+  B16* room = w.q || w.q4 ? tile_room(8 * C) : nullptr;
   auto run = [&](auto n_c) {
     constexpr int N = decltype(n_c)::value;  // 8 (4 gate, 4 up) or 4
     for (int64_t o = o0; o < o1; o += 4) {
       const B16* wr[N];
+      int64_t rows[N];
       for (int q = 0; q < 4; ++q) {
-        wr[q] = w.row(o + q, q, room);
-        if constexpr (N == 8) wr[4 + q] = w.row(F + o + q, 4 + q, room);
+        wr[q] = w.row(rows[q] = o + q, q, room);
+        if constexpr (N == 8) wr[4 + q] = w.row(rows[4 + q] = F + o + q, 4 + q, room);
       }
       for_block_groups(blocks, [&](int64_t rb, auto r_c) {
           constexpr int R = decltype(r_c)::value;
           alignas(64) float sums[R][N][TILE_LANES];
-          tile_sums<R, N>(x + rb * J * TILE_LANES, wr, J, sums);
+          tile_total<R, N>(w, rows, x + rb * J * TILE_LANES, wr, J, sums);
           for (int r = 0; r < R; ++r) {
             __m512 a[4];
             for (int q = 0; q < 4; ++q) {
@@ -299,21 +336,23 @@ static void tiled_fc1(const TileWeight& w, const B16* b, const uint32_t* x, int6
 static void tiled_fc2(const TileWeight& w, const B16* b, const uint32_t* act, int64_t M, int64_t C, int64_t F,
                       int64_t o0, int64_t o1, B16* y) {
   const int64_t J = F / 2, blocks = (M + TILE_LANES - 1) / TILE_LANES;
-  B16* room = w.q ? tile_room(TILE_OUTS * F) : nullptr;
+  B16* room = w.q || w.q4 ? tile_room(TILE_OUTS * F) : nullptr;
   uint16_t* yb = reinterpret_cast<uint16_t*>(y);
   for (int64_t o = o0; o < o1; o += TILE_OUTS) {
     const int nv = static_cast<int>(std::min<int64_t>(TILE_OUTS, o1 - o));
     const B16* wr[TILE_OUTS];
+    int64_t rows[TILE_OUTS];
     float bo[TILE_OUTS], so[TILE_OUTS];
     for (int n = 0; n < TILE_OUTS; ++n) {  // past the last output: its row again, the sums left unused
-      wr[n] = n < nv ? w.row(o + n, n, room) : wr[nv - 1];
+      rows[n] = o + std::min(n, nv - 1);
+      wr[n] = n < nv ? w.row(rows[n], n, room) : wr[nv - 1];
       bo[n] = b && n < nv ? static_cast<float>(b[o + n]) : 0.0f;
       so[n] = w.scale_of(o + std::min(n, nv - 1));
     }
     for_block_groups(blocks, [&](int64_t rb, auto r_c) {
         constexpr int R = decltype(r_c)::value;
         alignas(64) float sums[R][TILE_OUTS][TILE_LANES];
-        tile_sums<R, TILE_OUTS>(act + rb * J * TILE_LANES, wr, J, sums);
+        tile_total<R, TILE_OUTS>(w, rows, act + rb * J * TILE_LANES, wr, J, sums);
         for (int r = 0; r < R; ++r) {
           __m256i v[TILE_OUTS];
           for (int n = 0; n < TILE_OUTS; ++n)
@@ -329,9 +368,20 @@ static void tiled_fc2(const TileWeight& w, const B16* b, const uint32_t* act, in
 
 #if !defined(__AVX512BF16__)
 
-// Weight row o (bf16 w, or int8 q: its scale applied to the sums) widened to fp32 into dst (K floats)
-static inline void widen_row(const B16* w, const int8_t* q, int64_t o, int64_t K, float* dst) {
+// Weight row o (bf16 w, int8 q or int4 q4 as int4_linear packs it: their scales applied to the sums) widened to
+// fp32 into dst (K floats)
+static inline void widen_row(const B16* w, const int8_t* q, int64_t o, int64_t K, float* dst,
+                             const uint8_t* q4 = nullptr) {
   int64_t k = 0;
+  if (q4) {  // 64 inputs in 32 bytes: input j in byte j's low nibble, 32 + j in its high one, each + 8
+    const uint8_t* src = q4 + o * (K / 2);
+    for (; k < K; k += 64)
+      for (int j = 0; j < 32; ++j) {
+        dst[k + j] = static_cast<float>((src[k / 2 + j] & 15) - 8);
+        dst[k + 32 + j] = static_cast<float>((src[k / 2 + j] >> 4) - 8);
+      }
+    return;
+  }
   if (q) {
     for (; k + VW <= K; k += VW) vstore(dst + k, vload(q + o * K + k));
     for (; k < K; ++k) dst[k] = static_cast<float>(q[o * K + k]);
@@ -348,11 +398,30 @@ static float* f32_room(size_t n) {
   return room.data();
 }
 
+// sums[r][n] over all K inputs of an fp32 tile (w: its N rows widened, [N][K]): one pass, or with int4 (scale
+// [O, K / group]) a pass a group, each group's sums times its row's scale added in fp32 as int4_linear adds them;
+// `rows[n]`: the weight row of tile row n
+template <int R, int N>
+static void tile_total_f32(const float* x, const float* w, int64_t K, const float* scale4, int64_t group,
+                           const int64_t (&rows)[N], float (*sums)[N][VW]) {
+  if (!scale4) return tile_sums_f32<R, N>(x, w, K, 0, K, sums);
+  const int64_t G = K / group;
+  alignas(64) float part[R][N][VW];
+  for (int64_t g = 0; g < G; ++g) {
+    tile_sums_f32<R, N>(x, w, K, g * group, (g + 1) * group, part);
+    for (int n = 0; n < N; ++n) {
+      const vf sg = vset(scale4[rows[n] * G + g]);
+      for (int r = 0; r < R; ++r) vstore(sums[r][n], g ? vfma(vload(part[r][n]), sg, vload(sums[r][n])) : vmul(vload(part[r][n]), sg));
+    }
+  }
+}
+
 // fc1 of a tiled expert (M rows, packed by pack_rows_f32 at x) for its outputs [o0, o1): G gate rows (and G up rows,
 // swiglu) a tile, widened into L1 once for all its row blocks; with the bias b (and int8's row scales), the
 // activation rounded as expert_mlps_typed's passes round it, written into `act` (fc2's packed rows: F inputs).
 static void tiled_fc1_f32(const B16* w, const int8_t* q, const float* scale, const B16* b, const float* x, int64_t M,
-                          int64_t C, int64_t F, int64_t o0, int64_t o1, bool swiglu, float* act) {
+                          int64_t C, int64_t F, int64_t o0, int64_t o1, bool swiglu, float* act,
+                          const uint8_t* q4 = nullptr, int64_t group = 0) {
   constexpr int N = TILE_F32_OUTS;
   const int G = swiglu ? N / 2 : N;
   const int64_t blocks = (M + VW - 1) / VW;
@@ -360,14 +429,15 @@ static void tiled_fc1_f32(const B16* w, const int8_t* q, const float* scale, con
   auto sc = [&](int64_t o) { return q ? scale[o] : 1.0f; };
   for (int64_t o = o0; o < o1; o += G) {
     const int gv = static_cast<int>(std::min<int64_t>(G, o1 - o));
+    int64_t rows[N] = {};
     for (int i = 0; i < G; ++i) {  // past the last output: its rows again, the sums left unused
-      widen_row(w, q, o + std::min(i, gv - 1), C, room + i * C);
-      if (swiglu) widen_row(w, q, F + o + std::min(i, gv - 1), C, room + (G + i) * C);
+      widen_row(w, q, rows[i] = o + std::min(i, gv - 1), C, room + i * C, q4);
+      if (swiglu) widen_row(w, q, rows[G + i] = F + o + std::min(i, gv - 1), C, room + (G + i) * C, q4);
     }
     for_block_groups_f32(blocks, [&](int64_t rb, auto r_c) {
       constexpr int R = decltype(r_c)::value;
       alignas(64) float sums[R][N][VW];
-      tile_sums_f32<R, N>(x + rb * C * VW, room, C, sums);
+      tile_total_f32<R, N>(x + rb * C * VW, room, C, q4 ? scale : nullptr, group, rows, sums);
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < gv; ++i) {  // as int8_linear: the sum times the scale, then the bias; rounded as F.linear
           const vf g = vrounded<B16>(vmul(vload(sums[r][i]), vset(sc(o + i))) + vset(b ? float(b[o + i]) : 0.0f));
@@ -391,17 +461,19 @@ static void tiled_fc1_f32(const B16* w, const int8_t* q, const float* scale, con
 // fc2 of a tiled expert: outputs [o0, o1) of its M rows (their activation packed at act) into y ([M, C]), with the
 // bias b (and int8's row scales), each rounded once
 static void tiled_fc2_f32(const B16* w, const int8_t* q, const float* scale, const B16* b, const float* act,
-                          int64_t M, int64_t C, int64_t F, int64_t o0, int64_t o1, B16* y) {
+                          int64_t M, int64_t C, int64_t F, int64_t o0, int64_t o1, B16* y, const uint8_t* q4 = nullptr,
+                          int64_t group = 0) {
   constexpr int N = TILE_F32_OUTS;
   const int64_t blocks = (M + VW - 1) / VW;
   float* room = f32_room(N * F);
   for (int64_t o = o0; o < o1; o += N) {
     const int nv = static_cast<int>(std::min<int64_t>(N, o1 - o));
-    for (int n = 0; n < N; ++n) widen_row(w, q, o + std::min(n, nv - 1), F, room + n * F);
+    int64_t rows[N];
+    for (int n = 0; n < N; ++n) widen_row(w, q, rows[n] = o + std::min(n, nv - 1), F, room + n * F, q4);
     for_block_groups_f32(blocks, [&](int64_t rb, auto r_c) {
       constexpr int R = decltype(r_c)::value;
       alignas(64) float sums[R][N][VW];
-      tile_sums_f32<R, N>(act + rb * F * VW, room, F, sums);
+      tile_total_f32<R, N>(act + rb * F * VW, room, F, q4 ? scale : nullptr, group, rows, sums);
       for (int r = 0; r < R; ++r) {
         const int64_t row0 = (rb + r) * VW, rows = std::min<int64_t>(VW, M - row0);
         for (int n = 0; n < nv; ++n) {
@@ -456,14 +528,14 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   int64_t tblocks = 0;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same<T, B16>::value) {
-    if ((s1.empty() || int8) && C % 2 == 0 && F % 4 == 0)
+    if (C % 2 == 0 && F % 4 == 0)
       for (int64_t e = 0; e < E; ++e)
         if (chunk[e] < 0 && counts[e] >= TILE_MIN_ROWS)
           tblock[e] = tblocks, tblocks += (counts[e] + TILE_LANES - 1) / TILE_LANES;
   }
 #else
   if constexpr (std::is_same<T, B16>::value) {  // fp32 tiles (tiles.h) of VW rows a block
-    if ((s1.empty() || int8) && C % 2 == 0)
+    if (C % 2 == 0)
       for (int64_t e = 0; e < E; ++e)
         if (counts[e] >= TILE_MIN_ROWS) tblock[e] = tblocks, tblocks += (counts[e] + VW - 1) / VW;
   }
@@ -537,6 +609,7 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
 #if defined(__AVX512BF16__)
   auto tile_weight = [&](const std::vector<at::Tensor>& W, const std::vector<at::Tensor>& S, int64_t e, int64_t K) {
     if (int8) return TileWeight{nullptr, W[e].data_ptr<int8_t>(), S[e].data_ptr<float>(), K};
+    if (int4) return TileWeight{nullptr, nullptr, S[e].data_ptr<float>(), K, W[e].data_ptr<uint8_t>(), K / S[e].size(1)};
     return TileWeight{reinterpret_cast<const B16*>(W[e].data_ptr()), nullptr, nullptr, K};
   };
 #endif
@@ -561,9 +634,10 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
                          F, t.o0, t.o1, swiglu, aq + tblock[t.expert] * 16 * (F / 2));
 #else
         return tiled_fc1_f32(w, int8 ? w1[t.expert].data_ptr<int8_t>() : nullptr,
-                             int8 ? s1[t.expert].data_ptr<float>() : nullptr, b,
+                             int8 || int4 ? s1[t.expert].data_ptr<float>() : nullptr, b,
                              reinterpret_cast<const float*>(xq) + tblock[t.expert] * VW * C, counts[t.expert], C, F,
-                             t.o0, t.o1, swiglu, reinterpret_cast<float*>(aq) + tblock[t.expert] * VW * F);
+                             t.o0, t.o1, swiglu, reinterpret_cast<float*>(aq) + tblock[t.expert] * VW * F,
+                             int4 ? w1[t.expert].data_ptr<uint8_t>() : nullptr, int4 ? C / s1[t.expert].size(1) : 0);
 #endif
       }
     }
@@ -636,9 +710,10 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
                          C, F, t.o0, t.o1, yp + start[t.expert] * C);
 #else
         return tiled_fc2_f32(w, int8 ? w2[t.expert].data_ptr<int8_t>() : nullptr,
-                             int8 ? s2[t.expert].data_ptr<float>() : nullptr, b,
+                             int8 || int4 ? s2[t.expert].data_ptr<float>() : nullptr, b,
                              reinterpret_cast<const float*>(aq) + tblock[t.expert] * VW * F, counts[t.expert], C, F,
-                             t.o0, t.o1, yp + start[t.expert] * C);
+                             t.o0, t.o1, yp + start[t.expert] * C, int4 ? w2[t.expert].data_ptr<uint8_t>() : nullptr,
+                             int4 ? F / s2[t.expert].size(1) : 0);
 #endif
       }
     }

@@ -37,18 +37,18 @@ static inline void pack_pairs(const B16* x, int64_t M, int64_t K, int64_t ld, ui
   }
 }
 
-// sums[r][n] = the sums over the J pairs of row block r (x + r * J * 16, packed as `pack_pairs` packs) with weight
-// row w[n] (bf16, 2J values): 16 rows' sums of output n, fp32, each pair's two products added by one VDPBF16PS. Not
-// inlined: the loop has the registers to itself (R x N sums, R row vectors, a broadcast), none spilled.
+// sums[r][n] = the sums over pairs [j0, j1) of row block r (x + r * J * 16, packed as `pack_pairs` packs: J pairs a
+// block) with weight row w[n] (bf16, 2J values): 16 rows' sums of output n, fp32, each pair's two products added by
+// one VDPBF16PS. Not inlined: the loop has the registers to itself (R x N sums, R row vectors, a broadcast).
 template <int R, int N>
-__attribute__((noinline)) static void tile_sums(const uint32_t* x, const B16* const* w, int64_t J,
-                                                float (*sums)[N][TILE_LANES]) {
+__attribute__((noinline)) static void tile_sums(const uint32_t* x, const B16* const* w, int64_t J, int64_t j0,
+                                                int64_t j1, float (*sums)[N][TILE_LANES]) {
   __m512 acc[R][N];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
   const int32_t* wp[N];
   for (int n = 0; n < N; ++n) wp[n] = reinterpret_cast<const int32_t*>(w[n]);
-  for (int64_t j = 0; j < J; ++j) {
+  for (int64_t j = j0; j < j1; ++j) {
     if ((j & 15) == 0)  // the weight rows a line ahead of the loads (a tenth faster at 16 and 32 rows an expert)
       for (int n = 0; n < N; ++n) _mm_prefetch(reinterpret_cast<const char*>(wp[n] + j + 32), _MM_HINT_T0);
     __m512bh xv[R];
@@ -144,14 +144,15 @@ static inline void pack_rows_f32(const B16* x, int64_t M, int64_t K, int64_t ld,
   }
 }
 
-// sums[r][n] = the sums over K inputs of row block r (x + r * K * VW, packed as `pack_rows_f32` packs) with weight
-// row n of w ([N][K] fp32): VW rows' sums of output n. Not inlined: the loop has the registers to itself.
+// sums[r][n] = the sums over inputs [k0, k1) of row block r (x + r * K * VW, packed as `pack_rows_f32` packs) with
+// weight row n of w ([N][K] fp32): VW rows' sums of output n. Not inlined: the loop has the registers to itself.
 template <int R, int N>
-__attribute__((noinline)) static void tile_sums_f32(const float* x, const float* w, int64_t K, float (*sums)[N][VW]) {
+__attribute__((noinline)) static void tile_sums_f32(const float* x, const float* w, int64_t K, int64_t k0, int64_t k1,
+                                                    float (*sums)[N][VW]) {
   vf acc[R][N];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < N; ++n) acc[r][n] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     vf xv[R];
     for (int r = 0; r < R; ++r) xv[r] = vload(x + (r * K + k) * VW);
     for (int n = 0; n < N; ++n) {
