@@ -225,9 +225,11 @@ struct TileWeight {
   // row o's K values as bf16: w's own, or q's (q4's: exact, -8..7) widened into room + slot * K
   const B16* row(int64_t o, int slot, B16* room) const {
     if (q4) {
-      alignas(64) uint16_t table[32] = {};
-      for (int v = 0; v < 16; ++v) table[v] = c10::BFloat16(static_cast<float>(v - 8)).x;
-      const __m512i lut = _mm512_load_si512(table);
+      static const __m512i lut = [] {  // bf16 of -8..7, indexed by the nibble
+        alignas(64) uint16_t table[32] = {};
+        for (int v = 0; v < 16; ++v) table[v] = c10::BFloat16(static_cast<float>(v - 8)).x;
+        return _mm512_load_si512(table);
+      }();
       const __m256i low = _mm256_set1_epi8(0x0F);
       B16* dst = room + slot * K;
       for (int64_t c = 0; c < K / 64; ++c) {  // 64 inputs in 32 bytes: input j low, 32 + j high
@@ -373,12 +375,14 @@ static void tiled_fc2(const TileWeight& w, const B16* b, const uint32_t* act, in
 static inline void widen_row(const B16* w, const int8_t* q, int64_t o, int64_t K, float* dst,
                              const uint8_t* q4 = nullptr) {
   int64_t k = 0;
-  if (q4) {  // 64 inputs in 32 bytes: input j in byte j's low nibble, 32 + j in its high one, each + 8
+  if (q4) {  // 64 inputs in 32 bytes (`vnibbles`: input j in byte j's low nibble, 32 + j in its high one)
     const uint8_t* src = q4 + o * (K / 2);
     for (; k < K; k += 64)
-      for (int j = 0; j < 32; ++j) {
-        dst[k + j] = static_cast<float>((src[k / 2 + j] & 15) - 8);
-        dst[k + 32 + j] = static_cast<float>((src[k / 2 + j] >> 4) - 8);
+      for (int j = 0; j < 32; j += VW) {
+        vf lo, hi;
+        vnibbles(src + k / 2 + j, lo, hi);
+        vstore(dst + k + j, lo);
+        vstore(dst + k + 32 + j, hi);
       }
     return;
   }
@@ -527,30 +531,29 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
   std::vector<int64_t> tblock(E + 1, -1);
   int64_t tblocks = 0;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same<T, B16>::value) {
-    if (C % 2 == 0 && F % 4 == 0)
-      for (int64_t e = 0; e < E; ++e)
-        if (chunk[e] < 0 && counts[e] >= TILE_MIN_ROWS)
-          tblock[e] = tblocks, tblocks += (counts[e] + TILE_LANES - 1) / TILE_LANES;
-  }
+  constexpr int64_t lanes = TILE_LANES;  // rows a block
+  const bool tiles = C % 2 == 0 && F % 4 == 0;  // pairs, and fc1's outputs 4 a tile
 #else
-  if constexpr (std::is_same<T, B16>::value) {  // fp32 tiles (tiles.h) of VW rows a block
-    if (C % 2 == 0)
-      for (int64_t e = 0; e < E; ++e)
-        if (counts[e] >= TILE_MIN_ROWS) tblock[e] = tblocks, tblocks += (counts[e] + VW - 1) / VW;
-  }
+  constexpr int64_t lanes = VW;
+  const bool tiles = C % 2 == 0;
 #endif
+  auto blocks_of = [&](int64_t e) { return (counts[e] + lanes - 1) / lanes; };
+  if constexpr (std::is_same<T, B16>::value) {
+    if (tiles)
+      for (int64_t e = 0; e < E; ++e)
+        if (chunk[e] < 0 && counts[e] >= TILE_MIN_ROWS) tblock[e] = tblocks, tblocks += blocks_of(e);
+  }
   // the activation of each row not in tiles, fc2's input (none allocated where every expert is tiled)
   int64_t untiled = 0;
   for (int64_t e = 0; e < E; ++e) untiled += tblock[e] < 0 ? counts[e] : 0;
   at::Tensor act = at::empty({untiled ? start[E] : 0, F}, x.options());
   T* ap = act.data_ptr<T>();
   // kept between calls (grown, never shrunk): a prefill's new 40 MB a layer cost a page fault every 4 KB
-  // (bf16 tiles: pairs, 16 rows a block, 4 bytes a pair; fp32 tiles: VW rows a block, 4 bytes a value)
+  // (bf16 tiles: a word a pair of inputs; fp32 tiles: a word an input)
 #if defined(__AVX512BF16__)
-  const int64_t xwords = tblocks * 16 * (C / 2), awords = tblocks * 16 * (F / 2);
+  const int64_t xwords = tblocks * lanes * (C / 2), awords = tblocks * lanes * (F / 2);
 #else
-  const int64_t xwords = tblocks * VW * C, awords = tblocks * VW * F;
+  const int64_t xwords = tblocks * lanes * C, awords = tblocks * lanes * F;
 #endif
   thread_local std::vector<uint32_t> xpairs, apairs;
   if (xpairs.size() < size_t(xwords)) xpairs.resize(xwords);
@@ -613,10 +616,8 @@ static void expert_mlps_typed(const at::Tensor& x, const std::vector<int64_t>& c
     return TileWeight{reinterpret_cast<const B16*>(W[e].data_ptr()), nullptr, nullptr, K};
   };
 #endif
-  // a task's cost: its weight rows times the passes over them (a tiled expert's block of 16 rows as two passes)
-  auto cost = [&](int64_t e, int64_t n) {
-    return n * (tblock[e] >= 0 ? 2 * ((counts[e] + TILE_LANES - 1) / TILE_LANES) : passes(counts[e]));
-  };
+  // a task's cost: its weight rows times the passes over them (a tiled expert's block of rows as two passes)
+  auto cost = [&](int64_t e, int64_t n) { return n * (tblock[e] >= 0 ? 2 * blocks_of(e) : passes(counts[e])); };
   std::vector<Task> tasks;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t o = 0; o < F && counts[e]; o += BLOCK)
